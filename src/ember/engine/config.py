@@ -1,0 +1,35 @@
+"""Batching and dispatch settings of one model worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Limits and windows of the dispatch rules (DESIGN.md R3-R7).
+
+    `hold_lone_idle_requests` restores the earlier rule in which an idle worker
+    held even a lone request for `idle_coalesce_ms`. It exists only so the
+    benchmarks can compare before and after; leave it off.
+    """
+
+    max_batch_tokens: int = 16384
+    max_batch_items: int = 64
+    max_batch_wait_ms: float = 10.0
+    coalesce_ms: float = 2.0
+    idle_coalesce_ms: float = 3.0
+    max_queue_items: int = 4096
+    starvation_ms: float = field(default=-1.0)
+    hold_lone_idle_requests: bool = False
+
+    def __post_init__(self) -> None:
+        if self.starvation_ms < 0:
+            # A few batch windows: long enough to batch, short enough to bound waiting.
+            object.__setattr__(self, "starvation_ms", 4 * self.max_batch_wait_ms)
+        for name in ("max_batch_tokens", "max_batch_items", "max_queue_items"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_batch_wait_ms", "coalesce_ms", "idle_coalesce_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
