@@ -1,0 +1,87 @@
+"""Scenario 14: random arrival schedules against the invariants of the worker."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ember.adapters.synthetic import CostModel, SyntheticAdapter
+from ember.engine import ModelWorker, PreparedItem, WorkerConfig
+
+
+@dataclass(frozen=True)
+class Arrival:
+    delay_ms: float
+    costs: tuple[int, ...]
+    lora: str | None
+    params: str
+    cancel: bool
+
+
+arrivals = st.lists(
+    st.builds(
+        Arrival,
+        delay_ms=st.sampled_from([0.0, 0.0, 0.5, 2.0]),
+        costs=st.lists(st.integers(1, 300), min_size=1, max_size=5).map(tuple),
+        lora=st.sampled_from([None, "a", "b"]),
+        params=st.sampled_from(["p", "q"]),
+        cancel=st.sampled_from([False, False, False, True]),
+    ),
+    min_size=1,
+    max_size=25,
+)
+configs = st.builds(
+    WorkerConfig,
+    max_batch_tokens=st.integers(64, 1024),
+    max_batch_items=st.integers(1, 8),
+    idle_coalesce_ms=st.sampled_from([0.0, 1.0, 3.0]),
+    coalesce_ms=st.sampled_from([0.0, 1.0]),
+    max_batch_wait_ms=st.sampled_from([2.0, 5.0]),
+)
+
+
+async def drive(config: WorkerConfig, schedule: list[Arrival]) -> None:
+    adapter = SyntheticAdapter(dims=4, cost=CostModel(0.2, 0.0, "sleep"))
+    worker = ModelWorker(adapter, config)
+    await worker.start()
+    submitted = []
+    for number, arrival in enumerate(schedule):
+        if arrival.delay_ms:
+            await asyncio.sleep(arrival.delay_ms / 1000)
+        texts = [f"{arrival.lora}|{arrival.params}|{c}|{number}.{i}"
+                 for i, c in enumerate(arrival.costs)]
+        prepared = [PreparedItem(t, c, i) for i, (t, c) in enumerate(zip(texts, arrival.costs, strict=True))]
+        future = await worker.submit(prepared, arrival.params, lora=arrival.lora)
+        if arrival.cancel:
+            future.cancel()
+        submitted.append((arrival, texts, future))
+    await asyncio.gather(*(f for _, _, f in submitted), return_exceptions=True)
+    await worker.stop()
+
+    # Every accepted request resolved exactly once, in its input order.
+    live = [(a, texts, f) for a, texts, f in submitted if not f.cancelled()]
+    assert len(worker.stats.recent_requests) == len(live)
+    for arrival, texts, future in live:
+        values = future.result().values
+        assert [v.tolist() for v in values] == [adapter.vector(t, arrival.lora).tolist()
+                                               for t in texts]
+    # No forward breaks the limits (but a lone oversize item), or mixes LoRAs or groups.
+    for call in adapter.forward_log:
+        loras = {p.split("|")[0] for p in call.payloads}
+        groups = {p.split("|")[1] for p in call.payloads}
+        assert loras == {str(call.lora)} and groups == {call.params}
+        widest = max(int(p.split("|")[2]) for p in call.payloads)
+        assert len(call.payloads) <= config.max_batch_items
+        assert len(call.payloads) == 1 or len(call.payloads) * widest <= config.max_batch_tokens
+    # Nothing of a request cancelled before dispatch ran; the queue is empty.
+    assert worker.pending_items == 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(config=configs, schedule=arrivals)
+def test_random_schedules_keep_every_invariant(config: WorkerConfig,
+                                               schedule: list[Arrival]) -> None:
+    asyncio.run(drive(config, schedule))
