@@ -53,7 +53,8 @@ async def drive(config: WorkerConfig, schedule: list[Arrival]) -> None:
             await asyncio.sleep(arrival.delay_ms / 1000)
         texts = [f"{arrival.lora}|{arrival.params}|{c}|{number}.{i}"
                  for i, c in enumerate(arrival.costs)]
-        prepared = [PreparedItem(t, c, i) for i, (t, c) in enumerate(zip(texts, arrival.costs, strict=True))]
+        pairs = zip(texts, arrival.costs, strict=True)
+        prepared = [PreparedItem(t, c, i) for i, (t, c) in enumerate(pairs)]
         future = await worker.submit(prepared, arrival.params, lora=arrival.lora)
         if arrival.cancel:
             future.cancel()
