@@ -13,7 +13,9 @@ import yaml
 from ember.engine.config import WorkerConfig
 
 BUILTIN_CATALOG = Path(__file__).parent / "catalog"
-ADAPTERS = ("transformer", "cross_encoder", "spacy", "synthetic")
+# Adapter family named in a model YAML -> its module under ember.adapters.
+ADAPTERS = {"transformer": "transformer", "cross_encoder": "cross_encoder",
+            "spacy": "spacy_ner", "synthetic": "synthetic"}
 TASKS = ("encode", "score", "extract")
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -76,7 +78,8 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
     name = _require(data, "name", str, where)
     adapter = _require(data, "adapter", str, where)
     if adapter not in ADAPTERS:
-        raise CatalogError(f"{where}: adapter {adapter!r} is unknown; use one of {ADAPTERS}")
+        raise CatalogError(f"{where}: adapter {adapter!r} is unknown; use one of "
+                           f"{', '.join(ADAPTERS)}")
     tasks = tuple(_require(data, "tasks", list, where))
     unknown = [t for t in tasks if t not in TASKS]
     if not tasks or unknown:
@@ -166,3 +169,25 @@ def resolve_source(spec: ModelSpec) -> Path:
         return Path(snapshot_download(source.hub, revision=source.revision,
                                       local_files_only=True))
     raise FileNotFoundError(f"model {spec.name!r} names no source")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Everything `ember serve` is configured with (flags and EMBER_* variables)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    model_dirs: tuple[Path, ...] = ()
+    preload: tuple[str, ...] = ()
+    default_model: str = DEFAULT_MODEL
+    device: str = "cpu"
+    torch_threads: int | None = None
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    max_items_per_request: int = 512
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_text_chars: int = 200_000
+    request_timeout_s: float | None = None
+    max_loaded_models: int = 4
+    memory_budget_mb: int | None = None
+    api_key: str | None = None
+    log_level: str = "info"

@@ -20,7 +20,21 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from ember.adapters.base import (
+    Encoded,
+    EncodeOptions,
+    Entity,
+    ExtractOptions,
+    ModelInfo,
+    Runtime,
+    ScoreOptions,
+    Submit,
+    Task,
+    TaskOutput,
+)
+from ember.config import ModelSpec
 from ember.engine.types import PreparedItem
+from ember.errors import InvalidInput, UnsupportedTask
 
 CostMode = Literal["sleep", "compute"]
 
@@ -96,3 +110,54 @@ class SyntheticAdapter:
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline:
             self._spin_a @ self._spin_a  # real arithmetic keeps a core busy, like a CPU forward
+
+
+class SyntheticModel(SyntheticAdapter):
+    """The synthetic adapter served like a catalog model (encode and score).
+
+    FOR TESTS AND BENCHMARKS ONLY: its vectors carry no meaning.
+    """
+
+    def __init__(self, info: ModelInfo, dims: int, cost: CostModel, fault_marker: str) -> None:
+        super().__init__(dims, cost, fault_marker)
+        self.info = info
+
+    async def encode(self, submit: Submit, texts: Sequence[str],
+                     options: EncodeOptions) -> TaskOutput[list[Encoded]]:
+        if options.lora is not None:
+            raise InvalidInput(f"LoRA {options.lora!r} is unknown; this model has none",
+                               "params.options.lora")
+        items = self.prepare(texts)
+        result = await submit(items, ("encode", options.is_query), None)
+        return TaskOutput([Encoded(dense=v) for v in result.values], result.queue_ms,
+                          result.inference_ms, sum(i.cost for i in items))
+
+    async def score(self, submit: Submit, query: str, docs: Sequence[str],
+                    options: ScoreOptions) -> TaskOutput[list[float]]:
+        items = self.prepare([query, *docs])
+        result = await submit(items, ("encode", False), None)
+        query_vec, *doc_vecs = result.values
+        scores = [float(np.dot(query_vec, d)) for d in doc_vecs]
+        return TaskOutput(scores, result.queue_ms, result.inference_ms,
+                          sum(i.cost for i in items))
+
+    async def extract(self, submit: Submit, texts: Sequence[str],
+                      options: ExtractOptions) -> TaskOutput[list[list[Entity]]]:
+        raise UnsupportedTask(self.info.name, "extract", self.info.tasks)
+
+    def memory_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.forward_log.clear()
+
+
+def load(spec: ModelSpec, runtime: Runtime) -> SyntheticModel:
+    options = spec.options
+    dims = int(options.get("dims", 64))
+    cost = CostModel(float(options.get("overhead_ms", 2.0)),
+                     float(options.get("per_token_us", 0.5)),
+                     "compute" if options.get("mode") == "compute" else "sleep")
+    tasks: tuple[Task, ...] = tuple(t for t in ("encode", "score") if t in spec.tasks)
+    info = ModelInfo(name=spec.name, tasks=tasks, dims=dims, max_seq_length=spec.max_seq_length)
+    return SyntheticModel(info, dims, cost, str(options.get("fault_marker", "__fail__")))

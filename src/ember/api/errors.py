@@ -1,0 +1,115 @@
+"""The error body of DESIGN.md, `{"error": {"type", "message", "param"?}}`, and its statuses."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ember.engine import EngineError, QueueFull, ShuttingDown
+from ember.errors import EmberError, InvalidInput, ModelLoadError, ModelNotFound, UnsupportedTask
+
+log = logging.getLogger("ember.api")
+_PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*")
+
+
+class ApiError(Exception):
+    """An HTTP refusal raised from a route or middleware."""
+
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        self.status = status
+        self.kind = kind
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+        super().__init__(message)
+
+
+class BodyTooLarge(Exception):
+    """A streamed request body passed the byte limit."""
+
+
+def scrub(message: str) -> str:
+    """Internal file paths never reach a client."""
+    return _PATH.sub("<path>", message)
+
+
+def error_body(kind: str, message: str, param: str | None = None) -> dict[str, Any]:
+    error: dict[str, Any] = {"type": kind, "message": message}
+    if param is not None:
+        error["param"] = param
+    return {"error": error}
+
+
+def error_response(status: int, kind: str, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(kind, message, param), status_code=status, headers=headers)
+
+
+def field_path(loc: tuple[int | str, ...]) -> str:
+    """('body', 'items', 3, 'text') -> 'items[3].text'"""
+    path = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "body"
+
+
+def as_api_error(exc: Exception) -> ApiError:
+    """Map an exception from any layer to its HTTP status and error type."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, BodyTooLarge):
+        return ApiError(413, "payload_too_large", f"{exc}; send fewer or shorter items per "
+                        "request", "body")
+    if isinstance(exc, InvalidInput):
+        return ApiError(422, "invalid_request", exc.message, exc.param)
+    if isinstance(exc, UnsupportedTask):
+        return ApiError(422, "unsupported_task", str(exc), "model")
+    if isinstance(exc, ModelNotFound):
+        return ApiError(404, "model_not_found", str(exc), "model")
+    if isinstance(exc, ModelLoadError):
+        return ApiError(503, "model_unavailable", scrub(str(exc)), "model")
+    if isinstance(exc, QueueFull):
+        return ApiError(429, "queue_full", str(exc), headers={"Retry-After": "1"})
+    if isinstance(exc, ShuttingDown):
+        return ApiError(503, "unavailable", "the server is shutting down; retry on another "
+                        "instance", headers={"Retry-After": "5"})
+    if isinstance(exc, TimeoutError):
+        return ApiError(504, "timeout", "the request did not finish within the server's "
+                        "request timeout; its queued work was dropped")
+    log.error("inference failed: %s: %s", type(exc).__name__, exc)
+    return ApiError(500, "inference_error",
+                    scrub(f"inference failed: {type(exc).__name__}: {exc}"))
+
+
+def install(app: FastAPI) -> None:
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        error = as_api_error(exc)
+        return error_response(error.status, error.kind, error.message, error.param,
+                              error.headers)
+
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid body"}
+        param = field_path(tuple(first.get("loc", ())))
+        message = f"{param}: {first.get('msg', 'invalid value')}"
+        return error_response(422, "invalid_request", message, param)
+
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        kinds = {404: "not_found", 405: "method_not_allowed"}
+        return error_response(exc.status_code, kinds.get(exc.status_code, "http_error"),
+                              str(exc.detail), headers=dict(exc.headers or {}))
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    # Specific classes are handled inside the middleware stack, so error responses still
+    # carry the request id and timing headers; `Exception` is the last resort outside it.
+    for kind in (ApiError, BodyTooLarge, EmberError, EngineError, TimeoutError, Exception):
+        app.add_exception_handler(kind, on_error)

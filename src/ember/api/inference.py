@@ -1,0 +1,59 @@
+"""Running one model task for a route: the model, its limits, the timeout, the accounting."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+from fastapi import Request
+
+from ember.adapters.base import ModelAdapter, TaskOutput
+from ember.api.errors import ApiError, as_api_error
+from ember.api.state import server_state
+from ember.errors import UnsupportedTask
+from ember.registry import LoadedModel
+
+T = TypeVar("T")
+TaskCall = Callable[[LoadedModel, ModelAdapter], Awaitable[TaskOutput[T]]]
+
+
+def check_inputs(request: Request, texts: Sequence[str], field: str = "items") -> None:
+    """Limits a route applies before any work: item count (413) and text size (422)."""
+    settings = server_state(request).settings
+    if not texts:
+        raise ApiError(422, "invalid_request", f"{field} must hold at least one item", field)
+    if len(texts) > settings.max_items_per_request:
+        raise ApiError(413, "payload_too_large",
+                       f"{len(texts)} items is over the limit of "
+                       f"{settings.max_items_per_request} per request; split the request",
+                       field)
+    for index, text in enumerate(texts):
+        if len(text) > settings.max_text_chars:
+            raise ApiError(422, "invalid_request",
+                           f"text of {len(text)} characters is over the limit of "
+                           f"{settings.max_text_chars}; shorten it", f"{field}[{index}]")
+
+
+async def run_task(request: Request, route: str, model_name: str, task: str,
+                   call: TaskCall[T]) -> TaskOutput[T]:
+    """Run `call` on the named model under the server's timeout; record timing and metrics."""
+    state = server_state(request)
+    status = "200"
+    try:
+        async with state.registry.use(model_name) as model:
+            if task not in model.spec.tasks:
+                raise UnsupportedTask(model_name, task, model.spec.tasks)
+            output = await asyncio.wait_for(call(model, model.adapter),
+                                            state.settings.request_timeout_s)
+        request.state.timing = (output.queue_ms, output.inference_ms)
+        return output
+    except Exception as exc:
+        error = as_api_error(exc)
+        status = str(error.status)
+        if error.status in (413, 429, 503, 504):
+            state.metrics.rejected(error.kind)
+        raise error from None
+    finally:
+        label = model_name if model_name in state.registry.catalog else "unknown"
+        state.metrics.requests.labels(route, label, status).inc()

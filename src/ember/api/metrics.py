@@ -1,0 +1,100 @@
+"""Prometheus metrics: requests, timings, batch shapes, queue depth, rejections, models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ember.engine import BatchRecord, RequestRecord
+from ember.registry import LoadedModel, Registry
+
+MS_BUCKETS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class _PendingCollector(Collector):
+    """Queue depth read from the live workers at scrape time."""
+
+    def __init__(self, registry: Callable[[], Registry]) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        items = GaugeMetricFamily("ember_pending_items", "Items queued, not yet dispatched",
+                                  labels=["model"])
+        loaded = GaugeMetricFamily("ember_model_loaded", "1 when the model is in memory",
+                                   labels=["model"])
+        for name, model in self.registry().loaded.items():
+            items.add_metric([name], model.worker.pending_items)
+            loaded.add_metric([name], 1)
+        yield items
+        yield loaded
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter("ember_requests", "HTTP requests by route, model and status",
+                                ["route", "model", "status"], registry=reg)
+        self.queue_ms = Histogram("ember_queue_time_ms", "Submit to first dispatch, per "
+                                  "request", ["model"], buckets=MS_BUCKETS, registry=reg)
+        self.inference_ms = Histogram("ember_inference_time_ms", "Forward time, per request",
+                                      ["model"], buckets=MS_BUCKETS, registry=reg)
+        self.batch_items = Histogram("ember_batch_items", "Items per forward", ["model"],
+                                     buckets=SIZE_BUCKETS, registry=reg)
+        self.batch_tokens = Histogram("ember_batch_padded_tokens", "Padded tokens per forward",
+                                      ["model"], buckets=TOKEN_BUCKETS, registry=reg)
+        self.batch_requests = Histogram("ember_batch_requests", "Requests per forward",
+                                        ["model"], buckets=SIZE_BUCKETS, registry=reg)
+        self.forward_failures = Counter("ember_forward_failures", "Forwards that raised",
+                                        ["model"], registry=reg)
+        self.dropped_items = Counter("ember_dropped_items", "Queued items dropped before a "
+                                     "forward (caller gone or request failed)", ["model"],
+                                     registry=reg)
+        self.rejections = Counter("ember_rejections", "Requests refused, by reason",
+                                  ["reason"], registry=reg)
+        self.loads = Counter("ember_model_loads", "Model loads", ["model"], registry=reg)
+        self.load_seconds = Histogram("ember_model_load_seconds", "Time to load a model",
+                                      ["model"], registry=reg)
+        self.evictions = Counter("ember_model_evictions", "Models evicted", ["model"],
+                                 registry=reg)
+
+    def attach(self, registry: Registry) -> None:
+        registry.on_worker.append(self._watch_worker)
+        registry.on_load.append(self._loaded)
+        registry.on_evict.append(lambda name: self.evictions.labels(name).inc())
+        self.registry.register(_PendingCollector(lambda: registry))
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.labels(reason).inc()
+
+    def _loaded(self, model: LoadedModel) -> None:
+        self.loads.labels(model.spec.name).inc()
+        self.load_seconds.labels(model.spec.name).observe(model.load_seconds)
+
+    def _watch_worker(self, model: LoadedModel) -> None:
+        name = model.spec.name
+        items, tokens = self.batch_items.labels(name), self.batch_tokens.labels(name)
+        requests, failures = self.batch_requests.labels(name), self.forward_failures.labels(name)
+        queue, inference = self.queue_ms.labels(name), self.inference_ms.labels(name)
+        dropped = self.dropped_items.labels(name)
+
+        def on_batch(record: BatchRecord) -> None:
+            items.observe(record.items)
+            tokens.observe(record.padded_tokens)
+            requests.observe(record.requests)
+            if record.failed:
+                failures.inc()
+
+        def on_request(record: RequestRecord) -> None:
+            queue.observe(record.queue_ms)
+            inference.observe(record.inference_ms)
+
+        stats = model.worker.stats
+        stats.batch_listeners.append(on_batch)
+        stats.request_listeners.append(on_request)
+        stats.drop_listeners.append(dropped.inc)

@@ -1,0 +1,116 @@
+"""Native routes in SIE's wire shapes: /v1/encode, /v1/score, /v1/extract."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+
+from ember.adapters.base import Encoded, EncodeOptions, ExtractOptions, ScoreOptions
+from ember.api.codec import render
+from ember.api.inference import check_inputs, run_task
+
+router = APIRouter(tags=["native"])
+
+
+class Item(BaseModel):
+    id: str | None = None
+    text: str
+
+
+class Options(BaseModel):
+    lora: str | None = Field(None, description="LoRA adapter of the model to apply")
+    truncate: bool = Field(True, description="cut inputs over the model's max length; "
+                           "false refuses them with a 422")
+    normalize: bool | None = Field(None, description="L2-normalize dense vectors "
+                                   "(default: the model's setting)")
+
+
+class EncodeParams(BaseModel):
+    output_types: list[str] = Field(default_factory=lambda: ["dense"])
+    instruction: str | None = None
+    is_query: bool = False
+    options: Options = Field(default_factory=Options)
+
+
+class EncodeRequest(BaseModel):
+    items: list[Item]
+    params: EncodeParams = Field(default_factory=EncodeParams)
+
+
+class ScoreParams(BaseModel):
+    options: Options = Field(default_factory=Options)
+
+
+class ScoreRequest(BaseModel):
+    query: Item
+    items: list[Item]
+    params: ScoreParams = Field(default_factory=ScoreParams)
+
+
+class ExtractParams(BaseModel):
+    labels: list[str] | None = None
+
+
+class ExtractRequest(BaseModel):
+    items: list[Item]
+    params: ExtractParams = Field(default_factory=ExtractParams)
+
+
+def encode_options(params: EncodeParams) -> EncodeOptions:
+    return EncodeOptions(is_query=params.is_query, instruction=params.instruction,
+                         truncate=params.options.truncate, normalize=params.options.normalize,
+                         lora=params.options.lora, output_types=tuple(params.output_types))
+
+
+def dense_wire(encoded: Encoded) -> dict[str, Any]:
+    """`{"dims", "dtype", "values"}`; values stay an array until the codec writes them."""
+    vector = encoded.dense
+    assert vector is not None
+    return {"dims": int(vector.shape[-1]), "dtype": str(vector.dtype), "values": vector}
+
+
+def with_id(item: Item, body: dict[str, Any]) -> dict[str, Any]:
+    return {"id": item.id, **body} if item.id is not None else body
+
+
+@router.post("/v1/encode/{model:path}", summary="Embed items")
+async def encode(model: str, body: EncodeRequest, request: Request) -> Response:
+    texts = [item.text for item in body.items]
+    check_inputs(request, texts)
+    options = encode_options(body.params)
+    output = await run_task(request, "encode", model, "encode",
+                            lambda m, a: a.encode(m.submit, texts, options))
+    items = [with_id(item, {"dense": dense_wire(enc)})
+             for item, enc in zip(body.items, output.values, strict=True)]
+    return render(request, {"model": model, "items": items})
+
+
+@router.post("/v1/score/{model:path}", summary="Score items against a query")
+async def score(model: str, body: ScoreRequest, request: Request) -> Response:
+    texts = [item.text for item in body.items]
+    check_inputs(request, texts)
+    check_inputs(request, [body.query.text], "query")
+    opts = body.params.options
+    options = ScoreOptions(truncate=opts.truncate, lora=opts.lora)
+    output = await run_task(request, "score", model, "score",
+                            lambda m, a: a.score(m.submit, body.query.text, texts, options))
+    order = sorted(range(len(texts)), key=lambda i: -output.values[i])
+    scores = [{"item_id": body.items[i].id if body.items[i].id is not None else str(i),
+               "score": output.values[i], "rank": rank} for rank, i in enumerate(order)]
+    return render(request, {"model": model, "scores": scores})
+
+
+@router.post("/v1/extract/{model:path}", summary="Extract entities from items")
+async def extract(model: str, body: ExtractRequest, request: Request) -> Response:
+    texts = [item.text for item in body.items]
+    check_inputs(request, texts)
+    labels = tuple(body.params.labels) if body.params.labels is not None else None
+    options = ExtractOptions(labels=labels)
+    output = await run_task(request, "extract", model, "extract",
+                            lambda m, a: a.extract(m.submit, texts, options))
+    items = [with_id(item, {"entities": [vars(e) for e in entities]})
+             for item, entities in zip(body.items, output.values, strict=True)]
+    return render(request, {"model": model, "items": items})

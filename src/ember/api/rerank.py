@@ -1,0 +1,50 @@
+"""Cohere/Jina-style POST /v1/rerank."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+
+from ember.adapters.base import ScoreOptions
+from ember.api.codec import render
+from ember.api.inference import check_inputs, run_task
+from ember.api.state import server_state
+
+router = APIRouter(tags=["rerank"])
+
+
+class Document(BaseModel):
+    text: str
+
+
+class RerankRequest(BaseModel):
+    query: str
+    documents: list[str | Document]
+    model: str | None = Field(None, description="catalog name; default: the server's model")
+    top_n: int | None = Field(None, ge=1, description="return only the best n")
+    return_documents: bool = False
+
+
+def ranked(scores: list[float], top_n: int | None) -> list[int]:
+    """Indices by score, best first, cut to top_n."""
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    return order[:top_n] if top_n is not None else order
+
+
+@router.post("/v1/rerank", summary="Rerank documents for a query (Cohere/Jina shape)")
+async def rerank(body: RerankRequest, request: Request) -> Response:
+    model = body.model or server_state(request).settings.default_model
+    texts = [d if isinstance(d, str) else d.text for d in body.documents]
+    check_inputs(request, texts, "documents")
+    check_inputs(request, [body.query], "query")
+    output = await run_task(request, "rerank", model, "score",
+                            lambda m, a: a.score(m.submit, body.query, texts, ScoreOptions()))
+    results = []
+    for index in ranked(output.values, body.top_n):
+        result: dict[str, object] = {"index": index, "relevance_score": output.values[index]}
+        if body.return_documents:
+            result["document"] = {"text": texts[index]}
+        results.append(result)
+    return render(request, {"model": model, "results": results,
+                            "usage": {"total_tokens": output.tokens}})

@@ -1,0 +1,160 @@
+"""`ember serve` and `ember models`. Every flag has an EMBER_* environment variable."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ember.config import DEFAULT_MODEL, CatalogError, ServerSettings, load_catalog
+from ember.engine import WorkerConfig
+
+log = logging.getLogger("ember")
+
+# (flag, type, default, help); the variable is EMBER_ + the flag in upper snake case.
+WORKER_FLAGS: list[tuple[str, type, object, str]] = [
+    ("max-batch-tokens", int, 16384, "padded tokens per forward (items x longest)"),
+    ("max-batch-items", int, 64, "items per forward"),
+    ("max-batch-wait-ms", float, 10.0, "longest a batch stays open after its first item"),
+    ("coalesce-ms", float, 2.0, "quiet time that closes a batch while the model is busy"),
+    ("idle-coalesce-ms", float, 3.0, "quiet time that closes a burst reaching an idle model"),
+    ("max-queue-items", int, 4096, "queued items per model before 429"),
+]
+
+
+def env_name(flag: str) -> str:
+    return "EMBER_" + flag.replace("-", "_").upper()
+
+
+def env_default(flag: str, kind: type, default: object) -> object:
+    raw = os.environ.get(env_name(flag))
+    if raw is None:
+        return default
+    if kind is bool:
+        return raw.lower() in ("1", "true", "yes", "on")
+    return kind(raw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="Ember: embeddings, "
+                                     "reranking and entity extraction, batched.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve models over HTTP",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description="Serve the catalog over HTTP. Each flag can also "
+                                "be set by the EMBER_* variable named in its help.")
+
+    def flag(name: str, kind: type, default: object, text: str, **extra: object) -> None:
+        value = env_default(name, kind, default)
+        if kind is bool:
+            serve.add_argument(f"--{name}", action="store_true", default=value,
+                               help=f"{text} [{env_name(name)}]")
+        else:
+            serve.add_argument(f"--{name}", type=kind, default=value,
+                               help=f"{text} [{env_name(name)}]", **extra)  # type: ignore[arg-type]
+
+    flag("host", str, "127.0.0.1", "address to listen on")
+    flag("port", int, 8080, "port to listen on")
+    flag("model-dir", str, None, "folder of extra model YAML files (repeatable; the "
+         "variable takes a list separated by ':')", action="append")
+    flag("preload", str, None, "model to load at startup besides the default (repeatable; "
+         "the variable takes a comma-separated list)", action="append")
+    flag("default-model", str, DEFAULT_MODEL, "model behind /embed, /rerank, /v1/embeddings "
+         "and /readyz")
+    flag("device", str, "cpu", "cpu, cuda or cuda:N (fp16 on CUDA)")
+    flag("torch-threads", int, None, "torch intra-op threads (default: torch's choice)")
+    for name, kind, default, text in WORKER_FLAGS:
+        flag(name, kind, default, text)
+    flag("max-items-per-request", int, 512, "items in one request before 413")
+    flag("max-body-bytes", int, 16 * 1024 * 1024, "request body size before 413")
+    flag("request-timeout-s", float, None, "end a request with 504 after this long; its "
+         "queued work is dropped")
+    flag("max-loaded-models", int, 4, "models in memory at once (LRU eviction)")
+    flag("memory-budget-mb", int, None, "weights in memory before LRU eviction")
+    flag("api-key", str, None, "require 'Authorization: Bearer <key>' (all but /healthz, "
+         "/readyz)")
+    flag("log-level", str, "info", "debug, info, warning or error")
+
+    models = commands.add_parser("models", help="list the model catalog")
+    models.add_argument("--model-dir", action="append", default=None,
+                        help="folder of extra model YAML files (repeatable)")
+    return parser
+
+
+def _list(values: Sequence[str] | str | None, sep: str) -> tuple[str, ...]:
+    if values is None:
+        return ()
+    if isinstance(values, str):
+        values = [values]
+    return tuple(part for value in values for part in value.split(sep) if part)
+
+
+def settings_from(args: argparse.Namespace) -> ServerSettings:
+    worker = WorkerConfig(**{name.replace("-", "_"): getattr(args, name.replace("-", "_"))
+                             for name, *_ in WORKER_FLAGS})
+    return ServerSettings(
+        host=args.host, port=args.port,
+        model_dirs=tuple(Path(p) for p in _list(args.model_dir, ":")),
+        preload=_list(args.preload, ","), default_model=args.default_model,
+        device=args.device, torch_threads=args.torch_threads, worker=worker,
+        max_items_per_request=args.max_items_per_request, max_body_bytes=args.max_body_bytes,
+        request_timeout_s=args.request_timeout_s, max_loaded_models=args.max_loaded_models,
+        memory_budget_mb=args.memory_budget_mb, api_key=args.api_key or None,
+        log_level=args.log_level,
+    )
+
+
+def serve(settings: ServerSettings) -> int:
+    import uvicorn
+
+    from ember.adapters.base import Runtime
+    from ember.api.app import create_app
+    from ember.registry import Registry, RegistryLimits
+    from ember.server import DrainingServer
+
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    catalog = load_catalog(settings.model_dirs)
+    if settings.default_model not in catalog:
+        log.error("default model %r is not in the catalog; known: %s",
+                  settings.default_model, ", ".join(sorted(catalog)))
+        return 2
+    budget = settings.memory_budget_mb * 1024 * 1024 if settings.memory_budget_mb else None
+    registry = Registry(catalog, Runtime(settings.device, settings.torch_threads),
+                        settings.worker, RegistryLimits(settings.max_loaded_models, budget))
+    app = create_app(settings, registry)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
+                            http="httptools", log_level=settings.log_level, access_log=False,
+                            timeout_graceful_shutdown=None)
+    server = DrainingServer(config, app.state.ember)
+    log.info("Ember listening on http://%s:%d (default model %s; /docs for the API)",
+             settings.host, settings.port, settings.default_model)
+    server.run()
+    return 0
+
+
+def list_models(model_dirs: Sequence[str] | None) -> int:
+    catalog = load_catalog(Path(p) for p in _list(model_dirs, ":"))
+    width = max(len(name) for name in catalog)
+    for name, spec in sorted(catalog.items()):
+        print(f"{name:<{width}}  {spec.adapter:<13} {','.join(spec.tasks):<14} "
+              f"{spec.description}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "models":
+            return list_models(args.model_dir)
+        return serve(settings_from(args))
+    except CatalogError as exc:
+        print(f"ember: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

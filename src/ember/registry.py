@@ -1,0 +1,203 @@
+"""Model registry: name -> loaded model, lazy loading, LRU eviction under limits."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import cast
+
+from ember.adapters.base import ModelAdapter, Runtime
+from ember.config import ADAPTERS, ModelSpec, resolve_source
+from ember.engine import ModelWorker, PreparedItem, RequestResult, WorkerConfig
+from ember.errors import ModelLoadError, ModelNotFound
+
+log = logging.getLogger("ember.registry")
+LoadFunction = Callable[[ModelSpec, Runtime], ModelAdapter]
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".npz")
+
+
+def estimate_bytes(spec: ModelSpec) -> int:
+    """Size of the model's weight files on disk: what loading it will add, roughly."""
+    if spec.adapter == "synthetic":
+        return 0
+    try:
+        root = resolve_source(spec)
+    except (FileNotFoundError, OSError):
+        return 0
+    return sum(p.stat().st_size for p in root.rglob("*")
+               if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+
+
+def adapter_loader(family: str) -> LoadFunction:
+    """Each family is a module of `ember.adapters` exposing `load(spec, runtime)`."""
+    module = importlib.import_module(f"ember.adapters.{ADAPTERS[family]}")
+    return cast(LoadFunction, module.load)
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """A model in memory with its worker; `submit` is what task methods call."""
+
+    spec: ModelSpec
+    adapter: ModelAdapter
+    worker: ModelWorker
+    memory_bytes: int
+    load_seconds: float
+    last_used: float = field(default_factory=time.monotonic)
+    in_use: int = 0
+
+    async def submit(self, items: Sequence[PreparedItem], params: Hashable,
+                     lora: str | None) -> RequestResult:
+        future = await self.worker.submit(items, params, lora=lora)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            future.cancel()  # the caller went away: its pending items are dropped (R9)
+            raise
+
+
+@dataclass
+class RegistryLimits:
+    max_loaded_models: int = 4
+    memory_budget_bytes: int | None = None
+    failure_retry_s: float = 30.0
+
+
+class Registry:
+    """Loads catalog models on first use; concurrent first requests load once."""
+
+    def __init__(self, catalog: Mapping[str, ModelSpec], runtime: Runtime | None = None,
+                 worker_config: WorkerConfig | None = None,
+                 limits: RegistryLimits | None = None,
+                 loader: Callable[[str], LoadFunction] = adapter_loader) -> None:
+        self.catalog = dict(catalog)
+        self.runtime = runtime or Runtime()
+        self.worker_config = worker_config or WorkerConfig()
+        self.limits = limits or RegistryLimits()
+        self._loader = loader
+        self._loaded: dict[str, LoadedModel] = {}
+        self._loading: dict[str, asyncio.Future[LoadedModel]] = {}
+        self._failures: dict[str, tuple[float, ModelLoadError]] = {}
+        self.on_load: list[Callable[[LoadedModel], None]] = []
+        self.on_evict: list[Callable[[str], None]] = []
+        self.on_worker: list[Callable[[LoadedModel], None]] = []
+        self.closing = False
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.catalog)
+
+    @property
+    def loaded(self) -> dict[str, LoadedModel]:
+        return dict(self._loaded)
+
+    def spec(self, name: str) -> ModelSpec:
+        try:
+            return self.catalog[name]
+        except KeyError:
+            raise ModelNotFound(name, self.names) from None
+
+    def state(self, name: str) -> str:
+        """loaded | loading | failed | available"""
+        if name in self._loaded:
+            return "loaded"
+        if name in self._loading:
+            return "loading"
+        return "failed" if name in self._failures else "available"
+
+    @asynccontextmanager
+    async def use(self, name: str) -> AsyncIterator[LoadedModel]:
+        """The loaded model, held against eviction for the duration of a request."""
+        model = await self.get(name)
+        model.in_use += 1
+        model.last_used = time.monotonic()
+        try:
+            yield model
+        finally:
+            model.in_use -= 1
+
+    async def get(self, name: str) -> LoadedModel:
+        spec = self.spec(name)
+        if (model := self._loaded.get(name)) is not None:
+            return model
+        failure = self._failures.get(name)
+        if failure and time.monotonic() - failure[0] < self.limits.failure_retry_s:
+            raise failure[1]
+        pending = self._loading.get(name)
+        if pending is None:
+            pending = asyncio.get_running_loop().create_future()
+            self._loading[name] = pending
+            asyncio.get_running_loop().create_task(self._load(spec, pending))
+        return await asyncio.shield(pending)
+
+    async def preload(self, names: Sequence[str]) -> None:
+        for name in names:
+            await self.get(name)
+
+    async def close(self) -> None:
+        """Drain every worker (nothing accepted is lost), then release the models."""
+        self.closing = True
+        for name in list(self._loaded):
+            await self._evict(name)
+
+    async def _load(self, spec: ModelSpec, done: asyncio.Future[LoadedModel]) -> None:
+        try:
+            await self._make_room(estimate_bytes(spec))
+            log.info("loading model %s (%s adapter) ...", spec.name, spec.adapter)
+            started = time.monotonic()
+            load = self._loader(spec.adapter)
+            adapter = await asyncio.to_thread(load, spec, self.runtime)
+            seconds = time.monotonic() - started
+            worker = ModelWorker(adapter, spec.worker_config(self.worker_config),
+                                 name=spec.name)
+            await worker.start()
+            model = LoadedModel(spec, adapter, worker, adapter.memory_bytes(), seconds)
+            for hook in self.on_worker:
+                hook(model)
+            self._loaded[spec.name] = model
+            self._failures.pop(spec.name, None)
+            log.info("loaded model %s in %.1f s (%.0f MB)", spec.name, seconds,
+                     model.memory_bytes / 1e6)
+            for hook in self.on_load:
+                hook(model)
+            done.set_result(model)
+        except Exception as exc:
+            error = ModelLoadError(spec.name, f"{type(exc).__name__}: {exc}")
+            log.error("%s", error)
+            self._failures[spec.name] = (time.monotonic(), error)
+            done.set_exception(error)
+            done.exception()  # mark retrieved: a load nobody awaits any more is not an error
+        finally:
+            self._loading.pop(spec.name, None)
+
+    async def _make_room(self, incoming_bytes: int) -> None:
+        """Evict least recently used idle models until the new one fits the limits."""
+        limits = self.limits
+
+        def over() -> bool:
+            if len(self._loaded) + 1 > limits.max_loaded_models:
+                return True
+            used = sum(m.memory_bytes for m in self._loaded.values())
+            budget = limits.memory_budget_bytes
+            return budget is not None and used + incoming_bytes > budget
+
+        while over():
+            idle = [m for m in self._loaded.values() if m.in_use == 0]
+            if not idle:
+                log.warning("over the model limits but every loaded model is busy; "
+                            "loading anyway")
+                return
+            await self._evict(min(idle, key=lambda m: m.last_used).spec.name)
+
+    async def _evict(self, name: str) -> None:
+        model = self._loaded.pop(name)
+        log.info("evicting model %s (draining its queue first)", name)
+        await model.worker.stop()
+        model.adapter.close()
+        for hook in self.on_evict:
+            hook(name)
