@@ -18,19 +18,17 @@ from ember.errors import ModelLoadError, ModelNotFound
 
 log = logging.getLogger("ember.registry")
 LoadFunction = Callable[[ModelSpec, Runtime], ModelAdapter]
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".npz")
 
 
 def estimate_bytes(spec: ModelSpec) -> int:
-    """Size of the model's weight files on disk: what loading it will add, roughly."""
+    """Size of the model's files on disk: roughly what loading it will add."""
     if spec.adapter == "synthetic":
         return 0
     try:
         root = resolve_source(spec)
     except (FileNotFoundError, OSError):
         return 0
-    return sum(p.stat().st_size for p in root.rglob("*")
-               if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
 def adapter_loader(family: str) -> LoadFunction:

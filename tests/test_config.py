@@ -1,0 +1,50 @@
+"""Model catalog: the shipped defaults, user folders, and clear errors for bad YAML."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ember.config import CatalogError, load_catalog, resolve_source
+from ember.engine import WorkerConfig
+
+
+def test_builtin_catalog_has_the_default_models_resolving_offline() -> None:
+    catalog = load_catalog()
+    minilm = catalog["sentence-transformers/all-MiniLM-L6-v2"]
+    assert minilm.tasks == ("encode", "score")
+    assert (resolve_source(minilm) / "model.safetensors").is_file()
+    spacy = catalog["spacy/en_core_web_sm"]
+    assert spacy.tasks == ("extract",) and resolve_source(spacy).is_dir()
+    assert "not a real model" in catalog["ember/synthetic"].description
+
+
+def test_a_yaml_file_in_a_model_dir_adds_a_model(tmp_path: Path) -> None:
+    (tmp_path / "mine.yaml").write_text(
+        "name: me/mine\nadapter: transformer\nsource: {path: ./weights}\n"
+        "tasks: [encode]\nbatching: {max_batch_items: 8}\n")
+    spec = load_catalog([tmp_path])["me/mine"]
+    assert spec.source.path == tmp_path / "weights"
+    assert spec.worker_config(WorkerConfig()).max_batch_items == 8
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("adapter: transformer\ntasks: [encode]\n", "missing required field 'name'"),
+    ("name: x\nadapter: magic\ntasks: [encode]\n", "adapter 'magic' is unknown"),
+    ("name: x\nadapter: transformer\ntasks: [fly]\nsource: {path: .}\n", "tasks must be"),
+    ("name: x\nadapter: transformer\ntasks: [encode]\n", "needs one of package, path or hub"),
+    ("name: x\nadapter: synthetic\ntasks: [encode]\nbatching: {speed: 3}\n",
+     "'batching' accepts only"),
+    ("name: [unclosed\n", "not valid YAML"),
+])
+def test_bad_yaml_names_the_file_and_the_field(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(CatalogError, match=r"bad\.yaml") as caught:
+        load_catalog([tmp_path])
+    assert message in str(caught.value)
+
+
+def test_a_missing_model_dir_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(CatalogError, match="does not exist"):
+        load_catalog([tmp_path / "nowhere"])

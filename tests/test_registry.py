@@ -1,0 +1,100 @@
+"""Registry: lazy single-flight loads, LRU eviction that drains, load failures."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from ember.adapters.base import EncodeOptions
+from ember.config import ModelSpec, load_catalog, parse_spec
+from ember.errors import ModelLoadError, ModelNotFound
+from ember.registry import Registry, RegistryLimits
+
+
+def synthetic(name: str, **options: object) -> ModelSpec:
+    return parse_spec({"name": name, "adapter": "synthetic", "tasks": ["encode", "score"],
+                       "options": {"dims": 8, "overhead_ms": 1.0, **options}}, "test")
+
+
+def catalog(*specs: ModelSpec) -> dict[str, ModelSpec]:
+    return {spec.name: spec for spec in specs}
+
+
+async def test_concurrent_first_requests_load_once() -> None:
+    registry = Registry(catalog(synthetic("a")))
+    loads: list[str] = []
+    registry.on_load.append(lambda model: loads.append(model.spec.name))
+    models = await asyncio.gather(*(registry.get("a") for _ in range(8)))
+    assert loads == ["a"] and all(m is models[0] for m in models)
+    await registry.close()
+
+
+async def test_unknown_model_names_the_available_ones() -> None:
+    registry = Registry(catalog(synthetic("a"), synthetic("b")))
+    with pytest.raises(ModelNotFound, match="available: a, b"):
+        await registry.get("../etc/passwd")
+
+
+async def test_least_recently_used_idle_model_is_evicted_after_draining() -> None:
+    registry = Registry(catalog(synthetic("a"), synthetic("b"), synthetic("c")),
+                        limits=RegistryLimits(max_loaded_models=2))
+    evicted: list[str] = []
+    registry.on_evict.append(evicted.append)
+    a = await registry.get("a")
+    await registry.get("b")
+    async with registry.use("b"):
+        pass  # b is now more recently used than a
+    a.worker.pause()  # a holds accepted work when it is chosen for eviction
+    accepted = await a.worker.submit(a.adapter.prepare(["kept", "too"]), "p")  # type: ignore[attr-defined]
+    await registry.get("c")
+    assert evicted == ["a"] and sorted(registry.loaded) == ["b", "c"]
+    result = await accepted  # drained, not dropped
+    assert len(result.values) == 2
+    await registry.close()
+
+
+async def test_a_model_in_use_is_not_evicted() -> None:
+    registry = Registry(catalog(synthetic("a"), synthetic("b")),
+                        limits=RegistryLimits(max_loaded_models=1))
+    async with registry.use("a"):
+        await registry.get("b")  # a is busy: both stay, over the limit, rather than fail
+        assert sorted(registry.loaded) == ["a", "b"]
+    await registry.close()
+
+
+async def test_load_failure_is_clear_and_other_models_still_serve(tmp_path: Path) -> None:
+    broken = parse_spec({"name": "broken", "adapter": "transformer", "tasks": ["encode"],
+                         "source": {"path": str(tmp_path / "missing")}}, "test")
+    registry = Registry(catalog(broken, synthetic("ok")))
+    with pytest.raises(ModelLoadError, match="'broken' failed to load: FileNotFoundError"):
+        await registry.get("broken")
+    assert registry.state("broken") == "failed"
+    with pytest.raises(ModelLoadError):  # remembered, not retried on every request
+        await registry.get("broken")
+    model = await registry.get("ok")
+    output = await model.adapter.encode(model.submit, ["fine"], EncodeOptions())
+    assert output.values[0].dense is not None
+    await registry.close()
+
+
+async def test_memory_budget_evicts_to_fit_real_models() -> None:
+    real = load_catalog()
+    names = ["sentence-transformers/all-MiniLM-L6-v2", "spacy/en_core_web_sm"]
+    registry = Registry({n: real[n] for n in names},
+                        limits=RegistryLimits(memory_budget_bytes=95 * 1024 * 1024))
+    await registry.get(names[0])  # ~91 MB of weights
+    await registry.get(names[1])  # does not fit beside it
+    assert list(registry.loaded) == [names[1]]
+    await registry.close()
+
+
+async def test_close_drains_every_worker() -> None:
+    registry = Registry(catalog(synthetic("a")))
+    model = await registry.get("a")
+    model.worker.pause()
+    future = await model.worker.submit(model.adapter.prepare(["x"]), "p")  # type: ignore[attr-defined]
+    await registry.close()
+    assert future.done() and len(future.result().values) == 1
+    assert registry.loaded == {}
