@@ -35,6 +35,10 @@ class BodyTooLarge(Exception):
     """A streamed request body passed the byte limit."""
 
 
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
 def scrub(message: str) -> str:
     """Internal file paths never reach a client."""
     return _PATH.sub("<path>", message)
@@ -64,6 +68,9 @@ def as_api_error(exc: Exception) -> ApiError:
     """Map an exception from any layer to its HTTP status and error type."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, ClientGone):
+        return ApiError(499, "client_closed_request", "the client disconnected; its queued "
+                        "work was dropped")
     if isinstance(exc, BodyTooLarge):
         return ApiError(413, "payload_too_large", f"{exc}; send fewer or shorter items per "
                         "request", "body")
@@ -111,5 +118,6 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http)
     # Specific classes are handled inside the middleware stack, so error responses still
     # carry the request id and timing headers; `Exception` is the last resort outside it.
-    for kind in (ApiError, BodyTooLarge, EmberError, EngineError, TimeoutError, Exception):
+    handled = (ApiError, BodyTooLarge, ClientGone, EmberError, EngineError, TimeoutError)
+    for kind in (*handled, Exception):
         app.add_exception_handler(kind, on_error)

@@ -9,7 +9,7 @@ from typing import TypeVar
 from fastapi import Request
 
 from ember.adapters.base import ModelAdapter, TaskOutput
-from ember.api.errors import ApiError, as_api_error
+from ember.api.errors import ApiError, ClientGone, as_api_error
 from ember.api.state import server_state
 from ember.errors import UnsupportedTask
 from ember.registry import LoadedModel
@@ -35,6 +35,25 @@ def check_inputs(request: Request, texts: Sequence[str], field: str = "items") -
                            f"{settings.max_text_chars}; shorten it", f"{field}[{index}]")
 
 
+async def until_disconnect(request: Request, work: Awaitable[T], timeout: float | None) -> T:
+    """Await `work`, but cancel it (dropping its queued items, R9) when the client
+    disconnects or the timeout passes. After the body is read, the next ASGI message
+    is the disconnect, so waiting for it costs nothing while the client stays."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(request.receive())
+    try:
+        done, _ = await asyncio.wait({task, gone}, timeout=timeout,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    if gone in done:
+        raise ClientGone()
+    raise TimeoutError()
+
+
 async def run_task(request: Request, route: str, model_name: str, task: str,
                    call: TaskCall[T]) -> TaskOutput[T]:
     """Run `call` on the named model under the server's timeout; record timing and metrics."""
@@ -44,10 +63,14 @@ async def run_task(request: Request, route: str, model_name: str, task: str,
         async with state.registry.use(model_name) as model:
             if task not in model.spec.tasks:
                 raise UnsupportedTask(model_name, task, model.spec.tasks)
-            output = await asyncio.wait_for(call(model, model.adapter),
+            output = await until_disconnect(request, call(model, model.adapter),
                                             state.settings.request_timeout_s)
         request.state.timing = (output.queue_ms, output.inference_ms)
         return output
+    except ClientGone:
+        status = "499"  # nobody is listening; the connection is already closed
+        state.metrics.rejected("client_disconnected")
+        raise
     except Exception as exc:
         error = as_api_error(exc)
         status = str(error.status)
