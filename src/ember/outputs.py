@@ -1,0 +1,56 @@
+"""Output dtypes of encode vectors: float32, float16, int8 and binary.
+
+int8 is symmetric scalar quantization calibrated per vector: the largest
+absolute component maps to 127, `q = round(127 * x / max|x|)`, and the wire
+carries that `scale` (`x ~= q * scale`). Cosine similarity is unchanged by the
+per-vector scale, so int8 vectors compare directly. binary keeps the sign bit
+of each component (1 for > 0), packed eight to a byte, most significant bit
+first (`numpy.packbits`); `dims` still reports the original dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+DTYPES = ("float32", "float16", "int8", "binary")
+
+
+@dataclass(frozen=True)
+class Quantized:
+    values: npt.NDArray[Any]
+    dtype: str
+    scale: float | None = None
+
+
+def quantize(vector: npt.NDArray[np.float32], dtype: str) -> Quantized:
+    """`vector` (any shape, float32) in the requested output dtype."""
+    if dtype == "float32":
+        return Quantized(vector.astype(np.float32, copy=False), dtype)
+    if dtype == "float16":
+        return Quantized(vector.astype(np.float16), dtype)
+    if dtype == "int8":
+        peak = float(np.max(np.abs(vector))) if vector.size else 0.0
+        scale = peak / 127.0 if peak > 0 else 1.0
+        q = np.clip(np.rint(vector / scale), -127, 127).astype(np.int8)
+        return Quantized(q, dtype, scale)
+    if dtype == "binary":
+        return Quantized(np.packbits(vector > 0, axis=-1), dtype)
+    raise ValueError(f"unknown output dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+
+
+def dequantize_int8(values: npt.NDArray[np.int8], scale: float) -> npt.NDArray[np.float32]:
+    return values.astype(np.float32) * np.float32(scale)
+
+
+def unpack_binary(packed: npt.NDArray[np.uint8], dims: int) -> npt.NDArray[np.uint8]:
+    """The sign bits back as 0/1 per dimension."""
+    return np.unpackbits(packed, axis=-1)[..., :dims]
+
+
+def hamming(a: npt.NDArray[np.uint8], b: npt.NDArray[np.uint8]) -> int:
+    """Differing bits between two packed binary vectors."""
+    return int(np.unpackbits(np.bitwise_xor(a, b)).sum())

@@ -1,0 +1,46 @@
+"""Output dtypes on real vectors of the default model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ember.outputs import dequantize_int8, hamming, quantize, unpack_binary
+
+
+def unit(seed: int, dims: int = 384) -> np.ndarray:
+    v = np.random.default_rng(seed).standard_normal(dims).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_int8_round_trip_keeps_the_direction() -> None:
+    for seed in range(20):
+        v = unit(seed)
+        q = quantize(v, "int8")
+        assert q.values.dtype == np.int8 and q.scale is not None
+        assert cosine(dequantize_int8(q.values, q.scale), v) >= 0.99
+
+
+def test_float16_is_close() -> None:
+    v = unit(1)
+    assert np.max(np.abs(quantize(v, "float16").values.astype(np.float32) - v)) < 1e-3
+
+
+def test_binary_packs_sign_bits_and_hamming_finds_the_neighbour() -> None:
+    v = unit(2, 16)
+    packed = quantize(v, "binary").values
+    assert packed.dtype == np.uint8 and packed.shape == (2,)
+    assert unpack_binary(packed, 16).tolist() == (v > 0).astype(np.uint8).tolist()
+    near = v + 0.05 * unit(3, 16)
+    far = -v
+    p_near, p_far = quantize(near, "binary").values, quantize(far, "binary").values
+    assert hamming(packed, p_near) < hamming(packed, p_far)
+
+
+def test_an_unknown_dtype_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="float32, float16, int8, binary"):
+        quantize(unit(0), "int4")
