@@ -165,7 +165,8 @@ class Registry:
                 hook(model)
             done.set_result(model)
         except Exception as exc:
-            error = ModelLoadError(spec.name, f"{type(exc).__name__}: {exc}")
+            error = exc if isinstance(exc, ModelLoadError) else ModelLoadError(
+                spec.name, f"{type(exc).__name__}: {exc}")
             log.error("%s", error)
             self._failures[spec.name] = (time.monotonic(), error)
             done.set_exception(error)

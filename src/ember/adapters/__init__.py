@@ -1,1 +1,20 @@
-"""Model families: each module turns prepared items into one forward of one kind of model."""
+"""Model families: each module turns prepared items into one forward of one kind of model.
+
+Each family module exposes `load(spec, runtime) -> ModelAdapter`; the registry imports
+a family only when a model of it loads, so torch and spaCy stay out of processes that
+never need them (config.ADAPTERS maps catalog names to modules).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # Static proof that every family satisfies the ModelAdapter protocol.
+    from ember.adapters import cross_encoder, spacy_ner, synthetic, transformer
+    from ember.adapters.base import ModelAdapter, Runtime
+    from ember.config import ModelSpec
+
+    _FAMILIES: tuple[Callable[[ModelSpec, Runtime], ModelAdapter], ...] = (
+        transformer.load, cross_encoder.load, spacy_ner.load, synthetic.load)

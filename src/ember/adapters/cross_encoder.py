@@ -1,0 +1,164 @@
+"""Cross-encoders (rerankers): one sequence-classification forward per (query, document) pair.
+
+A pair is tokenized with the document truncated first (`only_second`); only
+when the query alone leaves no room for the document is the longer of the two
+cut (`longest_first`). The score is the model's single logit through a
+sigmoid, or the raw logit with `options: {activation: none}` in the spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ember.adapters import _torch as common
+from ember.adapters.base import (
+    Encoded,
+    EncodeOptions,
+    Entity,
+    ExtractOptions,
+    ModelInfo,
+    Runtime,
+    ScoreOptions,
+    Submit,
+    Task,
+    TaskOutput,
+)
+from ember.config import ModelSpec, resolve_source
+from ember.engine.types import PreparedItem
+from ember.errors import ModelLoadError, UnsupportedTask
+
+Activation = Literal["sigmoid", "none"]
+ACTIVATIONS: tuple[Activation, ...] = ("sigmoid", "none")
+TASKS: tuple[Task, ...] = ("score",)
+
+
+@dataclass(frozen=True)
+class ScoreParams:
+    """The parameter group of one forward (R6)."""
+
+    activation: Activation
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """A tokenized (query, document) pair: the payload of one prepared item."""
+
+    input_ids: list[int]
+    token_type_ids: list[int] | None
+
+
+class CrossEncoderAdapter:
+    """One reranker. `score` runs on the event loop; forward and set_lora in the
+    worker's thread."""
+
+    def __init__(self, spec: ModelSpec, model: Any, tokenizer: Any,
+                 runtime: Runtime) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.device = torch.device(runtime.device)
+        labels = int(model.config.num_labels)
+        if labels != 1:
+            raise ModelLoadError(spec.name, f"a cross-encoder needs one output label, this "
+                                            f"model has {labels}")
+        activation = str(spec.options.get("activation", "sigmoid")).lower()
+        if activation not in ACTIVATIONS:
+            raise ModelLoadError(spec.name, f"options.activation {activation!r} is unknown; "
+                                            f"use one of {ACTIVATIONS}")
+        self.params = ScoreParams("sigmoid" if activation == "sigmoid" else "none")
+        self.max_seq_length = common.model_max_length(spec, model.config, tokenizer)
+        self.pad_id = int(tokenizer.pad_token_id or 0)
+        self.specials = int(tokenizer.num_special_tokens_to_add(pair=True))
+        self.loras = common.LoraSet(model, spec.loras, runtime)
+        if set(spec.tasks) - set(TASKS):
+            raise ModelLoadError(spec.name, f"a cross-encoder does only {TASKS}, the spec "
+                                            f"lists {list(spec.tasks)}")
+        self.info = ModelInfo(name=spec.name, tasks=TASKS,
+                              max_seq_length=self.max_seq_length, loras=self.loras.names,
+                              output_types=(), extra={"activation": self.params.activation})
+
+    # -- the worker thread --------------------------------------------------------
+
+    def set_lora(self, name: str | None) -> None:
+        self.loras.set(name)
+
+    def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[float]:
+        assert isinstance(params, ScoreParams)
+        pairs: list[Pair] = [item.payload for item in items]
+        rows = [p.input_ids for p in pairs]
+        with torch.inference_mode():
+            inputs = {"input_ids": common.pad(rows, self.pad_id, self.device),
+                      "attention_mask": common.attention_mask(rows, self.device)}
+            if all(p.token_type_ids is not None for p in pairs):
+                types = [p.token_type_ids or [] for p in pairs]
+                inputs["token_type_ids"] = common.pad(types, 0, self.device)
+            logits = self.loras.model(**inputs).logits[:, 0].float()
+            if params.activation == "sigmoid":
+                logits = torch.sigmoid(logits)
+        return [float(x) for x in logits.cpu()]
+
+    # -- the request path (event loop) ----------------------------------------------
+
+    def prepare(self, query: str, docs: Sequence[str], truncate: bool) -> list[PreparedItem]:
+        """One item per document, cost = the pair's tokens after truncation."""
+        limit = self.max_seq_length
+        query_tokens = len(self.tokenizer(query, add_special_tokens=False,
+                                          verbose=False)["input_ids"])
+        if not truncate and query_tokens + self.specials > limit:
+            raise common.over_limit(query_tokens + self.specials, limit, "query.text")
+        # only_second fails when the query alone fills the limit; then cut both.
+        strategy = "only_second" if query_tokens + self.specials < limit else "longest_first"
+        encoded = self.tokenizer([query] * len(docs), list(docs),
+                                 truncation=strategy if truncate else False,
+                                 max_length=limit if truncate else None,
+                                 return_attention_mask=False, verbose=False)
+        types = encoded.get("token_type_ids")
+        items = []
+        for i, row in enumerate(encoded["input_ids"]):
+            if len(row) > limit:
+                raise common.over_limit(len(row), limit, f"items[{i}].text")
+            items.append(PreparedItem(Pair(row, types[i] if types else None), len(row), i))
+        return items
+
+    async def score(self, submit: Submit, query: str, docs: Sequence[str],
+                    options: ScoreOptions) -> TaskOutput[list[float]]:
+        common.require_items(len(docs))
+        self.loras.check(options.lora)
+        items = self.prepare(query, docs, options.truncate)
+        result = await submit(items, self.params, options.lora)
+        return TaskOutput([float(v) for v in result.values], result.queue_ms,
+                          result.inference_ms, sum(item.cost for item in items))
+
+    async def encode(self, submit: Submit, texts: Sequence[str],
+                     options: EncodeOptions) -> TaskOutput[list[Encoded]]:
+        raise UnsupportedTask(self.spec.name, "encode", self.info.tasks)
+
+    async def extract(self, submit: Submit, texts: Sequence[str],
+                      options: ExtractOptions) -> TaskOutput[list[list[Entity]]]:
+        raise UnsupportedTask(self.spec.name, "extract", self.info.tasks)
+
+    def memory_bytes(self) -> int:
+        return common.module_bytes(self.loras.model)
+
+    def close(self) -> None:
+        self.loras.close()
+        common.release(self.device)
+
+
+def load(spec: ModelSpec, runtime: Runtime) -> CrossEncoderAdapter:
+    """Load a sequence-classification directory with one label, offline."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    common.apply_runtime(runtime)
+    model_dir = str(resolve_source(spec))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, use_fast=True, local_files_only=True,
+                                              trust_remote_code=spec.trust_remote_code)
+    if not tokenizer.is_fast:
+        raise ModelLoadError(spec.name, "a fast (tokenizers) tokenizer is required; the "
+                                        "model directory needs a tokenizer.json")
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir,
+                                                               **common.load_kwargs(spec))
+    return CrossEncoderAdapter(spec, model, tokenizer, runtime)

@@ -1,0 +1,232 @@
+"""Named entities with a spaCy pipeline (the default: en_core_web_sm).
+
+Only the components that produce entities, and the embedding layers they
+listen to, are loaded; taggers, parsers and lemmatizers do not change the
+entities (spec `options: {ner_only: false}` keeps the whole pipeline).
+
+Entity scores: spaCy's greedy transition-based NER has no per-entity
+probability, so every entity it returns scores 1.0.
+
+Item cost is an estimate (words and punctuation marks, by a regex) computed
+on the event loop, so the shared spaCy vocabulary is only ever touched from
+the worker's thread; the forward runs `nlp.pipe` over the whole batch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ember.adapters.base import (
+    Encoded,
+    EncodeOptions,
+    Entity,
+    ExtractOptions,
+    ModelInfo,
+    Runtime,
+    ScoreOptions,
+    Submit,
+    Task,
+    TaskOutput,
+)
+from ember.config import ModelSpec, resolve_source
+from ember.engine.types import PreparedItem
+from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
+
+TASKS: tuple[Task, ...] = ("extract",)
+ENTITY_FACTORIES = frozenset({"ner", "beam_ner", "entity_ruler"})
+EMBEDDING_FACTORIES = frozenset({"tok2vec", "transformer", "curated_transformer"})
+TOKEN_ESTIMATE = re.compile(r"\w+|[^\w\s]")
+
+# Friendly names (lower case) -> the OntoNotes labels they stand for. A name that
+# is also a native label (any case) means that label alone.
+FRIENDLY_LABELS: Mapping[str, tuple[str, ...]] = {
+    "person": ("PERSON",), "people": ("PERSON",), "per": ("PERSON",),
+    "organization": ("ORG",), "organisation": ("ORG",), "org": ("ORG",),
+    "company": ("ORG",),
+    "location": ("LOC", "GPE"), "place": ("LOC", "GPE"),
+    "country": ("GPE",), "city": ("GPE",),
+    "facility": ("FAC",), "building": ("FAC",),
+    "date": ("DATE",), "time": ("TIME",), "money": ("MONEY",),
+    "event": ("EVENT",), "product": ("PRODUCT",),
+    "nationality": ("NORP",), "norp": ("NORP",),
+    "language": ("LANGUAGE",), "law": ("LAW",),
+    "percent": ("PERCENT",), "percentage": ("PERCENT",),
+    "quantity": ("QUANTITY",), "ordinal": ("ORDINAL",),
+    "cardinal": ("CARDINAL",), "number": ("CARDINAL",),
+    "work_of_art": ("WORK_OF_ART",), "work of art": ("WORK_OF_ART",),
+}
+
+
+@dataclass(frozen=True)
+class NerParams:
+    """One group for every extract request: the label filter is applied after
+    the forward, so requests with different filters still batch together."""
+
+
+NER_PARAMS = NerParams()
+
+
+def find_pipeline_dir(root: Path) -> Path:
+    """The folder holding config.cfg: the root, or the one data folder of a packaged model."""
+    if (root / "config.cfg").exists():
+        return root
+    found = [d for d in sorted(root.iterdir()) if (d / "config.cfg").exists()]
+    if len(found) != 1:
+        raise FileNotFoundError(f"{root} holds no spaCy pipeline (a config.cfg) or several")
+    return found[0]
+
+
+def _upstreams(node: object) -> Iterator[str]:
+    """Names of the embedding components a component's model listens to."""
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            if key == "upstream":
+                yield str(value)
+            else:
+                yield from _upstreams(value)
+
+
+def entity_components(config: Mapping[str, Any]) -> set[str]:
+    """The components that make entities, with the embedding layers they listen to."""
+    components: Mapping[str, Any] = config["components"]
+    # A sourced component (no factory) is kept: its role cannot be read here.
+    keep = {name for name, c in components.items()
+            if c.get("factory", "") in ENTITY_FACTORIES or "factory" not in c}
+    for name in list(keep):
+        for upstream in _upstreams(components[name]):
+            if upstream == "*":
+                keep |= {n for n, c in components.items()
+                         if c.get("factory") in EMBEDDING_FACTORIES}
+            else:
+                keep.add(upstream)
+    return keep
+
+
+def estimate_tokens(text: str) -> int:
+    return max(1, len(TOKEN_ESTIMATE.findall(text)))
+
+
+class SpacyNerAdapter:
+    """One spaCy pipeline. `extract` runs on the event loop; forward in the
+    worker's thread."""
+
+    def __init__(self, spec: ModelSpec, nlp: Any) -> None:
+        if set(spec.tasks) - set(TASKS):
+            raise ModelLoadError(spec.name, f"the spacy family does only {TASKS}, the spec "
+                                            f"lists {list(spec.tasks)}")
+        makers = [name for name, factory in nlp.pipe_factories.items()
+                  if factory in ENTITY_FACTORIES and name in nlp.pipe_names]
+        if not makers:
+            raise ModelLoadError(spec.name, "the spaCy pipeline has no entity component "
+                                            f"(one of {sorted(ENTITY_FACTORIES)})")
+        self.spec = spec
+        self.nlp = nlp
+        self.labels: tuple[str, ...] = tuple(sorted(
+            {str(label) for name in makers for label in nlp.get_pipe(name).labels}))
+        self.max_chars = int(nlp.max_length)
+        self.info = ModelInfo(name=spec.name, tasks=TASKS, output_types=(),
+                              labels=self.labels,
+                              extra={"components": list(nlp.pipe_names),
+                                     "friendly_labels": self.friendly_names()})
+
+    # -- the worker thread --------------------------------------------------------
+
+    def set_lora(self, name: str | None) -> None:
+        if name is not None:
+            raise KeyError(f"spaCy model {self.spec.name!r} has no LoRA adapters")
+
+    def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[list[Entity]]:
+        texts = [str(item.payload) for item in items]
+        docs = self.nlp.pipe(texts, batch_size=max(1, len(texts)))
+        return [[Entity(e.text, e.label_, e.start_char, e.end_char, 1.0) for e in doc.ents]
+                for doc in docs]
+
+    # -- the request path (event loop) ----------------------------------------------
+
+    def friendly_names(self) -> list[str]:
+        """Friendly names this model can answer (their labels exist in the model)."""
+        return sorted(n for n, targets in FRIENDLY_LABELS.items()
+                      if set(targets) & set(self.labels))
+
+    def resolve_labels(self, names: Sequence[str] | None) -> frozenset[str] | None:
+        """Native labels for a filter of friendly or native names; None: everything."""
+        if names is None:
+            return None
+        native = {label.upper(): label for label in self.labels}
+        wanted: set[str] = set()
+        for i, name in enumerate(names):
+            key = name.strip()
+            if key.upper() in native:
+                targets = [native[key.upper()]]
+            else:
+                targets = [t for t in FRIENDLY_LABELS.get(key.lower(), ()) if t in self.labels]
+            if not targets:
+                raise InvalidInput(
+                    f"unknown label {name!r}; known labels: {', '.join(self.labels)}; "
+                    f"or friendly names: {', '.join(self.friendly_names())}",
+                    f"params.labels[{i}]")
+            wanted.update(targets)
+        return frozenset(wanted)
+
+    def prepare(self, texts: Sequence[str]) -> list[PreparedItem]:
+        items = []
+        for i, text in enumerate(texts):
+            if len(text) > self.max_chars:
+                raise InvalidInput(f"{len(text)} characters exceeds the limit of "
+                                   f"{self.max_chars}; split the text", f"items[{i}].text")
+            items.append(PreparedItem(text, estimate_tokens(text), i))
+        return items
+
+    async def extract(self, submit: Submit, texts: Sequence[str],
+                      options: ExtractOptions) -> TaskOutput[list[list[Entity]]]:
+        if not texts:
+            raise InvalidInput("at least one item is required; send 1 or more texts", "items")
+        wanted = self.resolve_labels(options.labels)
+        items = self.prepare(texts)
+        result = await submit(items, NER_PARAMS, None)
+        values: list[list[Entity]] = [
+            [e for e in entities if wanted is None or e.label in wanted]
+            for entities in result.values]
+        return TaskOutput(values, result.queue_ms, result.inference_ms,
+                          sum(item.cost for item in items))
+
+    async def encode(self, submit: Submit, texts: Sequence[str],
+                     options: EncodeOptions) -> TaskOutput[list[Encoded]]:
+        raise UnsupportedTask(self.spec.name, "encode", self.info.tasks)
+
+    async def score(self, submit: Submit, query: str, docs: Sequence[str],
+                    options: ScoreOptions) -> TaskOutput[list[float]]:
+        raise UnsupportedTask(self.spec.name, "score", self.info.tasks)
+
+    def memory_bytes(self) -> int:
+        """The weights of the loaded components plus any static vectors."""
+        total = int(self.nlp.vocab.vectors.data.nbytes)
+        for _, pipe in self.nlp.pipeline:
+            model = getattr(pipe, "model", None)
+            if model is None or not hasattr(model, "walk"):
+                continue
+            for node in model.walk():
+                total += sum(int(node.get_param(p).nbytes)
+                             for p in node.param_names if node.has_param(p))
+        return total
+
+    def close(self) -> None:
+        self.nlp = None
+
+
+def load(spec: ModelSpec, runtime: Runtime) -> SpacyNerAdapter:
+    """Load the pipeline from its folder (an installed package's data folder or a path).
+    spaCy runs on the CPU here whatever the runtime says."""
+    import spacy
+
+    pipeline_dir = find_pipeline_dir(resolve_source(spec))
+    exclude: list[str] = []
+    if spec.options.get("ner_only", True):
+        config = spacy.util.load_config(pipeline_dir / "config.cfg", interpolate=False)
+        keep = entity_components(config)
+        exclude = [name for name in config["components"] if name not in keep]
+    return SpacyNerAdapter(spec, spacy.load(pipeline_dir, exclude=exclude))

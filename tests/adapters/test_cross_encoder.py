@@ -1,0 +1,96 @@
+"""The cross-encoder family on a tiny BERT reranker built locally and loaded through `load`."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from ember.adapters import cross_encoder
+from ember.adapters.base import EncodeOptions, Runtime, ScoreOptions
+from ember.adapters.cross_encoder import CrossEncoderAdapter
+from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
+from tests.adapters.serving import ServeFactory
+from tests.adapters.tiny_models import build_cross_encoder, spec_for
+
+QUERY = "what is the capital of france"
+DOCS = ["paris is the capital of france", "the dog is big", "music and film",
+        "rain in london", "a good book and a cup of tea"]
+LONG = "the river and the mountain " * 30
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_cross_encoder(tmp_path_factory.mktemp("tiny-ce") / "reranker")
+
+
+@pytest.fixture(scope="module")
+def reranker(model_dir: Path) -> CrossEncoderAdapter:
+    return cross_encoder.load(spec_for(model_dir, "cross_encoder", ("score",)), Runtime())
+
+
+async def score(adapter: CrossEncoderAdapter, serve: ServeFactory, query: str,
+                docs: list[str]) -> list[float]:
+    async with serve(adapter) as served:
+        out = await adapter.score(served.submit, query, docs, ScoreOptions())
+    return out.values
+
+
+async def test_scores_are_batch_invariant(reranker: CrossEncoderAdapter,
+                                          serve: ServeFactory) -> None:
+    alone = await score(reranker, serve, QUERY, DOCS[:1])
+    batched = await score(reranker, serve, QUERY, [DOCS[0], LONG, LONG + "city"])
+    assert abs(alone[0] - batched[0]) <= 1e-5
+
+
+async def test_scores_are_deterministic_and_in_input_order(reranker: CrossEncoderAdapter,
+                                                           serve: ServeFactory) -> None:
+    first = await score(reranker, serve, QUERY, DOCS)
+    assert first == await score(reranker, serve, QUERY, DOCS)
+    assert len({round(s, 5) for s in first}) == len(DOCS)  # distinct, so order is testable
+    backwards = await score(reranker, serve, QUERY, DOCS[::-1])
+    assert backwards[::-1] == pytest.approx(first, abs=1e-6)
+    singles = [(await score(reranker, serve, QUERY, [doc]))[0] for doc in DOCS]
+    assert singles == pytest.approx(first, abs=1e-5)
+    assert all(0.0 < s < 1.0 for s in first)  # through the sigmoid
+
+
+async def test_activation_none_returns_the_logit(model_dir: Path, reranker: CrossEncoderAdapter,
+                                                 serve: ServeFactory) -> None:
+    raw_model = cross_encoder.load(spec_for(model_dir, "cross_encoder", ("score",),
+                                            options={"activation": "none"}), Runtime())
+    raw = await score(raw_model, serve, QUERY, DOCS)
+    sigmoid = await score(reranker, serve, QUERY, DOCS)
+    assert [1 / (1 + math.exp(-x)) for x in raw] == pytest.approx(sigmoid, abs=1e-6)
+
+
+def test_documents_are_truncated_first(reranker: CrossEncoderAdapter) -> None:
+    items = reranker.prepare(QUERY, ["paris", LONG], truncate=True)
+    assert [i.cost for i in items] == [10, 64]
+    query_ids = reranker.tokenizer(QUERY, add_special_tokens=False)["input_ids"]
+    assert items[1].payload.input_ids[1:1 + len(query_ids)] == query_ids  # query kept whole
+    # A query that fills the limit alone is cut too rather than refused.
+    assert [i.cost for i in reranker.prepare(LONG, ["paris"], truncate=True)] == [64]
+
+
+def test_truncate_false_refuses_long_pairs(reranker: CrossEncoderAdapter) -> None:
+    with pytest.raises(InvalidInput, match="exceeds max_seq_length 64") as caught:
+        reranker.prepare(QUERY, ["paris", LONG], truncate=False)
+    assert caught.value.param == "items[1].text"
+    with pytest.raises(InvalidInput) as caught:
+        reranker.prepare(LONG, ["paris"], truncate=False)
+    assert caught.value.param == "query.text"
+
+
+async def test_refusals(reranker: CrossEncoderAdapter, model_dir: Path,
+                        serve: ServeFactory) -> None:
+    async with serve(reranker) as served:
+        with pytest.raises(UnsupportedTask):
+            await reranker.encode(served.submit, ["text"], EncodeOptions())
+        with pytest.raises(InvalidInput, match="no LoRA adapters"):
+            await reranker.score(served.submit, QUERY, DOCS, ScoreOptions(lora="x"))
+    with pytest.raises(ModelLoadError, match="activation"):
+        cross_encoder.load(spec_for(model_dir, "cross_encoder", ("score",),
+                                    options={"activation": "softmax"}), Runtime())
+    assert reranker.info.tasks == ("score",) and reranker.info.max_seq_length == 64

@@ -1,0 +1,266 @@
+"""The transformer family on the shipped all-MiniLM-L6-v2 and on tiny local models (LoRA)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sentence_transformers import SentenceTransformer
+
+from ember.adapters import transformer
+from ember.adapters.base import (
+    Encoded,
+    EncodeOptions,
+    ExtractOptions,
+    Runtime,
+    ScoreOptions,
+    TaskOutput,
+)
+from ember.adapters.transformer import TransformerAdapter, Vector
+from ember.config import DEFAULT_MODEL, load_catalog, resolve_source
+from ember.engine import WorkerConfig
+from ember.errors import InvalidInput, UnsupportedTask
+from tests.adapters.serving import ServeFactory
+from tests.adapters.tiny_models import build_bi_encoder, build_lora, spec_for
+
+PROSE = """search engines rank documents by relevance to a query while embeddings map
+text into vectors so that similar meanings land close together the model reads
+tokens attends across the sentence and pools the hidden states into one vector
+cats sleep dogs bark rivers flow mountains rise cities grow markets fall prices
+rise weather changes quickly in spring music plays softly at night café naïve
+résumé 2024 3.14 e-mail U.S. New York Paris Tokyo"""
+WORDS = PROSE.split()
+
+
+def corpus(count: int = 60, seed: int = 7) -> list[str]:
+    """Deterministic texts from 1 to ~400 words; a few pass the 256-token limit."""
+    rng = random.Random(seed)
+    lengths = [1, 2, 3, 5, 8, 400, 300] + [rng.choice([rng.randint(1, 20), rng.randint(20, 120),
+                                                       rng.randint(120, 350)])
+                                           for _ in range(count - 7)]
+    texts = []
+    for n in lengths:
+        words = [rng.choice(WORDS) for _ in range(n)]
+        texts.append(" ".join(words).capitalize() + rng.choice([".", "?", "!", ""]))
+    return texts
+
+
+@pytest.fixture(scope="module")
+def minilm() -> Iterator[TransformerAdapter]:
+    adapter = transformer.load(load_catalog()[DEFAULT_MODEL], Runtime())
+    yield adapter
+    adapter.close()
+
+
+@pytest.fixture(scope="module")
+def minilm_dir() -> Path:
+    return resolve_source(load_catalog()[DEFAULT_MODEL])
+
+
+def dense(out: TaskOutput[list[Encoded]]) -> list[Vector]:
+    vectors = [e.dense for e in out.values]
+    assert all(v is not None for v in vectors)
+    return [v for v in vectors if v is not None]
+
+
+def tokens(adapter: TransformerAdapter, text: str) -> int:
+    return len(adapter.tokenizer(text, verbose=False)["input_ids"])
+
+
+# -- the shipped model ------------------------------------------------------------
+
+
+async def test_embeddings_match_sentence_transformers(minilm: TransformerAdapter,
+                                                      minilm_dir: Path,
+                                                      serve: ServeFactory) -> None:
+    texts = corpus()
+    assert len(texts) >= 50 and any(tokens(minilm, t) > 256 for t in texts)
+    reference = SentenceTransformer(str(minilm_dir), device="cpu").encode(
+        texts, batch_size=16, convert_to_numpy=True)
+    async with serve(minilm, WorkerConfig(max_batch_items=16)) as served:
+        out = await minilm.encode(served.submit, texts, EncodeOptions())
+    ours = np.stack(dense(out))
+    assert ours.shape == (len(texts), 384) and ours.dtype == np.float32
+    cos = (ours * reference).sum(1) / (np.linalg.norm(ours, axis=1)
+                                       * np.linalg.norm(reference, axis=1))
+    assert cos.min() >= 0.9999, f"worst text {int(cos.argmin())}: cosine {cos.min()}"
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+
+
+def test_padding_does_not_change_an_embedding(minilm: TransformerAdapter) -> None:
+    texts = corpus()
+    short, longs = "Cats sleep in the sun.", [t for t in texts if tokens(minilm, t) > 200][:3]
+    items, params = minilm.prepare([short, *longs], EncodeOptions())
+    alone = minilm.forward(items[:1], params)[0]
+    batched = minilm.forward(items, params)
+    assert max(i.cost for i in items) > 20 * items[0].cost
+    assert float(np.abs(alone - batched[0]).max()) <= 1e-5
+    # And a long text in the middle of a batch matches itself alone.
+    assert float(np.abs(minilm.forward(items[1:2], params)[0] - batched[1]).max()) <= 1e-5
+
+
+async def test_long_text_is_truncated_by_default(minilm: TransformerAdapter,
+                                                 serve: ServeFactory) -> None:
+    long = "relevance " * 600
+    items, _ = minilm.prepare(["short text", long], EncodeOptions())
+    assert [i.cost for i in items] == [4, 256]
+    async with serve(minilm) as served:
+        out = await minilm.encode(served.submit, ["short text", long], EncodeOptions())
+    assert out.tokens == 4 + 256
+
+
+def test_truncate_false_refuses_a_long_text(minilm: TransformerAdapter) -> None:
+    long = "relevance " * 600
+    with pytest.raises(InvalidInput) as caught:
+        minilm.prepare(["fine", long], EncodeOptions(truncate=False))
+    assert caught.value.param == "items[1].text"
+    assert f"{tokens(minilm, long)} tokens" in caught.value.message
+    assert "max_seq_length 256" in caught.value.message
+    assert "truncate=true" in caught.value.message
+
+
+async def test_score_puts_the_relevant_document_first(minilm: TransformerAdapter,
+                                                      serve: ServeFactory) -> None:
+    docs = ["The stock market fell sharply on Monday.",
+            "A simple recipe for baking homemade bread in your oven.",
+            "Football results from the weekend league matches."]
+    async with serve(minilm) as served:
+        out = await minilm.score(served.submit, "How do I bake bread at home?", docs,
+                                 ScoreOptions())
+        encoded = await minilm.encode(served.submit, ["How do I bake bread at home?", *docs],
+                                      EncodeOptions())
+        # No prompts: query and documents share parameters, so one request of 1+N items.
+        assert served.worker.stats.batch_sizes[0] == 1 + len(docs)
+    assert int(np.argmax(out.values)) == 1
+    vectors = dense(encoded)
+    expected = [float(np.dot(vectors[0], v)) for v in vectors[1:]]  # unit vectors
+    np.testing.assert_allclose(out.values, expected, atol=1e-5)
+
+
+async def test_refusals(minilm: TransformerAdapter, serve: ServeFactory) -> None:
+    async with serve(minilm) as served:
+        with pytest.raises(UnsupportedTask, match="encode, score"):
+            await minilm.extract(served.submit, ["text"], ExtractOptions())
+        with pytest.raises(InvalidInput, match="no LoRA adapters") as caught:
+            await minilm.encode(served.submit, ["text"], EncodeOptions(lora="nope"))
+        assert caught.value.param == "params.options.lora"
+        with pytest.raises(InvalidInput, match="sparse") as caught:
+            await minilm.encode(served.submit, ["text"], EncodeOptions(output_types=("sparse",)))
+        with pytest.raises(InvalidInput, match="at least one"):
+            await minilm.score(served.submit, "query", [], ScoreOptions())
+    assert minilm.info.dims == 384 and minilm.info.max_seq_length == 256
+    assert minilm.memory_bytes() > 80_000_000
+
+
+def test_normalize_option_and_info(minilm: TransformerAdapter) -> None:
+    items, plain = minilm.prepare(["a cat sleeps"], EncodeOptions(normalize=False))
+    _, unit = minilm.prepare(["a cat sleeps"], EncodeOptions())
+    assert plain != unit  # different parameter groups (R6)
+    raw = minilm.forward(items, plain)[0]
+    assert abs(float(np.linalg.norm(raw)) - 1.0) > 1e-3
+    np.testing.assert_allclose(raw / np.linalg.norm(raw), minilm.forward(items, unit)[0],
+                               atol=1e-6)
+
+
+# -- tiny local models: prompts and LoRA -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-bi")
+    base = build_bi_encoder(root / "base")
+    return {"base": base, "a": build_lora(base, root / "lora-a", seed=1),
+            "b": build_lora(base, root / "lora-b", seed=2)}
+
+
+@pytest.fixture(scope="module")
+def with_loras(tiny_dirs: dict[str, Path]) -> TransformerAdapter:
+    loras = {"a": tiny_dirs["a"], "b": tiny_dirs["b"]}
+    return transformer.load(spec_for(tiny_dirs["base"], "transformer", ("encode", "score"),
+                                     loras=loras), Runtime())
+
+
+TINY_TEXTS = ["the cat is big", "paris is the capital of france", "a slow river",
+              "what is the weather in london"]
+
+
+async def test_lora_changes_the_output(with_loras: TransformerAdapter,
+                                       tiny_dirs: dict[str, Path],
+                                       serve: ServeFactory) -> None:
+    plain = transformer.load(spec_for(tiny_dirs["base"], "transformer", ("encode",)), Runtime())
+    async with serve(with_loras) as served:
+        got = {name: await with_loras.encode(served.submit, TINY_TEXTS, EncodeOptions(lora=name))
+               for name in (None, "a", "b", None)}
+    async with serve(plain) as served:
+        reference = await plain.encode(served.submit, TINY_TEXTS, EncodeOptions())
+    vectors = {name: np.stack(dense(out)) for name, out in got.items()}
+    base = np.stack(dense(reference))
+    np.testing.assert_allclose(vectors[None], base, atol=1e-6)  # adapters off = the base
+    assert np.abs(vectors["a"] - base).max() > 1e-3
+    assert np.abs(vectors["b"] - base).max() > 1e-3
+    assert np.abs(vectors["a"] - vectors["b"]).max() > 1e-3
+    assert with_loras.info.loras == ("a", "b")
+
+
+async def test_a_batch_never_mixes_loras(with_loras: TransformerAdapter,
+                                         serve: ServeFactory) -> None:
+    names = [None, "a", "b"]
+    references = {}
+    for name in names:  # each text alone under each adapter
+        items, params = with_loras.prepare(TINY_TEXTS, EncodeOptions())
+        with_loras.set_lora(name)
+        references[name] = [with_loras.forward([item], params)[0] for item in items]
+    with_loras.set_lora(None)
+    async with serve(with_loras) as served:
+        served.worker.pause()  # queue every request first, so batches form deterministically
+        futures = []
+        for i, text in enumerate(TINY_TEXTS * 3):
+            items, params = with_loras.prepare([text], EncodeOptions())
+            name = names[i % 3]
+            futures.append((name, text, await served.worker.submit(items, params, lora=name)))
+        served.worker.resume()
+        results = await asyncio.gather(*(f for _, _, f in futures))
+        stats = served.worker.stats
+    assert sorted(stats.batch_loras, key=str) == [None, "a", "b"]
+    assert stats.batch_sizes == [4, 4, 4]
+    for (name, text, _), result in zip(futures, results, strict=True):
+        expected = references[name][TINY_TEXTS.index(text)]
+        assert float(np.abs(result.values[0] - expected).max()) <= 1e-5
+
+
+async def test_unknown_lora_lists_the_known_ones(with_loras: TransformerAdapter,
+                                                 serve: ServeFactory) -> None:
+    async with serve(with_loras) as served:
+        with pytest.raises(InvalidInput, match="known LoRAs: a, b") as caught:
+            await with_loras.score(served.submit, "query", ["doc"], ScoreOptions(lora="c"))
+    assert caught.value.param == "params.options.lora"
+
+
+async def test_prompts_split_query_and_document_sides(tiny_dirs: dict[str, Path],
+                                                      serve: ServeFactory) -> None:
+    spec = spec_for(tiny_dirs["base"], "transformer", ("encode", "score"),
+                    prompts={"query": "query: ", "document": "passage: "})
+    adapter = transformer.load(spec, Runtime())
+    q_items, q_params = adapter.prepare(["the cat"], EncodeOptions(is_query=True))
+    d_items, d_params = adapter.prepare(["the cat"], EncodeOptions())
+    assert q_params != d_params and q_params.prefix == "query: "
+    assert q_items[0].cost == d_items[0].cost == 2 + 2 + 2  # specials, prompt, text
+    async with serve(adapter) as served:
+        out = await adapter.score(served.submit, "the cat", ["the cat", "a river"],
+                                  ScoreOptions())
+        assert sorted(served.worker.stats.batch_sizes) == [1, 2]  # two sides, two forwards
+    assert len(out.values) == 2 and out.tokens == 6 * 3
+    _, params = adapter.prepare(["x"], EncodeOptions(is_query=True, instruction="find"))
+    assert params.prefix == "find query: "
+
+
+def test_a_missing_lora_directory_fails_the_load(tiny_dirs: dict[str, Path],
+                                                 tmp_path: Path) -> None:
+    spec = spec_for(tiny_dirs["base"], "transformer", ("encode",),
+                    loras={"gone": tmp_path / "nowhere"})
+    with pytest.raises(FileNotFoundError, match=r"'gone'.*adapter_config\.json"):
+        transformer.load(spec, Runtime())

@@ -1,0 +1,133 @@
+"""Tiny BERT models written to a folder, for tests that need an architecture the
+shipped packages lack (LoRA, cross-encoders). Random weights, seeded: the
+outputs mean nothing, but they are deterministic and they load through the
+real loaders. Each builder takes well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import WordPiece
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    BertModel,
+    PreTrainedTokenizerFast,
+)
+
+from ember.config import ModelSpec, Source
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+WORD_LIST = """the a an of to in and is was for on with as by at from that this it be are
+search engine query document model text vector score rank result index token batch
+cat dog fish bird tree river mountain city country paris france london england
+capital weather rain sun music song film book apple banana bread coffee tea water
+what where who how why when which big small fast slow good bad new old"""
+WORDS = WORD_LIST.split()
+SUFFIXES = ["##s", "##ed", "##ing", "##er", "##ly"]
+MAX_POSITIONS = 128
+
+
+def vocabulary() -> list[str]:
+    return [*SPECIALS, *WORDS, *SUFFIXES, *".,?!"]
+
+
+def write_tokenizer(directory: Path, max_length: int) -> None:
+    """A lower-casing WordPiece tokenizer with BERT's special-token template."""
+    vocab = {token: i for i, token in enumerate(vocabulary())}
+    tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    cls, sep = vocab["[CLS]"], vocab["[SEP]"]
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+        sep_token="[SEP]", mask_token="[MASK]", model_max_length=max_length)
+    fast.save_pretrained(str(directory))
+
+
+def bert_config(**overrides: Any) -> BertConfig:
+    settings: dict[str, Any] = {
+        "vocab_size": len(vocabulary()), "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "intermediate_size": 64,
+        "max_position_embeddings": MAX_POSITIONS, "pad_token_id": 0,
+        **overrides}
+    return BertConfig(**settings)
+
+
+def _write_json(path: Path, data: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2), encoding="utf-8")
+
+
+def build_bi_encoder(directory: Path, *, seed: int = 0, max_seq_length: int = 64,
+                     pooling: str = "mean", normalize: bool = True) -> Path:
+    """A sentence-transformers-style directory around a tiny BertModel."""
+    torch.manual_seed(seed)
+    BertModel(bert_config()).save_pretrained(str(directory), safe_serialization=True)
+    write_tokenizer(directory, max_seq_length)
+    modules: list[dict[str, object]] = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    _write_json(directory / "modules.json", modules)
+    _write_json(directory / "1_Pooling" / "config.json", {
+        "word_embedding_dimension": 32,
+        "pooling_mode_cls_token": pooling == "cls",
+        "pooling_mode_mean_tokens": pooling == "mean"})
+    _write_json(directory / "sentence_bert_config.json",
+                {"max_seq_length": max_seq_length, "do_lower_case": False})
+    return directory
+
+
+def build_cross_encoder(directory: Path, *, seed: int = 0, max_seq_length: int = 64) -> Path:
+    """A one-label BertForSequenceClassification directory (a reranker's shape)."""
+    torch.manual_seed(seed)
+    # A wider init than BERT's 0.02 so that different pairs get visibly different scores.
+    model = BertForSequenceClassification(bert_config(num_labels=1, initializer_range=0.2))
+    model.save_pretrained(str(directory), safe_serialization=True)
+    write_tokenizer(directory, max_seq_length)
+    return directory
+
+
+def build_lora(base_dir: Path, directory: Path, *, seed: int,
+               task_type: str = "FEATURE_EXTRACTION") -> Path:
+    """A PEFT LoRA adapter for the model in `base_dir`, with random (nonzero) A and B."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base: torch.nn.Module
+    if task_type == "SEQ_CLS":
+        base = BertForSequenceClassification.from_pretrained(str(base_dir))
+    else:
+        base = BertModel.from_pretrained(str(base_dir))
+    # init_lora_weights=False draws B at random too, so the adapter changes outputs.
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"],
+                        init_lora_weights=False, task_type=task_type)
+    with warnings.catch_warnings():
+        # peft 0.21 reads an attribute transformers 5 deprecated; nothing to act on.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing",
+                                category=FutureWarning)
+        peft_model = get_peft_model(base, config)
+    peft_model.save_pretrained(str(directory))
+    return directory
+
+
+def spec_for(path: Path, adapter: str, tasks: tuple[str, ...], *,
+             loras: Mapping[str, Path] | None = None, **fields: Any) -> ModelSpec:
+    """A catalog entry pointing at a local directory."""
+    return ModelSpec(name=f"tiny/{path.name}", adapter=adapter, source=Source(path=path),
+                     tasks=tasks, loras=dict(loras or {}), **fields)
