@@ -15,7 +15,8 @@ from ember.engine.config import WorkerConfig
 BUILTIN_CATALOG = Path(__file__).parent / "catalog"
 # Adapter family named in a model YAML -> its module under ember.adapters.
 ADAPTERS = {"transformer": "transformer", "cross_encoder": "cross_encoder",
-            "spacy": "spacy_ner", "synthetic": "synthetic"}
+            "spacy": "spacy_ner", "sparse": "sparse", "multivector": "multivector",
+            "synthetic": "synthetic"}
 TASKS = ("encode", "score", "extract")
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 

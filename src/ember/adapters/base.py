@@ -43,11 +43,22 @@ class ExtractOptions:
     labels: tuple[str, ...] | None = None  # friendly or native names; None: all
 
 
+@dataclass(frozen=True)
+class SparseVector:
+    """Non-zero weights over a vocabulary of `dims`; indices sorted and unique."""
+
+    indices: npt.NDArray[np.int32]
+    values: npt.NDArray[np.float32]
+    dims: int
+
+
 @dataclass
 class Encoded:
     """The outputs of one encoded item, by output type."""
 
     dense: npt.NDArray[np.float32] | None = None
+    sparse: SparseVector | None = None
+    multivector: npt.NDArray[np.float32] | None = None  # (num_tokens, token_dims)
 
 
 @dataclass(frozen=True)
