@@ -12,6 +12,12 @@ class WorkerConfig:
     `hold_lone_idle_requests` restores the earlier rule in which an idle worker
     held even a lone request for `idle_coalesce_ms`. It exists only so the
     benchmarks can compare before and after; leave it off.
+
+    `hold_for_returning_senders` (R3d): a lone arrival on an idle worker whose
+    last forward on that LoRA ended within `returning_window_ms` carrying N >= 2
+    requests is held for the idle window, or until N requests are pending,
+    since a closed-loop burst is on its way back. A sequential client (last
+    forward of one request) still never waits.
     """
 
     max_batch_tokens: int = 16384
@@ -22,6 +28,8 @@ class WorkerConfig:
     max_queue_items: int = 4096
     starvation_ms: float = field(default=-1.0)
     hold_lone_idle_requests: bool = False
+    hold_for_returning_senders: bool = False
+    returning_window_ms: float = 5.0
 
     def __post_init__(self) -> None:
         if self.starvation_ms < 0:
@@ -30,6 +38,7 @@ class WorkerConfig:
         for name in ("max_batch_tokens", "max_batch_items", "max_queue_items"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_batch_wait_ms", "coalesce_ms", "idle_coalesce_ms"):
+        for name in ("max_batch_wait_ms", "coalesce_ms", "idle_coalesce_ms",
+                     "returning_window_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

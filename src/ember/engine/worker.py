@@ -56,6 +56,8 @@ class ModelWorker:
         self._task: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._active_lora: str | None = None
+        # Per LoRA: when its last forward ended and how many requests it carried.
+        self._last_forward: dict[str | None, tuple[float, int]] = {}
 
     # -- public API ---------------------------------------------------------------
 
@@ -146,7 +148,7 @@ class ModelWorker:
                 lora, batcher = self._select()  # R2
                 if not self._stopping:
                     if idle:
-                        await self._idle_window(batcher)  # R3
+                        await self._idle_window(lora, batcher)  # R3
                     else:
                         await self._coalesce(batcher, self.config.coalesce_ms)  # R4, while busy
                     if self._paused:
@@ -165,23 +167,39 @@ class ModelWorker:
         waiting = [(lora, b) for lora, b in self._batchers.items() if b.pending_items]
         return min(waiting, key=lambda entry: cast(float, entry[1].oldest_arrival))
 
-    async def _idle_window(self, batcher: BatchFormer) -> None:
+    async def _idle_window(self, lora: str | None, batcher: BatchFormer) -> None:
         """R3: a lone request goes at once; a burst already queued coalesces."""
         cfg = self.config
         if cfg.idle_coalesce_ms == 0:
             return
         if batcher.pending_requests == 1 and not cfg.hold_lone_idle_requests:
+            expected = self._returning_senders(lora)
+            if expected > 1:  # R3d: the senders of a fused forward are on their way back
+                await self._coalesce(batcher, cfg.idle_coalesce_ms, expected)
             return
         await self._coalesce(batcher, cfg.idle_coalesce_ms)
 
-    async def _coalesce(self, batcher: BatchFormer, quiet_ms: float) -> None:
-        """Take arrivals until none came for `quiet_ms`, the batch is full, or the
-        oldest pending item has waited `max_batch_wait_ms`."""
+    def _returning_senders(self, lora: str | None) -> int:
+        """How many requests the last forward on `lora` carried, if it ended within
+        `returning_window_ms` (0 when the rule is off or the forward is not recent)."""
+        cfg = self.config
+        if not cfg.hold_for_returning_senders or lora not in self._last_forward:
+            return 0
+        ended, requests = self._last_forward[lora]
+        return requests if self._now() - ended <= cfg.returning_window_ms / 1000 else 0
+
+    async def _coalesce(self, batcher: BatchFormer, quiet_ms: float,
+                        expected_requests: int | None = None) -> None:
+        """Take arrivals until none came for `quiet_ms`, the batch is full, the
+        `expected_requests` are all there, or the oldest pending item has waited
+        `max_batch_wait_ms`."""
         max_wait = self.config.max_batch_wait_ms / 1000
         while not self._stopping and not self._paused:
             self._drop_dead(batcher)
             oldest, last = batcher.oldest_arrival, batcher.last_arrival
             if oldest is None or last is None or batcher.is_full(self._now()):
+                return
+            if expected_requests is not None and batcher.pending_requests >= expected_requests:
                 return
             timeout = min(last + quiet_ms / 1000, oldest + max_wait) - self._now()
             if timeout <= 0:
@@ -228,6 +246,7 @@ class ModelWorker:
         except Exception as exc:  # R9: the error belongs to this forward's requests only
             error = exc
         elapsed = loop.time() - started
+        self._last_forward[lora] = (loop.time(), len(requests))
         self.stats.record_batch(BatchRecord(len(items), len(requests), padded, lora,
                                             elapsed * 1000, error is not None))
         if error is None:
