@@ -264,3 +264,10 @@ def test_a_missing_lora_directory_fails_the_load(tiny_dirs: dict[str, Path],
                     loras={"gone": tmp_path / "nowhere"})
     with pytest.raises(FileNotFoundError, match=r"'gone'.*adapter_config\.json"):
         transformer.load(spec, Runtime())
+
+
+def test_an_instruction_on_a_model_without_prompts_is_refused(
+        minilm: TransformerAdapter) -> None:
+    with pytest.raises(InvalidInput, match="has no prompts configured") as caught:
+        minilm.prepare(["x"], EncodeOptions(instruction="Represent this for retrieval"))
+    assert caught.value.param == "params.instruction"

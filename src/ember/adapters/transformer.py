@@ -173,7 +173,12 @@ class TransformerAdapter:
     # -- the request path (event loop) ----------------------------------------------
 
     def prefix(self, is_query: bool, instruction: str | None) -> str:
-        """The text put before each input: an instruction, then the side's prompt."""
+        """The text put before each input: an instruction, then the side's prompt.
+        Only a model configured with prompts was trained to follow an instruction."""
+        if instruction and not any(self.prompts.values()):
+            raise InvalidInput(f"model {self.info.name!r} has no prompts configured, so it "
+                               "takes no instruction; drop params.instruction, or set "
+                               "'prompts' in its YAML", "params.instruction")
         prompt = self.prompts.get("query" if is_query else "document", "")
         return f"{instruction} {prompt}" if instruction else prompt
 
