@@ -131,3 +131,38 @@ def spec_for(path: Path, adapter: str, tasks: tuple[str, ...], *,
     """A catalog entry pointing at a local directory."""
     return ModelSpec(name=f"tiny/{path.name}", adapter=adapter, source=Source(path=path),
                      tasks=tasks, loras=dict(loras or {}), **fields)
+
+
+def build_sparse_encoder(directory: Path, *, seed: int = 0, max_seq_length: int = 64,
+                         bias: float = -1.0) -> Path:
+    """A BertForMaskedLM directory (a SPLADE model's shape). A negative output bias
+    leaves many vocabulary entries without a positive logit anywhere, so the pooled
+    vectors have zeros to drop, as trained SPLADE models do."""
+    from transformers import BertForMaskedLM
+
+    torch.manual_seed(seed)
+    model = BertForMaskedLM(bert_config(initializer_range=0.2))
+    with torch.no_grad():
+        model.cls.predictions.bias.fill_(bias)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    write_tokenizer(directory, max_seq_length)
+    return directory
+
+
+def build_colbert(directory: Path, *, seed: int = 0, max_seq_length: int = 64,
+                  token_dims: int = 16, projection: str = "colbert_linear.safetensors",
+                  key: str = "weight") -> Path:
+    """A BertModel directory with a (token_dims, hidden) projection file beside it.
+    Position embeddings are scaled down so a token's vector is mostly its identity,
+    so that documents sharing the query's tokens score visibly higher under MaxSim."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    model = BertModel(bert_config())
+    with torch.no_grad():
+        model.embeddings.position_embeddings.weight.mul_(0.1)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    write_tokenizer(directory, max_seq_length)
+    weight = torch.randn(token_dims, int(model.config.hidden_size)) / token_dims ** 0.5
+    save_file({key: weight.contiguous()}, str(directory / projection))
+    return directory

@@ -12,9 +12,17 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     # Static proof that every family satisfies the ModelAdapter protocol.
-    from ember.adapters import cross_encoder, spacy_ner, synthetic, transformer
+    from ember.adapters import (
+        cross_encoder,
+        multivector,
+        spacy_ner,
+        sparse,
+        synthetic,
+        transformer,
+    )
     from ember.adapters.base import ModelAdapter, Runtime
     from ember.config import ModelSpec
 
     _FAMILIES: tuple[Callable[[ModelSpec, Runtime], ModelAdapter], ...] = (
-        transformer.load, cross_encoder.load, spacy_ner.load, synthetic.load)
+        transformer.load, cross_encoder.load, spacy_ner.load, synthetic.load, sparse.load,
+        multivector.load)

@@ -3,17 +3,19 @@ dynamic padding, token-budget checks and the device."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ember.adapters.base import Runtime
+from ember.adapters.base import Runtime, Submit
 from ember.config import ModelSpec
+from ember.engine.types import PreparedItem, RequestResult
 from ember.errors import InvalidInput, ModelLoadError
 
 
@@ -156,3 +158,78 @@ def release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+# -- shared by the sparse and multi-vector families ------------------------------------
+
+
+def load_tokenizer(spec: ModelSpec, model_dir: Path) -> Any:
+    """The directory's fast tokenizer, offline; a slow-only tokenizer fails the load."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), use_fast=True,
+                                              local_files_only=True,
+                                              trust_remote_code=spec.trust_remote_code)
+    if not tokenizer.is_fast:
+        raise ModelLoadError(spec.name, "a fast (tokenizers) tokenizer is required; the "
+                                        "model directory needs a tokenizer.json")
+    return tokenizer
+
+
+def refuse_loras(spec: ModelSpec, family: str) -> None:
+    if spec.loras:
+        raise ModelLoadError(spec.name, f"the {family} family does not take LoRA adapters; "
+                                        f"remove 'loras' from the spec")
+
+
+def side_prefix(model: str, prompts: Mapping[str, str], is_query: bool,
+                instruction: str | None) -> str:
+    """The text put before each input: an instruction, then the side's prompt.
+    Only a model configured with prompts was trained to follow an instruction."""
+    if instruction and not any(prompts.values()):
+        raise InvalidInput(f"model {model!r} has no prompts configured, so it takes no "
+                           "instruction; drop params.instruction, or set 'prompts' in its "
+                           "YAML", "params.instruction")
+    prompt = prompts.get("query" if is_query else "document", "")
+    return f"{instruction} {prompt}" if instruction else prompt
+
+
+def check_output_types(requested: Sequence[str], supported: Sequence[str]) -> tuple[str, ...]:
+    """The requested output types, deduplicated (none: the model's first); any the model
+    cannot produce is a 422."""
+    if not requested:
+        return (supported[0],)
+    unknown = [t for t in requested if t not in supported]
+    if unknown:
+        raise InvalidInput(f"output_types {list(requested)} not supported; this model "
+                           f"returns {list(supported)}", "params.output_types")
+    return tuple(dict.fromkeys(requested))
+
+
+def tokenize(tokenizer: Any, texts: Sequence[str], limit: int, truncate: bool,
+             where: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids of all texts in one batch call, and for each a mask with 1 where the
+    tokenizer's template added a special token ([CLS], [SEP]); over-long texts are cut
+    to `limit` or refused."""
+    encoded = tokenizer(list(texts), truncation=truncate, max_length=limit if truncate else None,
+                        return_attention_mask=False, return_token_type_ids=False,
+                        return_special_tokens_mask=True, verbose=False)
+    rows: list[list[int]] = encoded["input_ids"]
+    for row, param in zip(rows, where, strict=True):
+        if len(row) > limit:
+            raise over_limit(len(row), limit, param)
+    return rows, encoded["special_tokens_mask"]
+
+
+async def submit_sides(submit: Submit, items: Sequence[PreparedItem], query_params: Hashable,
+                       doc_params: Hashable, lora: str | None
+                       ) -> tuple[list[RequestResult], list[Any]]:
+    """Score's query (items[0]) and documents (the rest): one submit when both sides
+    share parameters, else the two sides concurrently. Values come back query first."""
+    if query_params == doc_params:
+        result = await submit(items, query_params, lora)
+        return [result], list(result.values)
+    docs = [PreparedItem(item.payload, item.cost, i) for i, item in enumerate(items[1:])]
+    q_result, d_result = await asyncio.gather(submit(items[:1], query_params, lora),
+                                              submit(docs, doc_params, lora))
+    return [q_result, d_result], [*q_result.values, *d_result.values]

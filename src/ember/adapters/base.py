@@ -29,7 +29,7 @@ class EncodeOptions:
     truncate: bool = True
     normalize: bool | None = None  # None: the model's configured default
     lora: str | None = None
-    output_types: tuple[str, ...] = ("dense",)
+    output_types: tuple[str, ...] = ()  # none: the model's own output
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from ember.adapters.base import (
 )
 from ember.config import ModelSpec, resolve_source
 from ember.engine.types import PreparedItem, RequestResult
-from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
+from ember.errors import ModelLoadError, UnsupportedTask
 
 POOLING_MODES = ("mean", "cls")
 TASKS: tuple[Task, ...] = ("encode", "score")
@@ -172,24 +172,12 @@ class TransformerAdapter:
 
     # -- the request path (event loop) ----------------------------------------------
 
-    def prefix(self, is_query: bool, instruction: str | None) -> str:
-        """The text put before each input: an instruction, then the side's prompt.
-        Only a model configured with prompts was trained to follow an instruction."""
-        if instruction and not any(self.prompts.values()):
-            raise InvalidInput(f"model {self.info.name!r} has no prompts configured, so it "
-                               "takes no instruction; drop params.instruction, or set "
-                               "'prompts' in its YAML", "params.instruction")
-        prompt = self.prompts.get("query" if is_query else "document", "")
-        return f"{instruction} {prompt}" if instruction else prompt
-
     def params(self, options: EncodeOptions) -> EncodeParams:
-        unknown = [t for t in options.output_types if t not in OUTPUT_TYPES]
-        if unknown or not options.output_types:
-            raise InvalidInput(f"output_types {list(options.output_types)} not supported; "
-                               f"this model returns {list(OUTPUT_TYPES)}", "params.output_types")
+        output_types = common.check_output_types(options.output_types, OUTPUT_TYPES)
         normalize = self.normalize if options.normalize is None else options.normalize
-        return EncodeParams(self.prefix(options.is_query, options.instruction), normalize,
-                            tuple(options.output_types))
+        prefix = common.side_prefix(self.info.name, self.prompts, options.is_query,
+                                    options.instruction)
+        return EncodeParams(prefix, normalize, output_types)
 
     def tokenize(self, texts: Sequence[str], truncate: bool,
                  where: Sequence[str]) -> list[list[int]]:

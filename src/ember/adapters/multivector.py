@@ -1,0 +1,255 @@
+"""Multi-vector (ColBERT-style) encoders: one vector per token, scored by MaxSim.
+
+On disk, a model directory is a transformers encoder (`AutoModel`: config,
+safetensors weights unless the spec sets `allow_pickle`, a fast tokenizer) plus
+the projection from the encoder's hidden size to the token dimension:
+
+    colbert_linear.safetensors    one tensor "weight", shape (token_dims, hidden_size)
+
+applied as `hidden @ weight.T` (no bias). Spec `options`:
+
+- `projection` (default "colbert_linear.safetensors"): the projection's file,
+  relative to the model directory; always safetensors.
+- `projection_key` (default "weight"): the tensor's name in that file.
+
+An item's output is a float32 array (num_tokens, token_dims): the projected
+last hidden state of each of its tokens, without padding and without the
+special tokens the tokenizer's template adds ([CLS], [SEP]), each row
+L2-normalized (a request's `normalize: false` returns the raw projections).
+Text that yields no tokens gives a (0, token_dims) array.
+
+`score` is MaxSim over normalized rows: the sum, over the query's tokens, of the
+largest cosine with any of the document's tokens (0 when either side has no
+tokens). Spec `prompts` (`query`, `document`) and a request's `instruction` are
+put before the text as in the transformer family; differing prompts keep the two
+sides in separate forwards (R6). ColBERT's own query/document marker tokens and
+query [MASK] augmentation are not applied; a checkpoint that relies on them
+scores differently here. The only output type is "multivector". LoRA adapters
+are not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.nn.functional as F
+
+from ember.adapters import _torch as common
+from ember.adapters.base import (
+    Encoded,
+    EncodeOptions,
+    Entity,
+    ExtractOptions,
+    ModelInfo,
+    Runtime,
+    ScoreOptions,
+    Submit,
+    Task,
+    TaskOutput,
+    combine,
+)
+from ember.config import ModelSpec, resolve_source
+from ember.engine.types import PreparedItem
+from ember.errors import ModelLoadError, UnsupportedTask
+
+TASKS: tuple[Task, ...] = ("encode", "score")
+OUTPUT_TYPES = ("multivector",)
+OPTIONS = ("projection", "projection_key")
+PROJECTION_FILE = "colbert_linear.safetensors"
+PROJECTION_KEY = "weight"
+Matrix = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class MultiVectorParams:
+    """The parameter group of one forward (R6)."""
+
+    prefix: str
+    normalize: bool
+    output_types: tuple[str, ...] = OUTPUT_TYPES
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRow:
+    """A tokenized input: the payload of one prepared item. `keep` is 1 at the
+    positions whose vectors are returned (not a template special token)."""
+
+    ids: list[int]
+    keep: list[int]
+
+
+def maxsim(query: Matrix, doc: Matrix) -> float:
+    """Sum over query rows of the best dot product with a document row (unit rows: cosine)."""
+    if query.shape[0] == 0 or doc.shape[0] == 0:
+        return 0.0
+    sims = query.astype(np.float64) @ doc.astype(np.float64).T
+    return float(sims.max(axis=1).sum())
+
+
+def read_projection(spec: ModelSpec, model_dir: Path) -> torch.Tensor:
+    """The projection weight named by the spec's options (read before the encoder,
+    so a missing file fails the load early)."""
+    from safetensors import safe_open
+
+    options: Mapping[str, Any] = spec.options
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ModelLoadError(spec.name, f"unknown options {unknown}; the multivector family "
+                                        f"takes {list(OPTIONS)}")
+    name = str(options.get("projection", PROJECTION_FILE))
+    key = str(options.get("projection_key", PROJECTION_KEY))
+    path = model_dir / name
+    if path.suffix != ".safetensors" or not path.is_file():
+        raise ModelLoadError(spec.name, f"no projection file {path} (options.projection: a "
+                                        f".safetensors file in the model directory)")
+    with safe_open(str(path), framework="pt") as file:
+        names = sorted(file.keys())
+        if key not in names:
+            raise ModelLoadError(spec.name, f"{path.name} has no tensor {key!r} "
+                                            f"(options.projection_key); it has {names}")
+        weight: torch.Tensor = file.get_tensor(key)
+    return weight.float()
+
+
+class MultiVectorAdapter:
+    """One multi-vector encoder. Task methods run on the event loop; forward in the
+    worker's thread."""
+
+    def __init__(self, spec: ModelSpec, model: Any, tokenizer: Any, projection: torch.Tensor,
+                 runtime: Runtime) -> None:
+        unknown = [t for t in spec.tasks if t not in TASKS]
+        if unknown:
+            raise ModelLoadError(spec.name, f"the multivector family does not do {unknown}; "
+                                            f"it does {TASKS}")
+        common.refuse_loras(spec, "multivector")
+        hidden_size = int(model.config.hidden_size)
+        if projection.ndim != 2 or projection.shape[1] != hidden_size:
+            raise ModelLoadError(spec.name, f"the projection has shape "
+                                            f"{tuple(projection.shape)}; expected "
+                                            f"(token_dims, {hidden_size})")
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.device = torch.device(runtime.device)
+        self.max_seq_length = common.model_max_length(spec, model.config, tokenizer)
+        self.prompts = dict(spec.prompts)
+        self.pad_id = int(tokenizer.pad_token_id or 0)
+        self.token_dims = int(projection.shape[0])
+        # Kept in float32 on the device; the encoder's (fp16 on CUDA) output is cast up.
+        self.projection = projection.to(self.device)
+        self.loras = common.LoraSet(model, {}, runtime)  # placement, and refusing a LoRA
+        self.info = ModelInfo(
+            name=spec.name,
+            tasks=tuple(t for t in TASKS if t in spec.tasks),
+            dims=self.token_dims,
+            max_seq_length=self.max_seq_length,
+            output_types=OUTPUT_TYPES,
+            extra={"token_dims": self.token_dims, "scoring": "maxsim",
+                   "prompts": dict(self.prompts)},
+        )
+
+    # -- the worker thread --------------------------------------------------------
+
+    def set_lora(self, name: str | None) -> None:
+        self.loras.set(name)
+
+    def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[Matrix]:
+        assert isinstance(params, MultiVectorParams)
+        rows: list[TokenRow] = [item.payload for item in items]
+        ids_rows = [row.ids for row in rows]
+        with torch.inference_mode():
+            ids = common.pad(ids_rows, self.pad_id, self.device)
+            mask = common.attention_mask(ids_rows, self.device)
+            hidden = self.loras.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            vectors = hidden.float() @ self.projection.T  # (batch, longest, token_dims)
+            if params.normalize:
+                vectors = F.normalize(vectors, p=2, dim=-1)
+            # Padding is 0 in `keep` as well, so one gather drops both.
+            keep = common.pad([row.keep for row in rows], 0, self.device).bool()
+            flat = vectors[keep].cpu().numpy().astype(np.float32)
+        counts = [sum(row.keep) for row in rows]
+        return list(np.split(flat, np.cumsum(counts)[:-1]))
+
+    # -- the request path (event loop) ----------------------------------------------
+
+    def params(self, options: EncodeOptions) -> MultiVectorParams:
+        output_types = common.check_output_types(options.output_types, OUTPUT_TYPES)
+        normalize = True if options.normalize is None else options.normalize
+        return MultiVectorParams(common.side_prefix(self.info.name, self.prompts, options.is_query,
+                                                    options.instruction),
+                                 normalize, output_types)
+
+    def tokenize(self, texts: Sequence[str], truncate: bool,
+                 where: Sequence[str]) -> list[PreparedItem]:
+        ids, specials = common.tokenize(self.tokenizer, texts, self.max_seq_length, truncate,
+                                        where)
+        return [PreparedItem(TokenRow(row, [1 - s for s in special]), len(row), i)
+                for i, (row, special) in enumerate(zip(ids, specials, strict=True))]
+
+    def prepare(self, texts: Sequence[str],
+                options: EncodeOptions) -> tuple[list[PreparedItem], MultiVectorParams]:
+        """Prepared items (cost = tokens after truncation) and their parameter group."""
+        params = self.params(options)
+        where = [f"items[{i}].text" for i in range(len(texts))]
+        return self.tokenize([params.prefix + t for t in texts], options.truncate,
+                             where), params
+
+    async def encode(self, submit: Submit, texts: Sequence[str],
+                     options: EncodeOptions) -> TaskOutput[list[Encoded]]:
+        self._require("encode")
+        common.require_items(len(texts))
+        self.loras.check(options.lora)
+        items, params = self.prepare(texts, options)
+        result = await submit(items, params, options.lora)
+        return TaskOutput([Encoded(multivector=m) for m in result.values], result.queue_ms,
+                          result.inference_ms, sum(item.cost for item in items))
+
+    async def score(self, submit: Submit, query: str, docs: Sequence[str],
+                    options: ScoreOptions) -> TaskOutput[list[float]]:
+        self._require("score")
+        common.require_items(len(docs))
+        self.loras.check(options.lora)
+        q_params = self.params(EncodeOptions(is_query=True, output_types=OUTPUT_TYPES))
+        d_params = self.params(EncodeOptions(is_query=False, output_types=OUTPUT_TYPES))
+        where = ["query.text", *(f"items[{i}].text" for i in range(len(docs)))]
+        texts = [q_params.prefix + query, *(d_params.prefix + d for d in docs)]
+        items = self.tokenize(texts, options.truncate, where)
+        results, matrices = await common.submit_sides(submit, items, q_params, d_params,
+                                                      options.lora)
+        queue_ms, inference_ms = combine(results)
+        return TaskOutput([maxsim(matrices[0], m) for m in matrices[1:]], queue_ms,
+                          inference_ms, sum(item.cost for item in items))
+
+    async def extract(self, submit: Submit, texts: Sequence[str],
+                      options: ExtractOptions) -> TaskOutput[list[list[Entity]]]:
+        raise UnsupportedTask(self.spec.name, "extract", self.info.tasks)
+
+    def _require(self, task: Task) -> None:
+        if task not in self.info.tasks:
+            raise UnsupportedTask(self.spec.name, task, self.info.tasks)
+
+    def memory_bytes(self) -> int:
+        projection = self.projection.numel() * self.projection.element_size()
+        return common.module_bytes(self.loras.model) + projection
+
+    def close(self) -> None:
+        self.loras.close()
+        self.projection = torch.empty(0)
+        common.release(self.device)
+
+
+def load(spec: ModelSpec, runtime: Runtime) -> MultiVectorAdapter:
+    """Load an encoder directory and its projection file, offline."""
+    from transformers import AutoModel
+
+    common.apply_runtime(runtime)
+    model_dir = resolve_source(spec)
+    projection = read_projection(spec, model_dir)
+    tokenizer = common.load_tokenizer(spec, model_dir)
+    model = AutoModel.from_pretrained(str(model_dir), **common.load_kwargs(spec))
+    return MultiVectorAdapter(spec, model, tokenizer, projection, runtime)

@@ -1,0 +1,240 @@
+"""Sparse (SPLADE-style) encoders: a masked-LM's vocabulary logits pooled to one
+weight per vocabulary entry.
+
+A model directory is a transformers masked-LM (`AutoModelForMaskedLM`: config,
+safetensors weights unless the spec sets `allow_pickle`, a fast tokenizer). For
+an input of attended positions t, the weight of vocabulary entry v is
+
+    w[v] = max_t log(1 + relu(logits[t, v]))
+
+(the max runs over the attention mask, special tokens included, as SPLADE does).
+Only the non-zero weights are returned, as a `SparseVector` whose indices are
+sorted and unique and whose `dims` is the vocabulary size.
+
+Spec `options` (pruning, applied to every vector, at encode and score alike):
+
+- `top_k` (int >= 1; default: none): keep only the k largest weights.
+- `threshold` (number >= 0; default 0): drop weights below it; weights of 0 are
+  always dropped.
+
+Spec `prompts` (`query`, `document`) are put before the text of each side and a
+request's `instruction` before the prompt, as in the transformer family; when
+the prompts differ the two sides never share a forward (R6). `score` is the dot
+product of the query's sparse vector and each document's. The only output type
+is "sparse"; vectors are not normalized (`normalize: true` is refused). LoRA
+adapters are not supported.
+
+The head's logits are (tokens x vocabulary); a forward runs its rows in chunks
+whose padded logits stay under `LOGIT_BUDGET` elements, so a full batch of a
+30k-vocabulary model does not allocate gigabytes at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ember.adapters import _torch as common
+from ember.adapters.base import (
+    Encoded,
+    EncodeOptions,
+    Entity,
+    ExtractOptions,
+    ModelInfo,
+    Runtime,
+    ScoreOptions,
+    SparseVector,
+    Submit,
+    Task,
+    TaskOutput,
+    combine,
+)
+from ember.config import ModelSpec, resolve_source
+from ember.engine.types import PreparedItem
+from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
+
+TASKS: tuple[Task, ...] = ("encode", "score")
+OUTPUT_TYPES = ("sparse",)
+OPTIONS = ("top_k", "threshold")
+LOGIT_BUDGET = 1 << 26  # logits per forward chunk: 256 MB in float32
+
+
+@dataclass(frozen=True)
+class SparseParams:
+    """The parameter group of one forward (R6): the prompt and instruction prefix."""
+
+    prefix: str
+    output_types: tuple[str, ...] = OUTPUT_TYPES
+
+
+@dataclass(frozen=True)
+class Pruning:
+    top_k: int | None = None
+    threshold: float = 0.0
+
+    @classmethod
+    def from_options(cls, name: str, options: Mapping[str, Any]) -> Pruning:
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ModelLoadError(name, f"unknown options {unknown}; the sparse family "
+                                       f"takes {list(OPTIONS)}")
+        top_k = options.get("top_k")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)
+                                  or top_k < 1):
+            raise ModelLoadError(name, f"options.top_k must be an integer >= 1, got {top_k!r}")
+        threshold = options.get("threshold", 0.0)
+        if (isinstance(threshold, bool) or not isinstance(threshold, int | float)
+                or not threshold >= 0):
+            raise ModelLoadError(name, f"options.threshold must be a number >= 0, "
+                                       f"got {threshold!r}")
+        return cls(top_k, float(threshold))
+
+    def apply(self, weights: npt.NDArray[np.float32], dims: int) -> SparseVector:
+        """The non-zero weights of one vector that survive pruning, by ascending index."""
+        keep = weights > 0
+        if self.threshold > 0:
+            keep &= weights >= self.threshold
+        indices = np.flatnonzero(keep)  # sorted and unique
+        if self.top_k is not None and indices.size > self.top_k:
+            cut = indices.size - self.top_k
+            indices = np.sort(indices[np.argpartition(weights[indices], cut)[cut:]])
+        return SparseVector(indices.astype(np.int32), weights[indices].astype(np.float32), dims)
+
+
+def dot(a: SparseVector, b: SparseVector) -> float:
+    """The dot product of two sparse vectors over the indices they share."""
+    _, ia, ib = np.intersect1d(a.indices, b.indices, assume_unique=True, return_indices=True)
+    return float(np.dot(a.values[ia].astype(np.float64), b.values[ib].astype(np.float64)))
+
+
+class SparseAdapter:
+    """One sparse encoder. Task methods run on the event loop; forward in the
+    worker's thread."""
+
+    def __init__(self, spec: ModelSpec, model: Any, tokenizer: Any, runtime: Runtime) -> None:
+        unknown = [t for t in spec.tasks if t not in TASKS]
+        if unknown:
+            raise ModelLoadError(spec.name, f"the sparse family does not do {unknown}; "
+                                            f"it does {TASKS}")
+        common.refuse_loras(spec, "sparse")
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.device = torch.device(runtime.device)
+        self.pruning = Pruning.from_options(spec.name, spec.options)
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_seq_length = common.model_max_length(spec, model.config, tokenizer)
+        self.prompts = dict(spec.prompts)
+        self.pad_id = int(tokenizer.pad_token_id or 0)
+        self.logit_budget = LOGIT_BUDGET
+        self.loras = common.LoraSet(model, {}, runtime)  # placement, and refusing a LoRA
+        self.info = ModelInfo(
+            name=spec.name,
+            tasks=tuple(t for t in TASKS if t in spec.tasks),
+            dims=self.vocab_size,
+            max_seq_length=self.max_seq_length,
+            output_types=OUTPUT_TYPES,
+            extra={"top_k": self.pruning.top_k, "threshold": self.pruning.threshold,
+                   "prompts": dict(self.prompts)},
+        )
+
+    # -- the worker thread --------------------------------------------------------
+
+    def set_lora(self, name: str | None) -> None:
+        self.loras.set(name)
+
+    def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[SparseVector]:
+        assert isinstance(params, SparseParams)
+        rows: list[list[int]] = [item.payload for item in items]
+        longest = max(len(row) for row in rows)
+        step = max(1, self.logit_budget // (longest * self.vocab_size))
+        out: list[SparseVector] = []
+        with torch.inference_mode():
+            for start in range(0, len(rows), step):
+                chunk = rows[start:start + step]
+                ids = common.pad(chunk, self.pad_id, self.device)
+                mask = common.attention_mask(chunk, self.device)
+                logits = self.loras.model(input_ids=ids, attention_mask=mask).logits
+                # log1p(relu(.)) is monotone, so the max of the logits pools the same.
+                logits.masked_fill_(mask.unsqueeze(-1) == 0, float("-inf"))
+                pooled = torch.log1p(torch.relu(logits.amax(dim=1).float()))
+                weights = pooled.cpu().numpy()
+                out.extend(self.pruning.apply(row, self.vocab_size) for row in weights)
+        return out
+
+    # -- the request path (event loop) ----------------------------------------------
+
+    def params(self, options: EncodeOptions) -> SparseParams:
+        output_types = common.check_output_types(options.output_types, OUTPUT_TYPES)
+        if options.normalize:
+            raise InvalidInput("sparse vectors are not normalized; leave normalize unset "
+                               "for this model", "params.options.normalize")
+        return SparseParams(common.side_prefix(self.info.name, self.prompts, options.is_query,
+                                               options.instruction), output_types)
+
+    def prepare(self, texts: Sequence[str],
+                options: EncodeOptions) -> tuple[list[PreparedItem], SparseParams]:
+        """Prepared items (cost = tokens after truncation) and their parameter group."""
+        params = self.params(options)
+        where = [f"items[{i}].text" for i in range(len(texts))]
+        rows, _ = common.tokenize(self.tokenizer, [params.prefix + t for t in texts],
+                                  self.max_seq_length, options.truncate, where)
+        return [PreparedItem(row, len(row), i) for i, row in enumerate(rows)], params
+
+    async def encode(self, submit: Submit, texts: Sequence[str],
+                     options: EncodeOptions) -> TaskOutput[list[Encoded]]:
+        self._require("encode")
+        common.require_items(len(texts))
+        self.loras.check(options.lora)
+        items, params = self.prepare(texts, options)
+        result = await submit(items, params, options.lora)
+        return TaskOutput([Encoded(sparse=v) for v in result.values], result.queue_ms,
+                          result.inference_ms, sum(item.cost for item in items))
+
+    async def score(self, submit: Submit, query: str, docs: Sequence[str],
+                    options: ScoreOptions) -> TaskOutput[list[float]]:
+        self._require("score")
+        common.require_items(len(docs))
+        self.loras.check(options.lora)
+        q_params = self.params(EncodeOptions(is_query=True, output_types=OUTPUT_TYPES))
+        d_params = self.params(EncodeOptions(is_query=False, output_types=OUTPUT_TYPES))
+        where = ["query.text", *(f"items[{i}].text" for i in range(len(docs)))]
+        texts = [q_params.prefix + query, *(d_params.prefix + d for d in docs)]
+        rows, _ = common.tokenize(self.tokenizer, texts, self.max_seq_length,
+                                  options.truncate, where)
+        items = [PreparedItem(row, len(row), i) for i, row in enumerate(rows)]
+        results, vectors = await common.submit_sides(submit, items, q_params, d_params,
+                                                     options.lora)
+        queue_ms, inference_ms = combine(results)
+        return TaskOutput([dot(vectors[0], v) for v in vectors[1:]], queue_ms, inference_ms,
+                          sum(len(row) for row in rows))
+
+    async def extract(self, submit: Submit, texts: Sequence[str],
+                      options: ExtractOptions) -> TaskOutput[list[list[Entity]]]:
+        raise UnsupportedTask(self.spec.name, "extract", self.info.tasks)
+
+    def _require(self, task: Task) -> None:
+        if task not in self.info.tasks:
+            raise UnsupportedTask(self.spec.name, task, self.info.tasks)
+
+    def memory_bytes(self) -> int:
+        return common.module_bytes(self.loras.model)
+
+    def close(self) -> None:
+        self.loras.close()
+        common.release(self.device)
+
+
+def load(spec: ModelSpec, runtime: Runtime) -> SparseAdapter:
+    """Load a masked-LM directory, offline."""
+    from transformers import AutoModelForMaskedLM
+
+    common.apply_runtime(runtime)
+    model_dir = resolve_source(spec)
+    tokenizer = common.load_tokenizer(spec, model_dir)
+    model = AutoModelForMaskedLM.from_pretrained(str(model_dir), **common.load_kwargs(spec))
+    return SparseAdapter(spec, model, tokenizer, runtime)
