@@ -1,5 +1,6 @@
 """What the torch families share: loading weights safely, LoRA switching,
-dynamic padding, token-budget checks and the device."""
+dynamic padding, token-budget checks, the device, and the adapter state and
+lifecycle (`TorchModel`)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,17 @@ from typing import Any
 
 import torch
 
-from ember.adapters.base import Runtime, Submit
+from ember.adapters.base import (
+    Entity,
+    ExtractOptions,
+    ModelInfo,
+    Runtime,
+    Submit,
+    TaskOutput,
+)
 from ember.config import ModelSpec
 from ember.engine.types import PreparedItem, RequestResult
-from ember.errors import InvalidInput, ModelLoadError
+from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
 
 
 def read_json(path: Path) -> Any:
@@ -160,7 +168,37 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-# -- shared by the sparse and multi-vector families ------------------------------------
+class TorchModel:
+    """The state and lifecycle every torch family's adapter shares: the spec, the
+    tokenizer, the device and the weights behind a `LoraSet`. A family sets `loras`
+    and `info` in its __init__; none of them extracts entities."""
+
+    loras: LoraSet
+    info: ModelInfo
+
+    def __init__(self, spec: ModelSpec, tokenizer: Any, runtime: Runtime) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.device = torch.device(runtime.device)
+        self.pad_id = int(tokenizer.pad_token_id or 0)
+
+    def set_lora(self, name: str | None) -> None:
+        """Runs in the worker's thread, between forwards."""
+        self.loras.set(name)
+
+    async def extract(self, submit: Submit, texts: Sequence[str],
+                      options: ExtractOptions) -> TaskOutput[list[list[Entity]]]:
+        raise UnsupportedTask(self.spec.name, "extract", self.info.tasks)
+
+    def memory_bytes(self) -> int:
+        return module_bytes(self.loras.model)
+
+    def close(self) -> None:
+        self.loras.close()
+        release(self.device)
+
+
+# -- loading, and the bi-encoders' request path ---------------------------------------
 
 
 def load_tokenizer(spec: ModelSpec, model_dir: Path) -> Any:
@@ -174,6 +212,14 @@ def load_tokenizer(spec: ModelSpec, model_dir: Path) -> Any:
         raise ModelLoadError(spec.name, "a fast (tokenizers) tokenizer is required; the "
                                         "model directory needs a tokenizer.json")
     return tokenizer
+
+
+def load_pretrained(spec: ModelSpec, model_dir: Path, auto_class: Any) -> tuple[Any, Any]:
+    """The directory's model (through a transformers Auto class) and fast tokenizer,
+    offline; the tokenizer is read first, so a slow-only one fails before the weights."""
+    tokenizer = load_tokenizer(spec, model_dir)
+    model = auto_class.from_pretrained(str(model_dir), **load_kwargs(spec))
+    return model, tokenizer
 
 
 def refuse_loras(spec: ModelSpec, family: str) -> None:

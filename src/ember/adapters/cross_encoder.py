@@ -18,8 +18,6 @@ from ember.adapters import _torch as common
 from ember.adapters.base import (
     Encoded,
     EncodeOptions,
-    Entity,
-    ExtractOptions,
     ModelInfo,
     Runtime,
     ScoreOptions,
@@ -51,15 +49,13 @@ class Pair:
     token_type_ids: list[int] | None
 
 
-class CrossEncoderAdapter:
+class CrossEncoderAdapter(common.TorchModel):
     """One reranker. `score` runs on the event loop; forward and set_lora in the
     worker's thread."""
 
     def __init__(self, spec: ModelSpec, model: Any, tokenizer: Any,
                  runtime: Runtime) -> None:
-        self.spec = spec
-        self.tokenizer = tokenizer
-        self.device = torch.device(runtime.device)
+        super().__init__(spec, tokenizer, runtime)
         labels = int(model.config.num_labels)
         if labels != 1:
             raise ModelLoadError(spec.name, f"a cross-encoder needs one output label, this "
@@ -70,7 +66,6 @@ class CrossEncoderAdapter:
                                             f"use one of {ACTIVATIONS}")
         self.params = ScoreParams("sigmoid" if activation == "sigmoid" else "none")
         self.max_seq_length = common.model_max_length(spec, model.config, tokenizer)
-        self.pad_id = int(tokenizer.pad_token_id or 0)
         self.specials = int(tokenizer.num_special_tokens_to_add(pair=True))
         self.loras = common.LoraSet(model, spec.loras, runtime)
         if set(spec.tasks) - set(TASKS):
@@ -81,9 +76,6 @@ class CrossEncoderAdapter:
                               output_types=(), extra={"activation": self.params.activation})
 
     # -- the worker thread --------------------------------------------------------
-
-    def set_lora(self, name: str | None) -> None:
-        self.loras.set(name)
 
     def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[float]:
         assert isinstance(params, ScoreParams)
@@ -136,29 +128,12 @@ class CrossEncoderAdapter:
                      options: EncodeOptions) -> TaskOutput[list[Encoded]]:
         raise UnsupportedTask(self.spec.name, "encode", self.info.tasks)
 
-    async def extract(self, submit: Submit, texts: Sequence[str],
-                      options: ExtractOptions) -> TaskOutput[list[list[Entity]]]:
-        raise UnsupportedTask(self.spec.name, "extract", self.info.tasks)
-
-    def memory_bytes(self) -> int:
-        return common.module_bytes(self.loras.model)
-
-    def close(self) -> None:
-        self.loras.close()
-        common.release(self.device)
-
 
 def load(spec: ModelSpec, runtime: Runtime) -> CrossEncoderAdapter:
     """Load a sequence-classification directory with one label, offline."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
     common.apply_runtime(runtime)
-    model_dir = str(resolve_source(spec))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, use_fast=True, local_files_only=True,
-                                              trust_remote_code=spec.trust_remote_code)
-    if not tokenizer.is_fast:
-        raise ModelLoadError(spec.name, "a fast (tokenizers) tokenizer is required; the "
-                                        "model directory needs a tokenizer.json")
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir,
-                                                               **common.load_kwargs(spec))
+    model, tokenizer = common.load_pretrained(spec, resolve_source(spec),
+                                              AutoModelForSequenceClassification)
     return CrossEncoderAdapter(spec, model, tokenizer, runtime)

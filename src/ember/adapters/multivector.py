@@ -41,24 +41,12 @@ import torch
 import torch.nn.functional as F
 
 from ember.adapters import _torch as common
-from ember.adapters.base import (
-    Encoded,
-    EncodeOptions,
-    Entity,
-    ExtractOptions,
-    ModelInfo,
-    Runtime,
-    ScoreOptions,
-    Submit,
-    Task,
-    TaskOutput,
-    combine,
-)
+from ember.adapters._encoder import BiEncoder
+from ember.adapters.base import Encoded, EncodeOptions, Runtime
 from ember.config import ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
-from ember.errors import ModelLoadError, UnsupportedTask
+from ember.errors import ModelLoadError
 
-TASKS: tuple[Task, ...] = ("encode", "score")
 OUTPUT_TYPES = ("multivector",)
 OPTIONS = ("projection", "projection_key")
 PROJECTION_FILE = "colbert_linear.safetensors"
@@ -117,46 +105,28 @@ def read_projection(spec: ModelSpec, model_dir: Path) -> torch.Tensor:
     return weight.float()
 
 
-class MultiVectorAdapter:
-    """One multi-vector encoder. Task methods run on the event loop; forward in the
-    worker's thread."""
+class MultiVectorAdapter(BiEncoder[MultiVectorParams, Matrix]):
+    """One multi-vector encoder over an encoder directory and its projection."""
 
     def __init__(self, spec: ModelSpec, model: Any, tokenizer: Any, projection: torch.Tensor,
                  runtime: Runtime) -> None:
-        unknown = [t for t in spec.tasks if t not in TASKS]
-        if unknown:
-            raise ModelLoadError(spec.name, f"the multivector family does not do {unknown}; "
-                                            f"it does {TASKS}")
+        super().__init__(spec, "multivector", tokenizer, runtime)
         common.refuse_loras(spec, "multivector")
         hidden_size = int(model.config.hidden_size)
         if projection.ndim != 2 or projection.shape[1] != hidden_size:
             raise ModelLoadError(spec.name, f"the projection has shape "
                                             f"{tuple(projection.shape)}; expected "
                                             f"(token_dims, {hidden_size})")
-        self.spec = spec
-        self.tokenizer = tokenizer
-        self.device = torch.device(runtime.device)
         self.max_seq_length = common.model_max_length(spec, model.config, tokenizer)
         self.prompts = dict(spec.prompts)
-        self.pad_id = int(tokenizer.pad_token_id or 0)
         self.token_dims = int(projection.shape[0])
         # Kept in float32 on the device; the encoder's (fp16 on CUDA) output is cast up.
         self.projection = projection.to(self.device)
         self.loras = common.LoraSet(model, {}, runtime)  # placement, and refusing a LoRA
-        self.info = ModelInfo(
-            name=spec.name,
-            tasks=tuple(t for t in TASKS if t in spec.tasks),
-            dims=self.token_dims,
-            max_seq_length=self.max_seq_length,
-            output_types=OUTPUT_TYPES,
-            extra={"token_dims": self.token_dims, "scoring": "maxsim",
-                   "prompts": dict(self.prompts)},
-        )
+        self.info = self.describe(self.token_dims, OUTPUT_TYPES,
+                                  {"token_dims": self.token_dims, "scoring": "maxsim"})
 
     # -- the worker thread --------------------------------------------------------
-
-    def set_lora(self, name: str | None) -> None:
-        self.loras.set(name)
 
     def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[Matrix]:
         assert isinstance(params, MultiVectorParams)
@@ -180,67 +150,29 @@ class MultiVectorAdapter:
     def params(self, options: EncodeOptions) -> MultiVectorParams:
         output_types = common.check_output_types(options.output_types, OUTPUT_TYPES)
         normalize = True if options.normalize is None else options.normalize
-        return MultiVectorParams(common.side_prefix(self.info.name, self.prompts, options.is_query,
-                                                    options.instruction),
-                                 normalize, output_types)
+        return MultiVectorParams(self.side_prefix(options), normalize, output_types)
 
     def tokenize(self, texts: Sequence[str], truncate: bool,
                  where: Sequence[str]) -> list[PreparedItem]:
+        """Prepared items of `TokenRow`s: the ids, and which positions' vectors to keep."""
         ids, specials = common.tokenize(self.tokenizer, texts, self.max_seq_length, truncate,
                                         where)
         return [PreparedItem(TokenRow(row, [1 - s for s in special]), len(row), i)
                 for i, (row, special) in enumerate(zip(ids, specials, strict=True))]
 
-    def prepare(self, texts: Sequence[str],
-                options: EncodeOptions) -> tuple[list[PreparedItem], MultiVectorParams]:
-        """Prepared items (cost = tokens after truncation) and their parameter group."""
-        params = self.params(options)
-        where = [f"items[{i}].text" for i in range(len(texts))]
-        return self.tokenize([params.prefix + t for t in texts], options.truncate,
-                             where), params
+    def encoded(self, value: Matrix) -> Encoded:
+        return Encoded(multivector=value)
 
-    async def encode(self, submit: Submit, texts: Sequence[str],
-                     options: EncodeOptions) -> TaskOutput[list[Encoded]]:
-        self._require("encode")
-        common.require_items(len(texts))
-        self.loras.check(options.lora)
-        items, params = self.prepare(texts, options)
-        result = await submit(items, params, options.lora)
-        return TaskOutput([Encoded(multivector=m) for m in result.values], result.queue_ms,
-                          result.inference_ms, sum(item.cost for item in items))
-
-    async def score(self, submit: Submit, query: str, docs: Sequence[str],
-                    options: ScoreOptions) -> TaskOutput[list[float]]:
-        self._require("score")
-        common.require_items(len(docs))
-        self.loras.check(options.lora)
-        q_params = self.params(EncodeOptions(is_query=True, output_types=OUTPUT_TYPES))
-        d_params = self.params(EncodeOptions(is_query=False, output_types=OUTPUT_TYPES))
-        where = ["query.text", *(f"items[{i}].text" for i in range(len(docs)))]
-        texts = [q_params.prefix + query, *(d_params.prefix + d for d in docs)]
-        items = self.tokenize(texts, options.truncate, where)
-        results, matrices = await common.submit_sides(submit, items, q_params, d_params,
-                                                      options.lora)
-        queue_ms, inference_ms = combine(results)
-        return TaskOutput([maxsim(matrices[0], m) for m in matrices[1:]], queue_ms,
-                          inference_ms, sum(item.cost for item in items))
-
-    async def extract(self, submit: Submit, texts: Sequence[str],
-                      options: ExtractOptions) -> TaskOutput[list[list[Entity]]]:
-        raise UnsupportedTask(self.spec.name, "extract", self.info.tasks)
-
-    def _require(self, task: Task) -> None:
-        if task not in self.info.tasks:
-            raise UnsupportedTask(self.spec.name, task, self.info.tasks)
+    def similarity(self, query: Matrix, docs: Sequence[Matrix]) -> list[float]:
+        return [maxsim(query, doc) for doc in docs]
 
     def memory_bytes(self) -> int:
         projection = self.projection.numel() * self.projection.element_size()
-        return common.module_bytes(self.loras.model) + projection
+        return super().memory_bytes() + projection
 
     def close(self) -> None:
-        self.loras.close()
         self.projection = torch.empty(0)
-        common.release(self.device)
+        super().close()
 
 
 def load(spec: ModelSpec, runtime: Runtime) -> MultiVectorAdapter:
@@ -250,6 +182,5 @@ def load(spec: ModelSpec, runtime: Runtime) -> MultiVectorAdapter:
     common.apply_runtime(runtime)
     model_dir = resolve_source(spec)
     projection = read_projection(spec, model_dir)
-    tokenizer = common.load_tokenizer(spec, model_dir)
-    model = AutoModel.from_pretrained(str(model_dir), **common.load_kwargs(spec))
+    model, tokenizer = common.load_pretrained(spec, model_dir, AutoModel)
     return MultiVectorAdapter(spec, model, tokenizer, projection, runtime)

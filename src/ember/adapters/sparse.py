@@ -40,25 +40,12 @@ import numpy.typing as npt
 import torch
 
 from ember.adapters import _torch as common
-from ember.adapters.base import (
-    Encoded,
-    EncodeOptions,
-    Entity,
-    ExtractOptions,
-    ModelInfo,
-    Runtime,
-    ScoreOptions,
-    SparseVector,
-    Submit,
-    Task,
-    TaskOutput,
-    combine,
-)
+from ember.adapters._encoder import BiEncoder
+from ember.adapters.base import Encoded, EncodeOptions, Runtime, SparseVector
 from ember.config import ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
-from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
+from ember.errors import InvalidInput, ModelLoadError
 
-TASKS: tuple[Task, ...] = ("encode", "score")
 OUTPUT_TYPES = ("sparse",)
 OPTIONS = ("top_k", "threshold")
 LOGIT_BUDGET = 1 << 26  # logits per forward chunk: 256 MB in float32
@@ -112,40 +99,23 @@ def dot(a: SparseVector, b: SparseVector) -> float:
     return float(np.dot(a.values[ia].astype(np.float64), b.values[ib].astype(np.float64)))
 
 
-class SparseAdapter:
-    """One sparse encoder. Task methods run on the event loop; forward in the
-    worker's thread."""
+class SparseAdapter(BiEncoder[SparseParams, SparseVector]):
+    """One sparse encoder over a masked-LM directory."""
 
     def __init__(self, spec: ModelSpec, model: Any, tokenizer: Any, runtime: Runtime) -> None:
-        unknown = [t for t in spec.tasks if t not in TASKS]
-        if unknown:
-            raise ModelLoadError(spec.name, f"the sparse family does not do {unknown}; "
-                                            f"it does {TASKS}")
+        super().__init__(spec, "sparse", tokenizer, runtime)
         common.refuse_loras(spec, "sparse")
-        self.spec = spec
-        self.tokenizer = tokenizer
-        self.device = torch.device(runtime.device)
         self.pruning = Pruning.from_options(spec.name, spec.options)
         self.vocab_size = int(model.config.vocab_size)
         self.max_seq_length = common.model_max_length(spec, model.config, tokenizer)
         self.prompts = dict(spec.prompts)
-        self.pad_id = int(tokenizer.pad_token_id or 0)
         self.logit_budget = LOGIT_BUDGET
         self.loras = common.LoraSet(model, {}, runtime)  # placement, and refusing a LoRA
-        self.info = ModelInfo(
-            name=spec.name,
-            tasks=tuple(t for t in TASKS if t in spec.tasks),
-            dims=self.vocab_size,
-            max_seq_length=self.max_seq_length,
-            output_types=OUTPUT_TYPES,
-            extra={"top_k": self.pruning.top_k, "threshold": self.pruning.threshold,
-                   "prompts": dict(self.prompts)},
-        )
+        self.info = self.describe(self.vocab_size, OUTPUT_TYPES,
+                                  {"top_k": self.pruning.top_k,
+                                   "threshold": self.pruning.threshold})
 
     # -- the worker thread --------------------------------------------------------
-
-    def set_lora(self, name: str | None) -> None:
-        self.loras.set(name)
 
     def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[SparseVector]:
         assert isinstance(params, SparseParams)
@@ -173,60 +143,13 @@ class SparseAdapter:
         if options.normalize:
             raise InvalidInput("sparse vectors are not normalized; leave normalize unset "
                                "for this model", "params.options.normalize")
-        return SparseParams(common.side_prefix(self.info.name, self.prompts, options.is_query,
-                                               options.instruction), output_types)
+        return SparseParams(self.side_prefix(options), output_types)
 
-    def prepare(self, texts: Sequence[str],
-                options: EncodeOptions) -> tuple[list[PreparedItem], SparseParams]:
-        """Prepared items (cost = tokens after truncation) and their parameter group."""
-        params = self.params(options)
-        where = [f"items[{i}].text" for i in range(len(texts))]
-        rows, _ = common.tokenize(self.tokenizer, [params.prefix + t for t in texts],
-                                  self.max_seq_length, options.truncate, where)
-        return [PreparedItem(row, len(row), i) for i, row in enumerate(rows)], params
+    def encoded(self, value: SparseVector) -> Encoded:
+        return Encoded(sparse=value)
 
-    async def encode(self, submit: Submit, texts: Sequence[str],
-                     options: EncodeOptions) -> TaskOutput[list[Encoded]]:
-        self._require("encode")
-        common.require_items(len(texts))
-        self.loras.check(options.lora)
-        items, params = self.prepare(texts, options)
-        result = await submit(items, params, options.lora)
-        return TaskOutput([Encoded(sparse=v) for v in result.values], result.queue_ms,
-                          result.inference_ms, sum(item.cost for item in items))
-
-    async def score(self, submit: Submit, query: str, docs: Sequence[str],
-                    options: ScoreOptions) -> TaskOutput[list[float]]:
-        self._require("score")
-        common.require_items(len(docs))
-        self.loras.check(options.lora)
-        q_params = self.params(EncodeOptions(is_query=True, output_types=OUTPUT_TYPES))
-        d_params = self.params(EncodeOptions(is_query=False, output_types=OUTPUT_TYPES))
-        where = ["query.text", *(f"items[{i}].text" for i in range(len(docs)))]
-        texts = [q_params.prefix + query, *(d_params.prefix + d for d in docs)]
-        rows, _ = common.tokenize(self.tokenizer, texts, self.max_seq_length,
-                                  options.truncate, where)
-        items = [PreparedItem(row, len(row), i) for i, row in enumerate(rows)]
-        results, vectors = await common.submit_sides(submit, items, q_params, d_params,
-                                                     options.lora)
-        queue_ms, inference_ms = combine(results)
-        return TaskOutput([dot(vectors[0], v) for v in vectors[1:]], queue_ms, inference_ms,
-                          sum(len(row) for row in rows))
-
-    async def extract(self, submit: Submit, texts: Sequence[str],
-                      options: ExtractOptions) -> TaskOutput[list[list[Entity]]]:
-        raise UnsupportedTask(self.spec.name, "extract", self.info.tasks)
-
-    def _require(self, task: Task) -> None:
-        if task not in self.info.tasks:
-            raise UnsupportedTask(self.spec.name, task, self.info.tasks)
-
-    def memory_bytes(self) -> int:
-        return common.module_bytes(self.loras.model)
-
-    def close(self) -> None:
-        self.loras.close()
-        common.release(self.device)
+    def similarity(self, query: SparseVector, docs: Sequence[SparseVector]) -> list[float]:
+        return [dot(query, doc) for doc in docs]
 
 
 def load(spec: ModelSpec, runtime: Runtime) -> SparseAdapter:
@@ -234,7 +157,5 @@ def load(spec: ModelSpec, runtime: Runtime) -> SparseAdapter:
     from transformers import AutoModelForMaskedLM
 
     common.apply_runtime(runtime)
-    model_dir = resolve_source(spec)
-    tokenizer = common.load_tokenizer(spec, model_dir)
-    model = AutoModelForMaskedLM.from_pretrained(str(model_dir), **common.load_kwargs(spec))
+    model, tokenizer = common.load_pretrained(spec, resolve_source(spec), AutoModelForMaskedLM)
     return SparseAdapter(spec, model, tokenizer, runtime)

@@ -1,0 +1,141 @@
+"""What the bi-encoder families (transformer, sparse, multivector) share: the encode
+and score flow around one family's forward.
+
+Each text becomes one value (a dense vector, a sparse vector, a token matrix). A
+family supplies `forward` and three hooks: `params` (its parameter group for one
+side), `encoded` (how a value is returned by encode) and `similarity` (how score
+compares the query's value with each document's); it may override `tokenize`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+from ember.adapters import _torch as common
+from ember.adapters.base import (
+    Encoded,
+    EncodeOptions,
+    ModelInfo,
+    Runtime,
+    ScoreOptions,
+    Submit,
+    Task,
+    TaskOutput,
+    combine,
+)
+from ember.config import ModelSpec
+from ember.engine.types import PreparedItem
+from ember.errors import ModelLoadError, UnsupportedTask
+
+TASKS: tuple[Task, ...] = ("encode", "score")
+
+
+class SideParams(Hashable, Protocol):
+    """What the shared flow reads of a family's parameter group (R6), a hashable
+    frozen dataclass: the prompt and instruction text put before every input of one
+    side."""
+
+    @property
+    def prefix(self) -> str: ...
+
+
+ParamsT = TypeVar("ParamsT", bound=SideParams)
+ValueT = TypeVar("ValueT")
+
+
+class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
+    """One bi-encoder. Task methods run on the event loop; forward and set_lora in
+    the worker's thread. A family sets `max_seq_length`, `prompts`, `loras` and
+    `info` (through `describe`) in its __init__."""
+
+    max_seq_length: int
+    prompts: dict[str, str]
+
+    def __init__(self, spec: ModelSpec, family: str, tokenizer: Any,
+                 runtime: Runtime) -> None:
+        unknown = [t for t in spec.tasks if t not in TASKS]
+        if unknown:
+            raise ModelLoadError(spec.name, f"the {family} family does not do {unknown}; "
+                                            f"it does {TASKS}")
+        super().__init__(spec, tokenizer, runtime)
+
+    def describe(self, dims: int, output_types: tuple[str, ...],
+                 extra: dict[str, object]) -> ModelInfo:
+        """The model's info: the spec's tasks, the family's dims, output types and extra
+        fields, then the prompts."""
+        return ModelInfo(
+            name=self.spec.name,
+            tasks=tuple(t for t in TASKS if t in self.spec.tasks),
+            dims=dims,
+            max_seq_length=self.max_seq_length,
+            loras=self.loras.names,
+            output_types=output_types,
+            extra={**extra, "prompts": dict(self.prompts)},
+        )
+
+    # -- the family's hooks -----------------------------------------------------------
+
+    def params(self, options: EncodeOptions) -> ParamsT:
+        """The parameter group of one side's forward; invalid options are a 422."""
+        raise NotImplementedError
+
+    def encoded(self, value: ValueT) -> Encoded:
+        """One forward value as encode returns it."""
+        raise NotImplementedError
+
+    def similarity(self, query: ValueT, docs: Sequence[ValueT]) -> list[float]:
+        """Score's value for each document against the query."""
+        raise NotImplementedError
+
+    def tokenize(self, texts: Sequence[str], truncate: bool,
+                 where: Sequence[str]) -> list[PreparedItem]:
+        """Prepared items of token ids (cost = tokens after truncation), in one batch
+        call; over-long texts are cut or refused."""
+        rows, _ = common.tokenize(self.tokenizer, texts, self.max_seq_length, truncate, where)
+        return [PreparedItem(row, len(row), i) for i, row in enumerate(rows)]
+
+    # -- the request path (event loop) ----------------------------------------------
+
+    def side_prefix(self, options: EncodeOptions) -> str:
+        return common.side_prefix(self.info.name, self.prompts, options.is_query,
+                                  options.instruction)
+
+    def prepare(self, texts: Sequence[str],
+                options: EncodeOptions) -> tuple[list[PreparedItem], ParamsT]:
+        """Prepared items (cost = tokens after truncation) and their parameter group."""
+        params = self.params(options)
+        where = [f"items[{i}].text" for i in range(len(texts))]
+        return self.tokenize([params.prefix + t for t in texts], options.truncate,
+                             where), params
+
+    async def encode(self, submit: Submit, texts: Sequence[str],
+                     options: EncodeOptions) -> TaskOutput[list[Encoded]]:
+        self._require("encode")
+        common.require_items(len(texts))
+        self.loras.check(options.lora)
+        items, params = self.prepare(texts, options)
+        result = await submit(items, params, options.lora)
+        return TaskOutput([self.encoded(v) for v in result.values], result.queue_ms,
+                          result.inference_ms, sum(item.cost for item in items))
+
+    async def score(self, submit: Submit, query: str, docs: Sequence[str],
+                    options: ScoreOptions) -> TaskOutput[list[float]]:
+        self._require("score")
+        common.require_items(len(docs))
+        self.loras.check(options.lora)
+        output_types = self.info.output_types
+        q_params = self.params(EncodeOptions(is_query=True, output_types=output_types))
+        d_params = self.params(EncodeOptions(is_query=False, output_types=output_types))
+        where = ["query.text", *(f"items[{i}].text" for i in range(len(docs)))]
+        texts = [q_params.prefix + query, *(d_params.prefix + d for d in docs)]
+        items = self.tokenize(texts, options.truncate, where)
+        results, values = await common.submit_sides(submit, items, q_params, d_params,
+                                                    options.lora)
+        queue_ms, inference_ms = combine(results)
+        return TaskOutput(self.similarity(values[0], values[1:]), queue_ms, inference_ms,
+                          sum(item.cost for item in items))
+
+    def _require(self, task: Task) -> None:
+        if task not in self.info.tasks:
+            raise UnsupportedTask(self.spec.name, task, self.info.tasks)
