@@ -38,6 +38,18 @@ def env_default(flag: str, kind: type, default: object) -> object:
     return kind(raw)
 
 
+class AppendOverEnv(argparse.Action):
+    """`append`, except that the first flag given replaces the default (which may have
+    come from the EMBER_* variable, as one string) instead of appending to it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | Sequence[object] | None, option_string: str | None = None
+                 ) -> None:
+        current = getattr(namespace, self.dest, None)
+        items = [] if current is self.default or current is None else list(current)
+        setattr(namespace, self.dest, [*items, values])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="Ember: embeddings, "
                                      "reranking and entity extraction, batched.")
@@ -48,7 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 "be set by the EMBER_* variable named in its help.")
 
     def flag(name: str, kind: type, default: object, text: str, **extra: object) -> None:
-        value = env_default(name, kind, default)
+        try:
+            value = env_default(name, kind, default)
+        except ValueError:
+            parser.error(f"{env_name(name)}={os.environ[env_name(name)]!r} is not a valid "
+                         f"{kind.__name__}")
         if kind is bool:
             serve.add_argument(f"--{name}", action="store_true", default=value,
                                help=f"{text} [{env_name(name)}]")
@@ -59,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag("host", str, "127.0.0.1", "address to listen on")
     flag("port", int, 8080, "port to listen on")
     flag("model-dir", str, None, "folder of extra model YAML files (repeatable; the "
-         "variable takes a list separated by ':')", action="append")
+         "variable takes a list separated by ':')", action=AppendOverEnv)
     flag("preload", str, None, "model to load at startup besides the default (repeatable; "
-         "the variable takes a comma-separated list)", action="append")
+         "the variable takes a comma-separated list)", action=AppendOverEnv)
     flag("default-model", str, DEFAULT_MODEL, "model behind /embed, /rerank, /v1/embeddings "
          "and /readyz")
     flag("device", str, "cpu", "cpu, cuda or cuda:N (fp16 on CUDA)")

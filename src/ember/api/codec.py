@@ -12,6 +12,8 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ember.api.errors import BodyTooLarge, as_api_error, error_response
+
 MSGPACK = "application/msgpack"
 MSGPACK_TYPES = (MSGPACK, "application/x-msgpack")
 
@@ -49,18 +51,22 @@ class MsgpackBodyMiddleware:
             await self.app(scope, receive, send)
             return
         raw = bytearray()
-        while True:
-            message = await receive()
-            raw += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        try:
+            while True:
+                message = await receive()
+                raw += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+        except BodyTooLarge as exc:  # raised outside the routes' exception handlers
+            error = as_api_error(exc)
+            await error_response(error.status, error.kind, error.message,
+                                 error.param)(scope, receive, send)
+            return
         try:
             decoded = msgpack.unpackb(bytes(raw), object_hook=msgpack_numpy.decode, raw=False,
                                       strict_map_key=False)
             body = json.dumps(decoded, default=_json_default, allow_nan=False).encode()
         except Exception:
-            from ember.api.errors import error_response
-
             response = error_response(422, "invalid_request",
                                       "the request body is not valid msgpack", "body")
             await response(scope, receive, send)

@@ -31,8 +31,12 @@ class ApiError(Exception):
         super().__init__(message)
 
 
-class BodyTooLarge(Exception):
-    """A streamed request body passed the byte limit."""
+class BodyTooLarge(StarletteHTTPException):
+    """A streamed request body passed the byte limit. An HTTPException, so FastAPI's body
+    parsing lets it through (it turns any other exception into a 400)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(413, message)
 
 
 class ClientGone(Exception):
@@ -72,8 +76,8 @@ def as_api_error(exc: Exception) -> ApiError:
         return ApiError(499, "client_closed_request", "the client disconnected; its queued "
                         "work was dropped")
     if isinstance(exc, BodyTooLarge):
-        return ApiError(413, "payload_too_large", f"{exc}; send fewer or shorter items per "
-                        "request", "body")
+        return ApiError(413, "payload_too_large", f"{exc.detail}; send fewer or shorter items "
+                        "per request", "body")
     if isinstance(exc, InvalidInput):
         return ApiError(422, "invalid_request", exc.message, exc.param)
     if isinstance(exc, UnsupportedTask):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -54,9 +55,24 @@ async def until_disconnect(request: Request, work: Awaitable[T], timeout: float 
     raise TimeoutError()
 
 
+_ITEM_PARAM = re.compile(r"items(\[\d+\])?(?:\.text)?")
+
+
+def route_param(param: str | None, field: str) -> str | None:
+    """Adapters name inputs as the native routes do (`items[3].text`, `query.text`); a
+    compatible route takes plain strings under its own field (`input[3]`, `query`)."""
+    if param is None or field == "items":
+        return param
+    if param == "query.text":
+        return "query"
+    match = _ITEM_PARAM.fullmatch(param)
+    return field + (match.group(1) or "") if match else param
+
+
 async def run_task(request: Request, route: str, model_name: str, task: str,
-                   call: TaskCall[T]) -> TaskOutput[T]:
-    """Run `call` on the named model under the server's timeout; record timing and metrics."""
+                   call: TaskCall[T], field: str = "items") -> TaskOutput[T]:
+    """Run `call` on the named model under the server's timeout; record timing and metrics.
+    `field` is the request's name for its list of inputs, for the errors' `param`."""
     state = server_state(request)
     status = "200"
     try:
@@ -73,6 +89,7 @@ async def run_task(request: Request, route: str, model_name: str, task: str,
         raise
     except Exception as exc:
         error = as_api_error(exc)
+        error.param = route_param(error.param, field)
         status = str(error.status)
         if error.status in (413, 429, 503, 504):
             state.metrics.rejected(error.kind)

@@ -32,7 +32,7 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
     texts = [body.input] if isinstance(body.input, str) else body.input
     check_inputs(request, texts, "input")
     output = await run_task(request, "openai.embeddings", model, "encode",
-                            lambda m, a: a.encode(m.submit, texts, EncodeOptions()))
+                            lambda m, a: a.encode(m.submit, texts, EncodeOptions()), "input")
     data = []
     for index, encoded in enumerate(output.values):
         vector = encoded.dense

@@ -39,7 +39,8 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     check_inputs(request, texts, "documents")
     check_inputs(request, [body.query], "query")
     output = await run_task(request, "rerank", model, "score",
-                            lambda m, a: a.score(m.submit, body.query, texts, ScoreOptions()))
+                            lambda m, a: a.score(m.submit, body.query, texts, ScoreOptions()),
+                            "documents")
     results = []
     for index in ranked(output.values, body.top_n):
         result: dict[str, object] = {"index": index, "relevance_score": output.values[index]}

@@ -38,7 +38,7 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     options = EncodeOptions(normalize=body.normalize, truncate=body.truncate,
                             is_query=body.prompt_name == "query")
     output = await run_task(request, "tei.embed", model, "encode",
-                            lambda m, a: a.encode(m.submit, texts, options))
+                            lambda m, a: a.encode(m.submit, texts, options), "inputs")
     return render(request, [encoded.dense for encoded in output.values])
 
 
@@ -49,7 +49,8 @@ async def tei_rerank(body: TeiRerankRequest, request: Request) -> Response:
     check_inputs(request, [body.query], "query")
     options = ScoreOptions(truncate=body.truncate)
     output = await run_task(request, "tei.rerank", model, "score",
-                            lambda m, a: a.score(m.submit, body.query, body.texts, options))
+                            lambda m, a: a.score(m.submit, body.query, body.texts, options),
+                            "texts")
     results = []
     for index in ranked(output.values, None):
         result: dict[str, object] = {"index": index, "score": output.values[index]}

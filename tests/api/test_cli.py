@@ -1,0 +1,184 @@
+"""`ember serve` flags and EMBER_* variables, `ember models`, and --help."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ember.cli import WORKER_FLAGS, build_parser, env_name, main, settings_from
+from ember.config import DEFAULT_MODEL, ServerSettings
+from ember.engine import WorkerConfig
+from tests.api.conftest import BUSY, REPO, SLOW, SPACY, SYNTH, server_env
+
+# The flags issue 4 asks for, at least.
+REQUIRED_FLAGS = ["host", "port", "model-dir", "preload", "default-model", "device",
+                  "max-batch-tokens", "max-batch-items", "max-batch-wait-ms", "coalesce-ms",
+                  "idle-coalesce-ms", "max-queue-items", "max-items-per-request", "api-key"]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parser reads EMBER_* when it is built; start each test without any."""
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("EMBER_"):
+            monkeypatch.delenv(key)
+
+
+def parse(*argv: str) -> ServerSettings:
+    return settings_from(build_parser().parse_args(["serve", *argv]))
+
+
+def test_defaults_are_the_settings_defaults() -> None:
+    assert parse() == ServerSettings()
+    assert parse().default_model == DEFAULT_MODEL
+    assert parse().worker == WorkerConfig()
+
+
+def test_every_flag() -> None:
+    settings = parse(
+        "--host", "0.0.0.0", "--port", "9001", "--model-dir", "/a", "--model-dir", "/b",
+        "--preload", SPACY, "--preload", f"{SYNTH},{BUSY}", "--default-model", SYNTH,
+        "--device", "cuda:1", "--torch-threads", "3", "--max-batch-tokens", "4096",
+        "--max-batch-items", "16", "--max-batch-wait-ms", "7.5", "--coalesce-ms", "1.5",
+        "--idle-coalesce-ms", "0", "--max-queue-items", "99", "--max-items-per-request", "8",
+        "--max-body-bytes", "1000", "--request-timeout-s", "2.5", "--max-loaded-models", "2",
+        "--memory-budget-mb", "512", "--api-key", "k", "--log-level", "warning")
+    assert settings.host == "0.0.0.0" and settings.port == 9001
+    assert settings.model_dirs == (Path("/a"), Path("/b"))
+    assert settings.preload == (SPACY, SYNTH, BUSY)
+    assert settings.default_model == SYNTH
+    assert settings.device == "cuda:1" and settings.torch_threads == 3
+    assert settings.worker == WorkerConfig(max_batch_tokens=4096, max_batch_items=16,
+                                           max_batch_wait_ms=7.5, coalesce_ms=1.5,
+                                           idle_coalesce_ms=0.0, max_queue_items=99)
+    assert settings.max_items_per_request == 8 and settings.max_body_bytes == 1000
+    assert settings.request_timeout_s == 2.5 and settings.max_loaded_models == 2
+    assert settings.memory_budget_mb == 512
+    assert settings.api_key == "k" and settings.log_level == "warning"
+
+
+def test_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = {"host": "10.0.0.1", "port": "7000", "model-dir": "/x:/y", "preload": "a,b",
+              "default-model": SYNTH, "device": "cuda", "max-batch-tokens": "1024",
+              "max-batch-items": "4", "max-batch-wait-ms": "5", "coalesce-ms": "0.5",
+              "idle-coalesce-ms": "1", "max-queue-items": "10", "max-items-per-request": "3",
+              "api-key": "from-env", "max-body-bytes": "2048"}
+    for flag, value in values.items():
+        monkeypatch.setenv(env_name(flag), value)
+    settings = parse()
+    assert settings.host == "10.0.0.1" and settings.port == 7000
+    assert settings.model_dirs == (Path("/x"), Path("/y"))
+    assert settings.preload == ("a", "b")
+    assert settings.default_model == SYNTH and settings.device == "cuda"
+    assert settings.worker == WorkerConfig(max_batch_tokens=1024, max_batch_items=4,
+                                           max_batch_wait_ms=5, coalesce_ms=0.5,
+                                           idle_coalesce_ms=1, max_queue_items=10)
+    assert settings.max_items_per_request == 3 and settings.max_body_bytes == 2048
+    assert settings.api_key == "from-env"
+
+
+def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBER_PORT", "7000")
+    monkeypatch.setenv("EMBER_PRELOAD", "a,b")
+    monkeypatch.setenv("EMBER_MODEL_DIR", "/x:/y")
+    settings = parse("--port", "7001", "--preload", "c", "--model-dir", "/z")
+    assert settings.port == 7001
+    assert settings.preload == ("c",)
+    assert settings.model_dirs == (Path("/z"),)
+
+
+def test_an_empty_api_key_means_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBER_API_KEY", "")
+    assert parse().api_key is None
+
+
+def test_a_bad_variable_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("EMBER_MAX_BATCH_ITEMS", "lots")
+    with pytest.raises(SystemExit) as exit_:
+        build_parser()
+    assert exit_.value.code == 2
+    assert "EMBER_MAX_BATCH_ITEMS" in capsys.readouterr().err
+
+
+def test_a_bad_flag_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse("--port", "eighty")
+    assert exit_.value.code == 2
+    assert "--port" in capsys.readouterr().err
+
+
+def test_help_names_every_flag_its_variable_and_default(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["serve", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction))
+    serve = commands.choices["serve"]
+    flags = [a.option_strings[0][2:] for a in serve._actions if a.option_strings[0] != "-h"]
+    assert set(REQUIRED_FLAGS) <= set(flags)
+    assert {name for name, *_ in WORKER_FLAGS} <= set(flags)
+    for flag in flags:
+        assert f"--{flag}" in text
+        assert f"[{env_name(flag)}]" in text, flag
+    compact = text.replace(" ", "")  # argparse may also break lines at hyphens
+    assert "(default:8080)" in compact and f"(default:{DEFAULT_MODEL})" in compact
+
+
+def test_models_lists_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = [line.split()[0] for line in lines]
+    assert names == sorted(names)
+    assert {DEFAULT_MODEL, SPACY, SYNTH} <= set(names)
+    minilm = next(line for line in lines if line.startswith(DEFAULT_MODEL))
+    assert "transformer" in minilm and "encode,score" in minilm
+
+
+def test_models_with_an_extra_folder(model_dir: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models", "--model-dir", str(model_dir)]) == 0
+    names = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
+    assert {SLOW, BUSY, DEFAULT_MODEL} <= names
+
+
+def test_models_with_a_missing_folder_is_exit_2(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models", "--model-dir", str(tmp_path / "absent")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_models_with_a_broken_yaml_names_the_file(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "bad.yaml").write_text("name: x\nadapter: nope\ntasks: [encode]\n")
+    assert main(["models", "--model-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.yaml" in err and "adapter" in err
+
+
+def run_ember(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ember.cli", *argv], capture_output=True,
+                          text=True, env=server_env(), cwd=REPO, timeout=120)
+
+
+def test_serve_refuses_an_unknown_default_model() -> None:
+    result = run_ember("serve", "--default-model", "no/such-model", "--port", "1")
+    assert result.returncode == 2, result
+    assert "no/such-model" in result.stderr and SYNTH in result.stderr
+
+
+def test_the_console_script_is_installed() -> None:
+    script = Path(sys.executable).with_name("ember")
+    assert script.exists(), "pip install -e . installs the `ember` command"
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True,
+                            env=server_env(), timeout=60)
+    assert result.returncode == 0
+    assert "serve" in result.stdout and "models" in result.stdout

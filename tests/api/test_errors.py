@@ -1,0 +1,245 @@
+"""Every refusal of DESIGN.md's contract: its status and its body
+`{"error": {"type", "message", "param"?}}`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ember.engine import WorkerConfig
+from tests.api.conftest import (
+    MINILM,
+    SPACY,
+    SYNTH,
+    AppFactory,
+    Served,
+    assert_error,
+    encode_body,
+    vectors,
+    wait_for,
+)
+
+# -- 422: invalid input, naming the field ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"items": [{"id": "a"}]}, "items[0].text"),
+    ({"items": [{"text": "ok"}, {"text": 5}]}, "items[1].text"),
+    ({"items": "not a list"}, "items"),
+    ({}, "items"),
+    ({"items": []}, "items"),
+    ({"items": [{"text": "a"}], "params": {"is_query": "maybe"}}, "params.is_query"),
+    ({"items": [{"text": "a"}], "params": {"options": {"truncate": []}}},
+     "params.options.truncate"),
+])
+async def test_invalid_encode_bodies(shared: Served, body: dict[str, Any], param: str) -> None:
+    response = await shared.client.post(f"/v1/encode/{SYNTH}", json=body)
+    error = assert_error(response, 422, "invalid_request", param)
+    assert param.split("[")[0].split(".")[0] in error["message"]
+
+
+async def test_body_that_is_not_json_is_422(shared: Served) -> None:
+    response = await shared.client.post(f"/v1/encode/{SYNTH}", content=b'{"items": [',
+                                        headers={"content-type": "application/json"})
+    assert_error(response, 422, "invalid_request")
+
+
+async def test_text_over_the_token_limit_with_truncate_false(shared: Served) -> None:
+    body = encode_body("fine", "word " * 600, options={"truncate": False})
+    response = await shared.client.post(f"/v1/encode/{MINILM}", json=body)
+    error = assert_error(response, 422, "invalid_request", "items[1].text")
+    assert "256" in error["message"] and "truncate" in error["message"]
+
+
+async def test_score_query_over_the_limit_with_truncate_false(shared: Served) -> None:
+    body = {"query": {"text": "long " * 600}, "items": [{"text": "a"}],
+            "params": {"options": {"truncate": False}}}
+    response = await shared.client.post(f"/v1/score/{MINILM}", json=body)
+    assert_error(response, 422, "invalid_request", "query.text")
+
+
+async def test_text_over_the_character_limit(apps: AppFactory) -> None:
+    async with apps.serve(max_text_chars=100) as served:
+        response = await served.client.post(f"/v1/encode/{SYNTH}",
+                                            json=encode_body("short", "x" * 101))
+        error = assert_error(response, 422, "invalid_request", "items[1]")
+        assert "100" in error["message"]
+
+
+@pytest.mark.parametrize("model", [SYNTH, MINILM])
+async def test_unknown_lora(shared: Served, model: str) -> None:
+    body = encode_body("x", options={"lora": "legal"})
+    response = await shared.client.post(f"/v1/encode/{model}", json=body)
+    error = assert_error(response, 422, "invalid_request", "params.options.lora")
+    assert "legal" in error["message"]
+
+
+# -- 404 ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    ("/v1/encode/{}", encode_body("x")),
+    ("/v1/score/{}", {"query": {"text": "q"}, "items": [{"text": "x"}]}),
+    ("/v1/extract/{}", {"items": [{"text": "x"}]}),
+])
+async def test_unknown_model_lists_the_available_ones(shared: Served, route: str,
+                                                      body: dict[str, Any]) -> None:
+    response = await shared.client.post(route.format("acme/missing-model"), json=body)
+    error = assert_error(response, 404, "model_not_found", "model")
+    assert "acme/missing-model" in error["message"]
+    for name in (SYNTH, MINILM, SPACY):
+        assert name in error["message"]
+
+
+async def test_unknown_route_and_wrong_method(shared: Served) -> None:
+    assert_error(await shared.client.get("/v2/nothing"), 404, "not_found")
+    assert_error(await shared.client.get(f"/v1/encode/{SYNTH}"), 405, "method_not_allowed")
+
+
+# -- 413 ----------------------------------------------------------------------------------------
+
+
+async def test_body_over_the_byte_limit(apps: AppFactory) -> None:
+    async with apps.serve(max_body_bytes=1000) as served:
+        small = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("x" * 100))
+        assert small.status_code == 200, small.text
+        body = encode_body("x" * 2000)
+        response = await served.client.post(f"/v1/encode/{SYNTH}", json=body)
+        error = assert_error(response, 413, "payload_too_large", "body")
+        assert "1000" in error["message"]
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: a chunked body
+            yield b'{"items": [{"text": "'
+            for _ in range(20):
+                yield b"y" * 100
+            yield b'"}]}'
+
+        chunked = await served.client.post(f"/v1/encode/{SYNTH}", content=chunks(),
+                                           headers={"content-type": "application/json"})
+        assert_error(chunked, 413, "payload_too_large", "body")
+        text = await served.metrics()
+        assert 'ember_rejections_total{reason="body_too_large"} 2.0' in text
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/v1/encode/ember/synthetic", {"items": [{"text": "x"}] * 5}, "items"),
+    ("/v1/score/ember/synthetic", {"query": {"text": "q"}, "items": [{"text": "x"}] * 5},
+     "items"),
+    ("/v1/embeddings", {"input": ["x"] * 5}, "input"),
+    ("/v1/rerank", {"query": "q", "documents": ["x"] * 5}, "documents"),
+    ("/embed", {"inputs": ["x"] * 5}, "inputs"),
+    ("/rerank", {"query": "q", "texts": ["x"] * 5}, "texts"),
+])
+async def test_too_many_items(apps: AppFactory, route: str, body: dict[str, Any],
+                              param: str) -> None:
+    async with apps.serve(max_items_per_request=4) as served:
+        error = assert_error(await served.client.post(route, json=body), 413,
+                             "payload_too_large", param)
+        assert "5" in error["message"] and "4" in error["message"]
+        assert served.worker().stats.batches == 0  # refused before any work
+
+
+# -- 429 ----------------------------------------------------------------------------------------
+
+
+async def test_queue_full_is_429_with_retry_after(apps: AppFactory) -> None:
+    async with apps.serve(worker=WorkerConfig(max_queue_items=2)) as served:
+        worker = served.worker()
+        worker.pause()
+        first = asyncio.create_task(served.client.post(f"/v1/encode/{SYNTH}",
+                                                       json=encode_body("a", "b")))
+        await wait_for(lambda: worker.pending_items == 2)
+        refused = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("c"))
+        error = assert_error(refused, 429, "queue_full")
+        assert int(refused.headers["retry-after"]) >= 1
+        assert "2" in error["message"]
+        openai_refused = await served.client.post("/v1/embeddings", json={"input": "c"})
+        assert_error(openai_refused, 429, "queue_full")
+        worker.resume()
+        accepted = await first
+        assert accepted.status_code == 200, accepted.text
+        adapter = served.synthetic()
+        np.testing.assert_allclose(vectors(accepted.json()),
+                                   [adapter.vector("a"), adapter.vector("b")], atol=1e-6)
+        after = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("c"))
+        assert after.status_code == 200
+        assert 'ember_rejections_total{reason="queue_full"} 2.0' in await served.metrics()
+
+
+# -- 503 ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    ("/v1/encode/ember/synthetic", encode_body("x")),
+    ("/v1/embeddings", {"input": "x"}),
+    ("/embed", {"inputs": "x"}),
+    ("/v1/rerank", {"query": "q", "documents": ["x"]}),
+])
+async def test_draining_refuses_new_work_with_503(synthetic_app: Served, route: str,
+                                                  body: dict[str, Any]) -> None:
+    synthetic_app.state.draining = True
+    response = await synthetic_app.client.post(route, json=body)
+    error = assert_error(response, 503, "unavailable")
+    assert "draining" in error["message"]
+    assert int(response.headers["retry-after"]) >= 1
+    assert (await synthetic_app.client.get("/healthz")).status_code == 200
+
+
+async def test_draining_lets_accepted_requests_finish(synthetic_app: Served) -> None:
+    worker = synthetic_app.worker()
+    worker.pause()
+    accepted = asyncio.create_task(synthetic_app.client.post(f"/v1/encode/{SYNTH}",
+                                                             json=encode_body("kept")))
+    await wait_for(lambda: worker.pending_items == 1)
+    synthetic_app.state.draining = True
+    refused = await synthetic_app.client.post(f"/v1/encode/{SYNTH}", json=encode_body("new"))
+    assert_error(refused, 503, "unavailable")
+    worker.resume()
+    response = await accepted
+    assert response.status_code == 200, response.text
+    np.testing.assert_allclose(vectors(response.json())[0],
+                               synthetic_app.synthetic().vector("kept"), atol=1e-6)
+
+
+# -- 500 ----------------------------------------------------------------------------------------
+
+
+async def test_inference_fault_is_500_without_internals_and_the_next_request_works(
+        synthetic_app: Served) -> None:
+    client = synthetic_app.client
+    response = await client.post(f"/v1/encode/{SYNTH}", json=encode_body("x __fail__ y"))
+    error = assert_error(response, 500, "inference_error")
+    assert "inference failed" in error["message"]
+    assert "SyntheticFault" in error["message"]  # says what failed
+    assert "/" not in error["message"] and "line " not in error["message"]
+    assert "param" not in error
+    for route, body in (("/v1/embeddings", {"input": ["__fail__"]}),
+                        ("/v1/rerank", {"query": "__fail__", "documents": ["a"]}),
+                        ("/embed", {"inputs": "__fail__"})):
+        assert_error(await client.post(route, json=body), 500, "inference_error")
+    ok = await client.post(f"/v1/encode/{SYNTH}", json=encode_body("fine"))
+    assert ok.status_code == 200, ok.text
+    assert synthetic_app.worker().stats.failed_batches == 4
+
+
+# -- 504 ----------------------------------------------------------------------------------------
+
+
+async def test_request_timeout_is_504_and_drops_the_queued_work(apps: AppFactory) -> None:
+    async with apps.serve(request_timeout_s=0.05) as served:
+        worker = served.worker()
+        worker.pause()  # nothing is dispatched: the request can only time out
+        response = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("a", "b"))
+        error = assert_error(response, 504, "timeout")
+        assert "dropped" in error["message"]
+        worker.resume()
+        await wait_for(lambda: worker.pending_items == 0)  # dropped before dispatch (R9)
+        ok = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("c"))
+        assert ok.status_code == 200, ok.text
+        assert worker.stats.items == 1  # the timed-out items never reached a forward
+        assert worker.stats.dropped_items == 2
+        assert 'ember_rejections_total{reason="timeout"} 1.0' in await served.metrics()

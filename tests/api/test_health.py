@@ -1,0 +1,179 @@
+"""/healthz, /readyz, /v1/models, /metrics and the OpenAPI page."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.api.conftest import (
+    BROKEN,
+    BROKEN_DIR,
+    MINILM,
+    SPACY,
+    SYNTH,
+    AppFactory,
+    Served,
+    assert_error,
+    encode_body,
+    gated_loader,
+    wait_for,
+)
+
+
+async def test_healthz_and_readyz_when_ready(shared: Served) -> None:
+    health = await shared.client.get("/healthz")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    ready = await shared.client.get("/readyz")
+    assert ready.status_code == 200
+    assert ready.json() == {"status": "ready", "default_model": SYNTH}
+
+
+async def test_readyz_is_503_until_the_default_model_is_loaded(apps: AppFactory) -> None:
+    gate = threading.Event()
+    try:
+        async with apps.serve(wait=False, loader=gated_loader(gate)) as served:
+            await wait_for(lambda: served.registry.state(SYNTH) == "loading")
+            assert (await served.client.get("/healthz")).status_code == 200  # alive meanwhile
+            error = assert_error(await served.client.get("/readyz"), 503, "not_ready")
+            assert SYNTH in error["message"] and "loading" in error["message"]
+            gate.set()
+            await served.registry.get(SYNTH)
+            ready = await served.client.get("/readyz")
+            assert ready.status_code == 200, ready.text
+    finally:
+        gate.set()
+
+
+async def test_readyz_is_503_when_the_default_model_failed_to_load(apps: AppFactory) -> None:
+    async with apps.serve(wait=False, default_model=BROKEN) as served:
+        response = await served.client.post(f"/v1/encode/{BROKEN}", json=encode_body("x"))
+        error = assert_error(response, 503, "model_unavailable", "model")
+        assert BROKEN in error["message"]
+        assert BROKEN_DIR not in error["message"]  # no file paths reach a client
+        assert "secret-weights" not in error["message"]
+        error = assert_error(await served.client.get("/readyz"), 503, "not_ready")
+        assert "failed" in error["message"]
+        assert (await served.client.get("/healthz")).status_code == 200
+
+
+async def test_readyz_is_503_while_draining(synthetic_app: Served) -> None:
+    assert (await synthetic_app.client.get("/readyz")).status_code == 200
+    synthetic_app.state.draining = True
+    error = assert_error(await synthetic_app.client.get("/readyz"), 503, "unavailable")
+    assert "draining" in error["message"]
+    assert (await synthetic_app.client.get("/healthz")).status_code == 200
+
+
+async def test_models_lists_the_catalog_with_states(shared: Served) -> None:
+    response = await shared.client.get("/v1/models")
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["object"] == "list"
+    models = {m["id"]: m for m in data["data"]}
+    assert {SYNTH, MINILM, SPACY, BROKEN} <= set(models)
+    assert list(models) == sorted(models)
+    minilm = models[MINILM]
+    assert minilm["state"] == "loaded"
+    assert minilm["tasks"] == ["encode", "score"]
+    assert minilm["dims"] == 384 and minilm["adapter"] == "transformer"
+    assert models[SYNTH]["state"] == "loaded" and models[SYNTH]["dims"] == 64
+    assert models[BROKEN]["state"] in ("available", "failed")
+    assert "dims" not in models[BROKEN]
+    for model in models.values():
+        assert model["object"] == "model"
+        assert {"id", "tasks", "state", "description", "adapter"} <= set(model)
+
+
+async def test_models_shows_labels_of_a_loaded_extractor(shared: Served) -> None:
+    await shared.registry.get(SPACY)
+    models = {m["id"]: m for m in (await shared.client.get("/v1/models")).json()["data"]}
+    assert "PERSON" in models[SPACY]["labels"]
+
+
+async def test_openapi_documents_every_route(shared: Served) -> None:
+    docs = await shared.client.get("/docs")
+    assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    schema = (await shared.client.get("/openapi.json")).json()
+    paths = set(schema["paths"])
+    assert {"/v1/encode/{model}", "/v1/score/{model}", "/v1/extract/{model}",
+            "/v1/embeddings", "/v1/rerank", "/embed", "/rerank", "/v1/models", "/healthz",
+            "/readyz", "/metrics"} <= paths
+
+
+def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Metric samples by sample name, from the Prometheus text format."""
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return out
+
+
+def value(found: dict[str, list[tuple[dict[str, str], float]]], name: str,
+          **labels: str) -> float:
+    return sum(v for sample_labels, v in found.get(name, [])
+               if all(sample_labels.get(k) == want for k, want in labels.items()))
+
+
+async def test_metrics_after_traffic(apps: AppFactory) -> None:
+    async with apps.serve() as served:
+        client = served.client
+        for _ in range(3):
+            assert (await client.post(f"/v1/encode/{SYNTH}",
+                                      json=encode_body("a b", "c"))).status_code == 200
+        assert (await client.post("/v1/embeddings", json={"input": "x"})).status_code == 200
+        assert (await client.post("/v1/encode/not/here", json=encode_body("x"))
+                ).status_code == 404
+        assert (await client.post(f"/v1/encode/{SYNTH}", json=encode_body("__fail__"))
+                ).status_code == 500
+        served.state.draining = True
+        assert (await client.post(f"/v1/encode/{SYNTH}", json=encode_body("x"))
+                ).status_code == 503
+        served.state.draining = False
+
+        response = await client.get("/metrics")
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/plain")
+        found = samples(response.text)
+        total = "ember_requests_total"
+        assert value(found, total, route="encode", model=SYNTH, status="200") == 3
+        assert value(found, total, route="openai.embeddings", model=SYNTH, status="200") == 1
+        assert value(found, total, route="encode", model="unknown", status="404") == 1
+        assert value(found, total, route="encode", model=SYNTH, status="500") == 1
+        requests = 3 + 1 + 1  # the failed forward is a request too
+        assert value(found, "ember_queue_time_ms_count", model=SYNTH) == requests
+        assert value(found, "ember_inference_time_ms_count", model=SYNTH) == requests
+        assert value(found, "ember_batch_items_count", model=SYNTH) == requests
+        assert value(found, "ember_batch_items_sum", model=SYNTH) == 3 * 2 + 1 + 1
+        assert value(found, "ember_batch_padded_tokens_count", model=SYNTH) == requests
+        assert value(found, "ember_batch_requests_count", model=SYNTH) == requests
+        assert value(found, "ember_forward_failures_total", model=SYNTH) == 1
+        assert value(found, "ember_pending_items", model=SYNTH) == 0
+        assert value(found, "ember_model_loaded", model=SYNTH) == 1
+        assert value(found, "ember_model_loads_total", model=SYNTH) == 1
+        assert value(found, "ember_model_load_seconds_count", model=SYNTH) == 1
+        assert value(found, "ember_rejections_total", reason="draining") == 1
+        assert "ember_model_evictions_total" in response.text or \
+            "ember_model_evictions" in response.text
+
+
+async def test_metrics_count_evictions(apps: AppFactory) -> None:
+    async with apps.serve(max_loaded_models=1) as served:
+        response = await served.client.post("/v1/encode/test/busy-synthetic",
+                                            json=encode_body("x"))
+        assert response.status_code == 200, response.text
+        found = samples(await served.metrics())
+        assert value(found, "ember_model_evictions_total", model=SYNTH) == 1
+        assert value(found, "ember_model_loaded", model=SYNTH) == 0
+        assert value(found, "ember_model_loads_total") == 2
+
+
+def test_metric_names_are_prometheus_safe() -> None:
+    from ember.api.metrics import Metrics
+
+    text = Metrics().registry
+    names = [m.name for m in text.collect()]
+    assert all(re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", n) for n in names)
+    assert all(n.startswith("ember_") for n in names)

@@ -1,0 +1,311 @@
+"""Cross-cutting HTTP behaviour: request ids and timing headers, the API key, the body
+limit, and msgpack in both directions."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import httpx2  # the openai SDK's HTTP client
+import msgpack
+import msgpack_numpy
+import numpy as np
+import openai
+import pytest
+import pytest_asyncio
+
+from ember.engine import WorkerConfig
+from tests.api.conftest import (
+    BUSY,
+    MINILM,
+    SYNTH,
+    AppFactory,
+    Served,
+    assert_error,
+    encode_body,
+    vectors,
+    wait_for,
+)
+
+TIMING = ("x-queue-time-ms", "x-inference-time-ms")
+MSGPACK = {"accept": "application/msgpack"}
+
+
+def assert_context_headers(response: httpx.Response, request_id: str | None = None) -> None:
+    assert "x-request-id" in response.headers, response.headers
+    if request_id is not None:
+        assert response.headers["x-request-id"] == request_id
+    for name in TIMING:
+        assert float(response.headers[name]) >= 0.0, (name, response.headers)
+
+
+def unpack(response: httpx.Response) -> Any:
+    assert response.headers["content-type"] == "application/msgpack"
+    return msgpack.unpackb(response.content, object_hook=msgpack_numpy.decode, raw=False)
+
+
+# -- X-Request-Id and timing headers -------------------------------------------------------------
+
+
+REQUESTS: list[tuple[str, str, Any, int]] = [
+    ("POST", f"/v1/encode/{SYNTH}", encode_body("x"), 200),
+    ("POST", "/v1/embeddings", {"input": "x"}, 200),
+    ("POST", "/v1/rerank", {"query": "q", "documents": ["a"]}, 200),
+    ("POST", "/embed", {"inputs": "x"}, 200),
+    ("POST", "/rerank", {"query": "q", "texts": ["a"]}, 200),
+    ("GET", "/healthz", None, 200),
+    ("GET", "/readyz", None, 200),
+    ("GET", "/v1/models", None, 200),
+    ("GET", "/metrics", None, 200),
+    ("POST", f"/v1/encode/{SYNTH}", {"items": []}, 422),
+    ("POST", "/v1/encode/no/model", encode_body("x"), 404),
+    ("POST", f"/v1/encode/{SYNTH}", encode_body("__fail__"), 500),
+    ("GET", "/nowhere", None, 404),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status"), REQUESTS)
+async def test_every_response_carries_the_request_id_and_timings(
+        shared: Served, method: str, path: str, body: Any, status: int) -> None:
+    response = await shared.client.request(method, path, json=body,
+                                           headers={"x-request-id": "client-id-42"})
+    assert response.status_code == status, response.text
+    assert_context_headers(response, "client-id-42")
+
+
+async def test_a_request_id_is_made_when_the_client_sends_none(shared: Served) -> None:
+    first = await shared.client.get("/healthz")
+    second = await shared.client.get("/healthz")
+    ids = [r.headers["x-request-id"] for r in (first, second)]
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+    assert ids[0] != ids[1]
+
+
+async def test_timing_headers_report_the_forward(apps: AppFactory) -> None:
+    async with apps.serve(default_model=BUSY) as served:  # 50 ms per forward
+        response = await served.client.post(f"/v1/encode/{BUSY}", json=encode_body("x"))
+        assert response.status_code == 200
+        assert float(response.headers["x-inference-time-ms"]) >= 40.0
+        assert float(response.headers["x-queue-time-ms"]) >= 0.0
+        health = await served.client.get("/healthz")
+        assert float(health.headers["x-inference-time-ms"]) == 0.0
+
+
+async def test_refusals_carry_the_headers_too(apps: AppFactory) -> None:
+    async with apps.serve(api_key="k", max_body_bytes=200,
+                          worker=WorkerConfig(max_queue_items=1)) as served:
+        auth = {"authorization": "Bearer k", "x-request-id": "r1"}
+        unauthorized = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("x"),
+                                                headers={"x-request-id": "r0"})
+        assert_error(unauthorized, 401)
+        assert_context_headers(unauthorized, "r0")
+        too_big = await served.client.post(f"/v1/encode/{SYNTH}",
+                                           json=encode_body("x" * 500), headers=auth)
+        assert_error(too_big, 413)
+        assert_context_headers(too_big, "r1")
+        worker = served.worker()
+        worker.pause()
+        held = asyncio.create_task(served.client.post(
+            f"/v1/encode/{SYNTH}", json=encode_body("held"), headers=auth))
+        await wait_for(lambda: worker.pending_items == 1)
+        full = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("y"),
+                                        headers={**auth, "x-request-id": "r2"})
+        assert_error(full, 429)
+        assert_context_headers(full, "r2")
+        served.state.draining = True
+        draining = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("y"),
+                                            headers={**auth, "x-request-id": "r3"})
+        assert_error(draining, 503)
+        assert_context_headers(draining, "r3")
+        worker.resume()
+        assert (await held).status_code == 200
+
+
+# -- API key ----------------------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def keyed(apps: AppFactory) -> AsyncIterator[Served]:
+    async with apps.serve(api_key="s3cret-key") as served:
+        yield served
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", "Bearer s3cret-ke",
+                                    "Basic s3cret-key", "s3cret-key", "Bearer "])
+async def test_missing_or_wrong_key_is_401(keyed: Served, header: str | None) -> None:
+    headers = {"authorization": header} if header is not None else {}
+    response = await keyed.client.post(f"/v1/encode/{SYNTH}", json=encode_body("x"),
+                                       headers=headers)
+    error = assert_error(response, 401, "unauthorized")
+    assert "Bearer" in error["message"]
+    assert response.headers["www-authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/metrics", "/docs", "/openapi.json"])
+async def test_every_other_route_needs_the_key(keyed: Served, path: str) -> None:
+    assert_error(await keyed.client.get(path), 401, "unauthorized")
+    ok = await keyed.client.get(path, headers={"authorization": "Bearer s3cret-key"})
+    assert ok.status_code == 200
+
+
+async def test_health_routes_stay_open(keyed: Served) -> None:
+    assert (await keyed.client.get("/healthz")).status_code == 200
+    assert (await keyed.client.get("/readyz")).status_code == 200
+
+
+@pytest.mark.parametrize("header", ["Bearer s3cret-key", "bearer s3cret-key"])
+async def test_the_right_key_is_served(keyed: Served, header: str) -> None:
+    response = await keyed.client.post(f"/v1/encode/{SYNTH}", json=encode_body("x"),
+                                       headers={"authorization": header})
+    assert response.status_code == 200, response.text
+
+
+async def test_the_openai_sdk_sends_the_key(keyed: Served) -> None:
+    def sdk(key: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url="http://ember/v1", api_key=key, max_retries=0,
+            http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=keyed.app)))
+
+    good, bad = sdk("s3cret-key"), sdk("nope")
+    try:
+        result = await good.embeddings.create(model=SYNTH, input=["x"])
+        assert len(result.data[0].embedding) == 64
+        with pytest.raises(openai.AuthenticationError):
+            await bad.embeddings.create(model=SYNTH, input=["x"])
+    finally:
+        await good.close()
+        await bad.close()
+    text = (await keyed.client.get("/metrics",
+                                   headers={"authorization": "Bearer s3cret-key"})).text
+    assert re.search(r'ember_rejections_total\{reason="unauthorized"\} [1-9]', text)
+
+
+# -- body limit by declared length -------------------------------------------------------------
+
+
+async def test_declared_length_over_the_limit_is_refused_before_reading(
+        apps: AppFactory) -> None:
+    async with apps.serve(max_body_bytes=64) as served:
+        response = await served.client.post(f"/v1/encode/{SYNTH}",
+                                            content=b"{" + b" " * 100 + b"}",
+                                            headers={"content-type": "application/json"})
+        error = assert_error(response, 413, "payload_too_large", "body")
+        assert "64 bytes" in error["message"]
+        assert served.worker().stats.batches == 0
+
+
+# -- msgpack ---------------------------------------------------------------------------------
+
+
+async def test_msgpack_encode_response_holds_float32_arrays(shared: Served) -> None:
+    texts = ["msgpack one", "msgpack two"]
+    as_json = await shared.client.post(f"/v1/encode/{MINILM}", json=encode_body(*texts))
+    packed = await shared.client.post(f"/v1/encode/{MINILM}", json=encode_body(*texts),
+                                      headers=MSGPACK)
+    assert as_json.status_code == packed.status_code == 200
+    assert_context_headers(packed)
+    data = unpack(packed)
+    assert data["model"] == MINILM
+    for item, expected in zip(data["items"], vectors(as_json.json()), strict=True):
+        values = item["dense"]["values"]
+        assert isinstance(values, np.ndarray)
+        assert values.dtype == np.float32 and values.shape == (384,)
+        assert item["dense"]["dims"] == 384 and item["dense"]["dtype"] == "float32"
+        np.testing.assert_array_equal(values, np.array(expected, dtype=np.float32))
+
+
+async def test_msgpack_arrays_are_in_msgpack_numpys_layout(shared: Served) -> None:
+    packed = await shared.client.post(f"/v1/encode/{SYNTH}", json=encode_body("x"),
+                                      headers=MSGPACK)
+    raw = msgpack.unpackb(packed.content, raw=False)  # without the numpy hook
+    values = raw["items"][0]["dense"]["values"]
+    assert values[b"nd"] is True and values[b"type"] == "<f4"
+    assert tuple(values[b"shape"]) == (64,)
+    np.testing.assert_array_equal(np.frombuffer(values[b"data"], "<f4"),
+                                  shared.synthetic().vector("x"))
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/embeddings", {"input": ["a", "b"]}),
+    ("/embed", {"inputs": ["a", "b"]}),
+])
+async def test_msgpack_on_the_compatible_routes(shared: Served, path: str,
+                                                body: dict[str, Any]) -> None:
+    as_json = (await shared.client.post(path, json=body)).json()
+    data = unpack(await shared.client.post(path, json=body,
+                                           headers={"accept": "application/x-msgpack"}))
+    if path == "/embed":
+        got, want = data, as_json
+    else:
+        got = [d["embedding"] for d in data["data"]]
+        want = [d["embedding"] for d in as_json["data"]]
+        assert data["usage"] == as_json["usage"]
+    for array, expected in zip(got, want, strict=True):
+        assert isinstance(array, np.ndarray) and array.dtype == np.float32
+        np.testing.assert_array_equal(array, np.array(expected, dtype=np.float32))
+
+
+async def test_msgpack_score_response(shared: Served) -> None:
+    body = {"query": {"text": "q"}, "items": [{"id": "a", "text": "x"}, {"text": "y z"}]}
+    as_json = (await shared.client.post(f"/v1/score/{SYNTH}", json=body)).json()
+    data = unpack(await shared.client.post(f"/v1/score/{SYNTH}", json=body, headers=MSGPACK))
+    assert data == as_json
+
+
+@pytest.mark.parametrize("content_type", ["application/msgpack", "application/x-msgpack",
+                                          "application/msgpack; charset=binary"])
+async def test_msgpack_request_body(shared: Served, content_type: str) -> None:
+    body = msgpack.packb(encode_body("from msgpack", "two"), use_bin_type=True)
+    response = await shared.client.post(f"/v1/encode/{SYNTH}", content=body,
+                                        headers={"content-type": content_type})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/json"
+    adapter = shared.synthetic()
+    np.testing.assert_allclose(vectors(response.json()),
+                               [adapter.vector("from msgpack"), adapter.vector("two")],
+                               atol=1e-6)
+
+
+async def test_msgpack_in_and_out(shared: Served) -> None:
+    body = msgpack.packb({"input": ["both ways"], "model": SYNTH}, use_bin_type=True)
+    response = await shared.client.post("/v1/embeddings", content=body, headers={
+        "content-type": "application/msgpack", **MSGPACK})
+    assert response.status_code == 200, response.text
+    np.testing.assert_array_equal(unpack(response)["data"][0]["embedding"],
+                                  shared.synthetic().vector("both ways"))
+
+
+async def test_truncated_msgpack_is_422(shared: Served) -> None:
+    whole = msgpack.packb(encode_body("some text to cut"), use_bin_type=True)
+    response = await shared.client.post(f"/v1/encode/{SYNTH}", content=whole[:-5],
+                                        headers={"content-type": "application/msgpack",
+                                                 "x-request-id": "cut"})
+    error = assert_error(response, 422, "invalid_request", "body")
+    assert "msgpack" in error["message"]
+    assert_context_headers(response, "cut")
+
+
+async def test_msgpack_body_that_is_not_the_right_shape_names_the_field(
+        shared: Served) -> None:
+    body = msgpack.packb({"items": [{"text": 7}]}, use_bin_type=True)
+    response = await shared.client.post(f"/v1/encode/{SYNTH}", content=body,
+                                        headers={"content-type": "application/msgpack"})
+    assert_error(response, 422, "invalid_request", "items[0].text")
+
+
+async def test_chunked_msgpack_body_over_the_limit_is_413(apps: AppFactory) -> None:
+    async with apps.serve(max_body_bytes=500) as served:
+        whole = msgpack.packb(encode_body("z" * 2000), use_bin_type=True)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for start in range(0, len(whole), 100):
+                yield whole[start:start + 100]
+
+        response = await served.client.post(f"/v1/encode/{SYNTH}", content=chunks(),
+                                            headers={"content-type": "application/msgpack",
+                                                     "x-request-id": "big"})
+        assert_error(response, 413, "payload_too_large", "body")
+        assert_context_headers(response, "big")

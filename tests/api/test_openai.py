@@ -1,0 +1,125 @@
+"""OpenAI-compatible /v1/embeddings, through raw HTTP and through the `openai` SDK."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+
+import httpx2  # the openai SDK's HTTP client
+import numpy as np
+import openai
+import pytest
+import pytest_asyncio
+
+from tests.api.conftest import MINILM, SYNTH, Served, assert_error, encode_body, vectors
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def sdk(shared: Served) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The real SDK, its HTTP client on the app's ASGI transport."""
+    http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=shared.app))
+    client = openai.AsyncOpenAI(base_url="http://ember/v1", api_key="unused", max_retries=0,
+                                http_client=http)
+    yield client
+    await client.close()
+
+
+async def native_vectors(served: Served, model: str, texts: list[str]) -> np.ndarray:
+    response = await served.client.post(f"/v1/encode/{model}", json=encode_body(*texts))
+    assert response.status_code == 200, response.text
+    return np.array(vectors(response.json()), dtype=np.float32)
+
+
+async def test_float_embeddings_match_the_native_route(shared: Served) -> None:
+    texts = ["hello world", "a second, longer sentence about search"]
+    response = await shared.client.post("/v1/embeddings", json={
+        "model": MINILM, "input": texts, "encoding_format": "float"})
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["object"] == "list" and data["model"] == MINILM
+    assert [d["index"] for d in data["data"]] == [0, 1]
+    assert all(d["object"] == "embedding" for d in data["data"])
+    got = np.array([d["embedding"] for d in data["data"]], dtype=np.float32)
+    np.testing.assert_allclose(got, await native_vectors(shared, MINILM, texts), atol=1e-6)
+    usage = data["usage"]
+    assert usage["prompt_tokens"] == usage["total_tokens"] > len(texts)
+
+
+async def test_base64_embeddings_are_little_endian_float32(shared: Served) -> None:
+    response = await shared.client.post("/v1/embeddings", json={
+        "model": SYNTH, "input": "just one", "encoding_format": "base64"})
+    assert response.status_code == 200, response.text
+    [entry] = response.json()["data"]
+    decoded = np.frombuffer(base64.b64decode(entry["embedding"]), dtype="<f4")
+    np.testing.assert_array_equal(decoded, shared.synthetic().vector("just one"))
+
+
+async def test_model_defaults_to_the_servers_default(shared: Served) -> None:
+    response = await shared.client.post("/v1/embeddings", json={"input": "x"})
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == shared.settings.default_model == SYNTH
+
+
+async def test_dimensions_other_than_the_models_is_422(shared: Served) -> None:
+    ok = await shared.client.post("/v1/embeddings", json={"model": SYNTH, "input": "x",
+                                                          "dimensions": 64})
+    assert ok.status_code == 200, ok.text
+    response = await shared.client.post("/v1/embeddings", json={"model": SYNTH, "input": "x",
+                                                                "dimensions": 8})
+    assert_error(response, 422, "invalid_request", "dimensions")
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": SYNTH}, "input"),
+    ({"model": SYNTH, "input": []}, "input"),
+    ({"model": SYNTH, "input": 3}, None),
+    ({"model": SYNTH, "input": "x", "encoding_format": "int8"}, "encoding_format"),
+])
+async def test_invalid_bodies_are_422_naming_the_field(shared: Served, body: dict[str, object],
+                                                       param: str | None) -> None:
+    response = await shared.client.post("/v1/embeddings", json=body)
+    error = assert_error(response, 422, "invalid_request")
+    if param is None:
+        assert error["param"].startswith("input"), error
+    else:
+        assert error["param"] == param, error
+
+
+async def test_unknown_model_is_404_listing_the_catalog(shared: Served) -> None:
+    response = await shared.client.post("/v1/embeddings", json={"model": "nope/none",
+                                                                "input": "x"})
+    error = assert_error(response, 404, "model_not_found", "model")
+    assert "nope/none" in error["message"]
+    assert MINILM in error["message"] and SYNTH in error["message"]
+
+
+# -- the openai SDK, in process ---------------------------------------------------------------
+
+
+async def test_sdk_default_call_decodes_to_the_native_vector(shared: Served,
+                                                             sdk: openai.AsyncOpenAI) -> None:
+    """Without encoding_format the SDK asks for base64 and decodes it itself."""
+    texts = ["the SDK path", "and another"]
+    result = await sdk.embeddings.create(model=MINILM, input=texts)
+    got = np.array([d.embedding for d in result.data], dtype=np.float32)
+    np.testing.assert_allclose(got, await native_vectors(shared, MINILM, texts), atol=1e-6)
+    assert result.usage.prompt_tokens > 0
+    assert result.model == MINILM
+
+
+async def test_sdk_float_and_explicit_base64(shared: Served, sdk: openai.AsyncOpenAI) -> None:
+    floats = await sdk.embeddings.create(model=SYNTH, input=["x y"], encoding_format="float")
+    raw = await sdk.embeddings.create(model=SYNTH, input=["x y"], encoding_format="base64")
+    expected = shared.synthetic().vector("x y")
+    np.testing.assert_allclose(floats.data[0].embedding, expected, atol=1e-6)
+    encoded = raw.data[0].embedding
+    assert isinstance(encoded, str)
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(encoded), "<f4"), expected)
+
+
+async def test_sdk_sees_a_404_as_not_found(sdk: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        await sdk.embeddings.create(model="missing/model", input=["x"])
+    assert caught.value.status_code == 404
+    body = caught.value.body
+    assert isinstance(body, dict) and body["type"] == "model_not_found"

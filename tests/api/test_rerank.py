@@ -1,0 +1,80 @@
+"""Cohere/Jina-style /v1/rerank."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.api.conftest import MINILM, SPACY, SYNTH, Served, assert_error
+
+DOCS = ["It will rain tomorrow in Oslo.",
+        "Paris is the capital and largest city of France.",
+        "Bananas are rich in potassium.",
+        "France's capital hosts the Louvre."]
+QUERY = "What is the capital of France?"
+
+
+async def test_results_are_sorted_with_indices_into_the_request(shared: Served) -> None:
+    response = await shared.client.post("/v1/rerank", json={
+        "model": MINILM, "query": QUERY, "documents": DOCS})
+    assert response.status_code == 200, response.text
+    data = response.json()
+    assert data["model"] == MINILM
+    results = data["results"]
+    assert sorted(r["index"] for r in results) == list(range(len(DOCS)))
+    scores = [r["relevance_score"] for r in results]
+    assert scores == sorted(scores, reverse=True)
+    assert {results[0]["index"], results[1]["index"]} == {1, 3}  # the two about Paris
+    assert all("document" not in r for r in results)
+    assert data["usage"]["total_tokens"] > 0
+
+
+async def test_top_n_and_return_documents(shared: Served) -> None:
+    full = await shared.client.post("/v1/rerank", json={
+        "model": SYNTH, "query": QUERY, "documents": DOCS})
+    top = await shared.client.post("/v1/rerank", json={
+        "model": SYNTH, "query": QUERY, "documents": [{"text": d} for d in DOCS],
+        "top_n": 2, "return_documents": True})
+    assert full.status_code == top.status_code == 200, top.text
+    results = top.json()["results"]
+    assert len(results) == 2
+    assert [r["index"] for r in results] == [r["index"] for r in full.json()["results"][:2]]
+    for result in results:
+        assert result["document"] == {"text": DOCS[result["index"]]}
+
+
+async def test_top_n_above_the_count_returns_all(shared: Served) -> None:
+    response = await shared.client.post("/v1/rerank", json={
+        "query": QUERY, "documents": DOCS[:2], "top_n": 10})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["results"]) == 2
+    assert response.json()["model"] == SYNTH  # the default model
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"documents": DOCS}, "query"),
+    ({"query": QUERY}, "documents"),
+    ({"query": QUERY, "documents": []}, "documents"),
+    ({"query": QUERY, "documents": DOCS, "top_n": 0}, "top_n"),
+    ({"query": QUERY, "documents": [{"txt": "x"}]}, None),
+])
+async def test_invalid_bodies_are_422_naming_the_field(shared: Served, body: dict[str, object],
+                                                       param: str | None) -> None:
+    response = await shared.client.post("/v1/rerank", json={"model": SYNTH, **body})
+    error = assert_error(response, 422, "invalid_request")
+    if param is None:
+        assert error["param"].startswith("documents[0]"), error
+    else:
+        assert error["param"] == param, error
+
+
+async def test_unknown_model_is_404(shared: Served) -> None:
+    response = await shared.client.post("/v1/rerank", json={
+        "model": "no/such", "query": QUERY, "documents": DOCS})
+    error = assert_error(response, 404, "model_not_found", "model")
+    assert SYNTH in error["message"]
+
+
+async def test_a_model_that_cannot_score_is_422(shared: Served) -> None:
+    response = await shared.client.post("/v1/rerank", json={
+        "model": SPACY, "query": QUERY, "documents": DOCS})
+    assert_error(response, 422, "unsupported_task", "model")

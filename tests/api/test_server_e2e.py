@@ -1,0 +1,287 @@
+"""End to end through a real `ember serve` process (uvicorn, uvloop, httptools) on
+127.0.0.1, with clients nobody here wrote: the `openai` SDK and huggingface_hub's
+InferenceClient."""
+
+from __future__ import annotations
+
+import base64
+import re
+import signal
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import huggingface_hub.constants
+import msgpack
+import msgpack_numpy
+import numpy as np
+import pytest
+from huggingface_hub import InferenceClient
+from openai import NotFoundError, OpenAI
+
+from ember.adapters.synthetic import SyntheticAdapter
+from tests.api.conftest import (
+    MINILM,
+    SLOW,
+    SPACY,
+    SYNTH,
+    LiveServer,
+    assert_error,
+    encode_body,
+    start_server,
+    vectors,
+)
+
+SYNTH_DIMS = 64  # the catalog's ember/synthetic
+SLOW_DIMS = 16
+
+
+def native(server: LiveServer, texts: list[str], model: str = MINILM) -> np.ndarray:
+    response = httpx.post(f"{server.url}/v1/encode/{model}", json=encode_body(*texts),
+                          timeout=60)
+    assert response.status_code == 200, response.text
+    return np.array(vectors(response.json()), dtype=np.float32)
+
+
+def metric(server: LiveServer, pattern: str) -> float:
+    """The value of the first /metrics line matching `pattern` (a regex), else 0."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    for line in text.splitlines():
+        if re.match(pattern, line):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_ready_health_docs(live_server: LiveServer) -> None:
+    ready = httpx.get(f"{live_server.url}/readyz")
+    assert ready.status_code == 200 and ready.json()["default_model"] == MINILM
+    assert httpx.get(f"{live_server.url}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{live_server.url}/docs").status_code == 200
+    models = {m["id"]: m for m in httpx.get(f"{live_server.url}/v1/models").json()["data"]}
+    assert models[MINILM]["state"] == "loaded" and models[SYNTH]["state"] == "loaded"
+    assert "Ember listening on http://127.0.0.1:" in live_server.log_tail(100_000)
+
+
+def test_native_routes(live_server: LiveServer) -> None:
+    url = live_server.url
+    vecs = native(live_server, ["a small dog", "a puppy", "quarterly earnings"])
+    assert vecs.shape == (3, 384)
+    score = httpx.post(f"{url}/v1/score/{MINILM}", json={
+        "query": {"text": "young dog"},
+        "items": [{"id": "money", "text": "quarterly earnings"}, {"id": "dog",
+                                                                 "text": "a puppy"}]})
+    assert score.status_code == 200 and score.json()["scores"][0]["item_id"] == "dog"
+    extract = httpx.post(f"{url}/v1/extract/{SPACY}", timeout=60, json={
+        "items": [{"text": "Angela Merkel met Emmanuel Macron in Berlin."}]})
+    assert extract.status_code == 200, extract.text
+    texts = {e["text"] for e in extract.json()["items"][0]["entities"]}
+    assert {"Angela Merkel", "Berlin"} <= texts
+
+
+def test_openai_sdk_float_matches_the_native_route(live_server: LiveServer) -> None:
+    client = OpenAI(base_url=f"{live_server.url}/v1", api_key="x", max_retries=0)
+    texts = ["OpenAI SDK against Ember", "a second input"]
+    result = client.embeddings.create(model=MINILM, input=texts, encoding_format="float")
+    got = np.array([d.embedding for d in result.data], dtype=np.float32)
+    np.testing.assert_allclose(got, native(live_server, texts), atol=1e-6)
+    assert [d.index for d in result.data] == [0, 1]
+    assert result.usage.prompt_tokens == result.usage.total_tokens > 0
+
+
+def test_openai_sdk_base64_matches_the_native_route(live_server: LiveServer) -> None:
+    client = OpenAI(base_url=f"{live_server.url}/v1", api_key="x", max_retries=0)
+    texts = ["base64 on the wire"]
+    expected = native(live_server, texts)[0]
+    decoded = client.embeddings.create(model=MINILM, input=texts)  # SDK asks base64, decodes
+    np.testing.assert_allclose(decoded.data[0].embedding, expected, atol=1e-6)
+    raw = client.embeddings.create(model=MINILM, input=texts, encoding_format="base64")
+    encoded = raw.data[0].embedding
+    assert isinstance(encoded, str)
+    np.testing.assert_allclose(np.frombuffer(base64.b64decode(encoded), "<f4"), expected,
+                               atol=1e-6)
+    with pytest.raises(NotFoundError):
+        client.embeddings.create(model="not/served", input=["x"])
+
+
+def test_hf_inference_client_feature_extraction(live_server: LiveServer,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """InferenceClient posts to the URL it is given as `model` (huggingface_hub's
+    hf-inference provider), so a TEI-style server is addressed by its /embed URL."""
+    # HF_HUB_OFFLINE blocks every request of huggingface_hub's session, even to
+    # 127.0.0.1; lift it for this local call only (a URL model needs no hub lookup).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    client = InferenceClient(model=f"{live_server.url}/embed", timeout=60)
+    texts = ["feature extraction through huggingface_hub", "second"]
+    got = client.feature_extraction(texts)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32
+    assert got.shape == (2, 384)
+    np.testing.assert_allclose(got, native(live_server, texts), atol=1e-6)
+    one = client.feature_extraction("single text")
+    assert one.shape == (1, 384)
+    np.testing.assert_allclose(one[0], native(live_server, ["single text"])[0], atol=1e-6)
+    raw = client.feature_extraction("single text", normalize=False)
+    assert abs(float(np.linalg.norm(raw[0])) - 1.0) > 1e-3
+
+
+def test_msgpack_over_the_wire(live_server: LiveServer) -> None:
+    body = msgpack.packb(encode_body("packed"), use_bin_type=True)
+    response = httpx.post(f"{live_server.url}/v1/encode/{MINILM}", content=body, headers={
+        "content-type": "application/msgpack", "accept": "application/msgpack"})
+    assert response.status_code == 200
+    data = msgpack.unpackb(response.content, object_hook=msgpack_numpy.decode, raw=False)
+    values = data["items"][0]["dense"]["values"]
+    assert isinstance(values, np.ndarray) and values.dtype == np.float32
+    np.testing.assert_allclose(values, native(live_server, ["packed"])[0], atol=1e-6)
+    cut = httpx.post(f"{live_server.url}/v1/encode/{MINILM}", content=body[:-3],
+                     headers={"content-type": "application/msgpack"})
+    assert_error(cut, 422, "invalid_request", "body")
+
+
+def test_errors_and_headers_over_the_wire(live_server: LiveServer) -> None:
+    url = live_server.url
+    missing = httpx.post(f"{url}/v1/encode/no/such", json=encode_body("x"),
+                         headers={"x-request-id": "e2e-1"})
+    error = assert_error(missing, 404, "model_not_found", "model")
+    assert MINILM in error["message"]
+    assert missing.headers["x-request-id"] == "e2e-1"
+    invalid = httpx.post(f"{url}/v1/encode/{MINILM}", json={"items": [{}]})
+    assert_error(invalid, 422, "invalid_request", "items[0].text")
+    too_many = httpx.post(f"{url}/v1/encode/{SYNTH}", json=encode_body(*["x"] * 65))
+    assert_error(too_many, 413, "payload_too_large", "items")
+    fault = httpx.post(f"{url}/v1/encode/{SYNTH}", json=encode_body("__fail__"))
+    assert_error(fault, 500, "inference_error")
+    ok = httpx.post(f"{url}/v1/encode/{SYNTH}", json=encode_body("after the fault"))
+    assert ok.status_code == 200
+    for response in (missing, invalid, too_many, fault, ok):
+        assert float(response.headers["x-queue-time-ms"]) >= 0
+        assert float(response.headers["x-inference-time-ms"]) >= 0
+    assert "Traceback" not in httpx.post(f"{url}/v1/encode/{SYNTH}",
+                                         json=encode_body("__fail__")).text
+
+
+def test_concurrent_requests_each_get_their_own_vectors(live_server: LiveServer) -> None:
+    reference = SyntheticAdapter(dims=SYNTH_DIMS)
+    batches = [[f"client {c} item {i}" for i in range(1 + c % 4)] for c in range(16)]
+    before = metric(live_server, r'ember_batch_items_count\{model="ember/synthetic"\}')
+
+    def call(texts: list[str]) -> list[list[float]]:
+        response = httpx.post(f"{live_server.url}/v1/encode/{SYNTH}",
+                              json=encode_body(*texts), timeout=60)
+        assert response.status_code == 200, response.text
+        return vectors(response.json())
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(call, batches))
+    for texts, got in zip(batches, results, strict=True):
+        np.testing.assert_allclose(got, [reference.vector(t) for t in texts], atol=1e-6)
+    forwards = metric(live_server, r'ember_batch_items_count\{model="ember/synthetic"\}')
+    assert 1 <= forwards - before <= len(batches)
+
+
+def test_metrics_over_the_wire(live_server: LiveServer) -> None:
+    native(live_server, ["counted"])
+    assert metric(live_server, r'ember_requests_total\{model="sentence-transformers/all-MiniLM'
+                               r'-L6-v2",route="encode",status="200"\}') >= 1
+    assert metric(live_server, r'ember_inference_time_ms_count\{model="sentence-') >= 1
+    assert metric(live_server, r'ember_model_loads_total\{model="sentence-') == 1
+
+
+def test_a_client_that_goes_away_has_its_queued_work_dropped(live_server: LiveServer) -> None:
+    """While one slow forward runs, a second request's client gives up: its item is
+    dropped before it reaches a forward."""
+    url = live_server.url
+    reason = r'ember_rejections_total\{reason="client_disconnected"\}'
+    dropped = r'ember_dropped_items_total\{model="test/slow-synthetic"\}'
+    rejected_before, dropped_before = metric(live_server, reason), metric(live_server, dropped)
+    with ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(httpx.post, f"{url}/v1/encode/{SLOW}", json=encode_body("busy"),
+                           timeout=60)
+        time.sleep(0.1)  # let the first request start its 300 ms forward
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/encode/{SLOW}", json=encode_body("abandoned"), timeout=0.1)
+        assert busy.result().status_code == 200
+    deadline = time.monotonic() + 10
+    while metric(live_server, reason) == rejected_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(live_server, reason) == rejected_before + 1
+    assert metric(live_server, dropped) == dropped_before + 1
+
+
+# -- shutdown --------------------------------------------------------------------------------
+
+
+def start_slow_server(model_dir: Path, log: Path) -> LiveServer:
+    return start_server(log, "--model-dir", str(model_dir), "--default-model", SLOW,
+                        ready_timeout=60)
+
+
+def send_in_flight(server: LiveServer, pool: ThreadPoolExecutor,
+                   count: int) -> list[Future[httpx.Response]]:
+    """`count` requests on the slow model (one item per 300 ms forward), returned once the
+    server holds all of them: one in its forward, the rest queued."""
+    futures = [pool.submit(httpx.post, f"{server.url}/v1/encode/{SLOW}",
+                           json=encode_body(f"in flight {i}"), timeout=60)
+               for i in range(count)]
+    pending = r'ember_pending_items\{model="test/slow-synthetic"\}'
+    deadline = time.monotonic() + 30
+    while metric(server, pending) < count - 1:
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.02)
+    return futures
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0(model_dir: Path,
+                                                        tmp_path: Path) -> None:
+    server = start_slow_server(model_dir, tmp_path / "drain.log")
+    reference = SyntheticAdapter(dims=SLOW_DIMS)
+    count = 5
+    try:
+        with ThreadPoolExecutor(count) as pool:
+            futures = send_in_flight(server, pool, count)
+            server.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while (ready := httpx.get(f"{server.url}/readyz")).status_code == 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert_error(ready, 503, "unavailable")
+            refused = httpx.post(f"{server.url}/v1/encode/{SLOW}", json=encode_body("late"))
+            assert_error(refused, 503, "unavailable")
+            assert "retry-after" in refused.headers
+            assert httpx.get(f"{server.url}/healthz").status_code == 200
+            for i, future in enumerate(futures):
+                response = future.result()
+                assert response.status_code == 200, response.text
+                np.testing.assert_allclose(vectors(response.json())[0],
+                                           reference.vector(f"in flight {i}"), atol=1e-6)
+        assert server.process.wait(30) == 0, server.log_tail()
+        log = server.log_tail(100_000)
+        assert f"SIGTERM: draining, {count} requests in flight" in log
+        assert "drained in" in log
+    finally:
+        server.stop()
+
+
+def test_a_second_signal_exits_at_once(model_dir: Path, tmp_path: Path) -> None:
+    server = start_slow_server(model_dir, tmp_path / "twice.log")
+    try:
+        with ThreadPoolExecutor(5) as pool:
+            futures = send_in_flight(server, pool, 5)
+            server.process.send_signal(signal.SIGINT)
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{server.url}/readyz").status_code == 200:  # first one handled
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            server.process.send_signal(signal.SIGTERM)
+            code = server.process.wait(10)
+            unfinished = 0
+            for future in futures:
+                try:
+                    future.result()
+                except httpx.HTTPError:
+                    unfinished += 1
+        assert code != 0
+        assert unfinished >= 1  # it did not wait for the queue
+        assert "second signal" in server.log_tail()
+    finally:
+        server.stop()

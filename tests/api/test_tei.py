@@ -1,0 +1,118 @@
+"""text-embeddings-inference style /embed and /rerank, on the default model."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from tests.api.conftest import MINILM, AppFactory, Served, assert_error, encode_body, vectors
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def real_default(apps: AppFactory) -> AsyncIterator[Served]:
+    """TEI routes serve the default model: here the real one."""
+    async with apps.serve(default_model=MINILM) as served:
+        yield served
+
+
+async def test_embed_a_list_returns_a_list_of_vectors(shared: Served) -> None:
+    texts = ["one", "two"]
+    response = await shared.client.post("/embed", json={"inputs": texts})
+    assert response.status_code == 200, response.text
+    got = response.json()
+    assert isinstance(got, list) and len(got) == 2
+    adapter = shared.synthetic()
+    for text, vec in zip(texts, got, strict=True):
+        np.testing.assert_allclose(vec, adapter.vector(text), atol=1e-6)
+
+
+async def test_embed_a_string_is_one_vector_in_a_list(shared: Served) -> None:
+    response = await shared.client.post("/embed", json={"inputs": "alone"})
+    assert response.status_code == 200, response.text
+    [vec] = response.json()
+    np.testing.assert_allclose(vec, shared.synthetic().vector("alone"), atol=1e-6)
+
+
+async def test_embed_on_the_real_model_matches_native(real_default: Served) -> None:
+    texts = ["the TEI route", "against the native route"]
+    tei = await real_default.client.post("/embed", json={"inputs": texts})
+    native = await real_default.client.post(f"/v1/encode/{MINILM}", json=encode_body(*texts))
+    assert tei.status_code == native.status_code == 200, tei.text
+    np.testing.assert_allclose(tei.json(), vectors(native.json()), atol=1e-6)
+
+
+async def test_embed_normalize_false(real_default: Served) -> None:
+    normal = await real_default.client.post("/embed", json={"inputs": "x y z"})
+    raw = await real_default.client.post("/embed", json={"inputs": "x y z",
+                                                         "normalize": False})
+    assert normal.status_code == raw.status_code == 200, raw.text
+    n, r = np.array(normal.json()[0]), np.array(raw.json()[0])
+    assert abs(float(np.linalg.norm(n)) - 1.0) < 1e-4
+    assert abs(float(np.linalg.norm(r)) - 1.0) > 1e-3
+    np.testing.assert_allclose(r / np.linalg.norm(r), n, atol=1e-5)
+
+
+async def test_embed_truncate_false_refuses_text_over_the_limit(real_default: Served) -> None:
+    response = await real_default.client.post("/embed", json={"inputs": ["ok", "word " * 600],
+                                                              "truncate": False})
+    error = assert_error(response, 422, "invalid_request", "inputs[1]")  # this route's field
+    assert "max_seq_length" in error["message"]
+
+
+@pytest.mark.parametrize(("query", "texts", "param"), [
+    ("word " * 600, ["fine"], "query"),
+    ("fine", ["fine", "word " * 600], "texts[1]"),
+])
+async def test_rerank_truncate_false_names_the_long_field(real_default: Served, query: str,
+                                                          texts: list[str],
+                                                          param: str) -> None:
+    response = await real_default.client.post("/rerank", json={
+        "query": query, "texts": texts, "truncate": False})
+    assert_error(response, 422, "invalid_request", param)
+
+
+async def test_tei_rerank(shared: Served) -> None:
+    texts = ["first", "second doc", "third one here"]
+    response = await shared.client.post("/rerank", json={"query": "q", "texts": texts,
+                                                         "return_text": True})
+    assert response.status_code == 200, response.text
+    results = response.json()
+    assert sorted(r["index"] for r in results) == [0, 1, 2]
+    scores = [r["score"] for r in results]
+    assert scores == sorted(scores, reverse=True)
+    adapter = shared.synthetic()
+    for result in results:
+        assert result["text"] == texts[result["index"]]
+        expected = float(adapter.vector("q") @ adapter.vector(texts[result["index"]]))
+        assert result["score"] == pytest.approx(expected, abs=1e-6)
+
+
+async def test_tei_rerank_on_the_real_model(real_default: Served) -> None:
+    response = await real_default.client.post("/rerank", json={
+        "query": "capital of France",
+        "texts": ["Bananas are yellow.", "Paris is the capital of France."]})
+    assert response.status_code == 200, response.text
+    results = response.json()
+    assert results[0]["index"] == 1
+    assert "text" not in results[0]
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/embed", {}, "inputs"),
+    ("/embed", {"inputs": []}, "inputs"),
+    ("/embed", {"inputs": [1, 2]}, None),
+    ("/rerank", {"texts": ["a"]}, "query"),
+    ("/rerank", {"query": "q", "texts": []}, "texts"),
+])
+async def test_invalid_bodies_are_422_naming_the_field(shared: Served, route: str,
+                                                       body: dict[str, object],
+                                                       param: str | None) -> None:
+    response = await shared.client.post(route, json=body)
+    error = assert_error(response, 422, "invalid_request")
+    if param is None:
+        assert error["param"].startswith("inputs"), error
+    else:
+        assert error["param"] == param, error
