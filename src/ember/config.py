@@ -17,6 +17,10 @@ BUILTIN_CATALOG = Path(__file__).parent / "catalog"
 ADAPTERS = {"transformer": "transformer", "cross_encoder": "cross_encoder",
             "spacy": "spacy_ner", "sparse": "sparse", "multivector": "multivector",
             "synthetic": "synthetic"}
+# What each family's encode returns (before it is loaded; after, its ModelInfo says).
+FAMILY_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "transformer": ("dense",), "sparse": ("sparse",), "multivector": ("multivector",),
+    "synthetic": ("dense",), "cross_encoder": (), "spacy": ()}
 TASKS = ("encode", "score", "extract")
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 

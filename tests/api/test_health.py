@@ -80,7 +80,7 @@ async def test_models_lists_the_catalog_with_states(shared: Served) -> None:
     assert minilm["dims"] == 384 and minilm["adapter"] == "transformer"
     assert models[SYNTH]["state"] == "loaded" and models[SYNTH]["dims"] == 64
     assert models[BROKEN]["state"] in ("available", "failed")
-    assert "dims" not in models[BROKEN]
+    assert models[BROKEN]["dims"] is None  # known once loaded
     for model in models.values():
         assert model["object"] == "model"
         assert {"id", "tasks", "state", "description", "adapter"} <= set(model)

@@ -122,6 +122,8 @@ def test_hf_inference_client_feature_extraction(live_server: LiveServer,
     np.testing.assert_allclose(one[0], native(live_server, ["single text"])[0], atol=1e-6)
     raw = client.feature_extraction("single text", normalize=False)
     assert abs(float(np.linalg.norm(raw[0])) - 1.0) > 1e-3
+    at_base = InferenceClient(model=live_server.url, timeout=60)  # TEI answers POST / too
+    np.testing.assert_allclose(at_base.feature_extraction(texts), got, atol=1e-6)
 
 
 def test_msgpack_over_the_wire(live_server: LiveServer) -> None:

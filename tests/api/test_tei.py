@@ -116,3 +116,10 @@ async def test_invalid_bodies_are_422_naming_the_field(shared: Served, route: st
         assert error["param"].startswith("inputs"), error
     else:
         assert error["param"] == param, error
+
+
+async def test_root_post_embeds_like_tei_for_clients_given_only_the_base_url(
+        shared: Served) -> None:
+    at_root = await shared.client.post("/", json={"inputs": "one"})
+    at_embed = await shared.client.post("/embed", json={"inputs": "one"})
+    assert at_root.status_code == 200 and at_root.json() == at_embed.json()

@@ -10,6 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ember.api.errors import error_response
 from ember.api.state import server_state
+from ember.config import FAMILY_OUTPUTS
+from ember.outputs import DTYPES
 
 router = APIRouter(tags=["operations"])
 
@@ -31,7 +33,7 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ready", "default_model": default})
 
 
-@router.get("/v1/models", summary="The catalog: every model, its tasks and state")
+@router.get("/v1/models", summary="The catalog: every model, its tasks, outputs and state")
 async def models(request: Request) -> dict[str, Any]:
     registry = server_state(request).registry
     loaded = registry.loaded
@@ -42,14 +44,17 @@ async def models(request: Request) -> dict[str, Any]:
             "id": name, "object": "model", "owned_by": "ember", "adapter": spec.adapter,
             "tasks": list(spec.tasks), "state": registry.state(name),
             "description": spec.description, "loras": sorted(spec.loras),
-            "max_seq_length": spec.max_seq_length,
+            "max_seq_length": spec.max_seq_length, "dims": None,
+            "output_types": list(FAMILY_OUTPUTS.get(spec.adapter, ())),
         }
         if name in loaded:
             info = loaded[name].adapter.info
             entry.update(dims=info.dims, max_seq_length=info.max_seq_length,
-                         output_types=list(info.output_types))
+                         output_types=list(info.output_types) if "encode" in info.tasks
+                         else [])
             if info.labels:
                 entry["labels"] = list(info.labels)
+        entry["output_dtypes"] = list(DTYPES) if entry["output_types"] else []
         data.append(entry)
     return {"object": "list", "data": data}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -10,7 +10,9 @@ from pydantic import BaseModel, Field
 
 from ember.adapters.base import Encoded, EncodeOptions, ExtractOptions, ScoreOptions
 from ember.api.codec import render
+from ember.api.errors import ApiError
 from ember.api.inference import check_inputs, run_task
+from ember.outputs import quantize
 
 router = APIRouter(tags=["native"])
 
@@ -28,10 +30,19 @@ class Options(BaseModel):
                                    "(default: the model's setting)")
 
 
+OutputDtype = Literal["float32", "float16", "int8", "binary"]
+
+
 class EncodeParams(BaseModel):
-    output_types: list[str] = Field(default_factory=lambda: ["dense"])
-    instruction: str | None = None
-    is_query: bool = False
+    output_types: list[str] | None = Field(
+        None, description="dense, sparse and/or multivector (default: the model's own)")
+    output_dtype: OutputDtype = Field(
+        "float32", description="float16 halves; int8 is scaled per output (the wire carries "
+        "`scale`, value ~= q * scale); binary packs sign bits, 8 per byte (dense and "
+        "multivector only)")
+    instruction: str | None = Field(None, description="task instruction, for models "
+                                    "configured with prompts")
+    is_query: bool = Field(False, description="the query side of an asymmetric model")
     options: Options = Field(default_factory=Options)
 
 
@@ -62,14 +73,39 @@ class ExtractRequest(BaseModel):
 def encode_options(params: EncodeParams) -> EncodeOptions:
     return EncodeOptions(is_query=params.is_query, instruction=params.instruction,
                          truncate=params.options.truncate, normalize=params.options.normalize,
-                         lora=params.options.lora, output_types=tuple(params.output_types))
+                         lora=params.options.lora,
+                         output_types=tuple(params.output_types or ()))
 
 
-def dense_wire(encoded: Encoded) -> dict[str, Any]:
-    """`{"dims", "dtype", "values"}`; values stay an array until the codec writes them."""
-    vector = encoded.dense
-    assert vector is not None
-    return {"dims": int(vector.shape[-1]), "dtype": str(vector.dtype), "values": vector}
+def encoded_wire(encoded: Encoded, dtype: str) -> dict[str, Any]:
+    """SIE's shapes: dense `{dims, dtype, values}`, sparse `{dims, dtype, indices, values}`,
+    multivector `{token_dims, num_tokens, dtype, values}`; `scale` with int8. Values stay
+    arrays until the codec writes them (lists in JSON, numpy arrays in msgpack)."""
+    body: dict[str, Any] = {}
+    if encoded.dense is not None:
+        q = quantize(encoded.dense, dtype)
+        body["dense"] = _scaled({"dims": int(encoded.dense.shape[-1]), "dtype": dtype,
+                                 "values": q.values}, q.scale)
+    if encoded.sparse is not None:
+        if dtype == "binary":
+            raise ApiError(422, "invalid_request", "output_dtype 'binary' applies to dense "
+                           "and multivector outputs; sparse takes float32, float16 or int8",
+                           "params.output_dtype")
+        q = quantize(encoded.sparse.values, dtype)
+        body["sparse"] = _scaled({"dims": encoded.sparse.dims, "dtype": dtype,
+                                  "indices": encoded.sparse.indices, "values": q.values},
+                                 q.scale)
+    if encoded.multivector is not None:
+        num_tokens, token_dims = encoded.multivector.shape
+        q = quantize(encoded.multivector, dtype)
+        body["multivector"] = _scaled({"token_dims": int(token_dims),
+                                       "num_tokens": int(num_tokens), "dtype": dtype,
+                                       "values": q.values}, q.scale)
+    return body
+
+
+def _scaled(body: dict[str, Any], scale: float | None) -> dict[str, Any]:
+    return body if scale is None else {**body, "scale": scale}
 
 
 def with_id(item: Item, body: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +119,8 @@ async def encode(model: str, body: EncodeRequest, request: Request) -> Response:
     options = encode_options(body.params)
     output = await run_task(request, "encode", model, "encode",
                             lambda m, a: a.encode(m.submit, texts, options))
-    items = [with_id(item, {"dense": dense_wire(enc)})
+    dtype = body.params.output_dtype
+    items = [with_id(item, encoded_wire(enc, dtype))
              for item, enc in zip(body.items, output.values, strict=True)]
     return render(request, {"model": model, "items": items})
 

@@ -14,6 +14,7 @@ from ember.api.codec import render
 from ember.api.errors import ApiError
 from ember.api.inference import check_inputs, run_task
 from ember.api.state import server_state
+from ember.registry import LoadedModel
 
 router = APIRouter(tags=["openai"])
 
@@ -26,13 +27,18 @@ class EmbeddingsRequest(BaseModel):
     user: str | None = None
 
 
+def embeddings_side(model: LoadedModel) -> EncodeOptions:
+    """The document side, unless the model's YAML says `options: {embeddings_side: query}`."""
+    return EncodeOptions(is_query=model.spec.options.get("embeddings_side") == "query")
+
+
 @router.post("/v1/embeddings", summary="OpenAI-compatible embeddings")
 async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
     model = body.model or server_state(request).settings.default_model
     texts = [body.input] if isinstance(body.input, str) else body.input
     check_inputs(request, texts, "input")
     output = await run_task(request, "openai.embeddings", model, "encode",
-                            lambda m, a: a.encode(m.submit, texts, EncodeOptions()), "input")
+                            lambda m, a: a.encode(m.submit, texts, embeddings_side(m)), "input")
     data = []
     for index, encoded in enumerate(output.values):
         vector = encoded.dense

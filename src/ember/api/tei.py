@@ -30,6 +30,8 @@ class TeiRerankRequest(BaseModel):
     raw_scores: bool = False
 
 
+@router.post("/", summary="TEI-compatible embeddings at the root, as TEI answers "
+             "clients given only its base URL")
 @router.post("/embed", summary="TEI-compatible embeddings on the default model")
 async def embed(body: EmbedRequest, request: Request) -> Response:
     model = server_state(request).settings.default_model

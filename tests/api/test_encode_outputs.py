@@ -1,0 +1,142 @@
+"""Issue 7 over HTTP: sparse and multi-vector outputs, output dtypes, query/document sides."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgpack
+import msgpack_numpy
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from ember.config import ServerSettings
+from ember.outputs import dequantize_int8, hamming
+from tests.adapters.tiny_models import build_bi_encoder, build_colbert, build_sparse_encoder
+from tests.api.conftest import MINILM, SYNTH, Served, assert_error, serving
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+SPARSE, COLBERT, PROMPTED = "tiny/sparse", "tiny/colbert", "tiny/prompted"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def tiny(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Served]:
+    """An app serving tiny sparse, multi-vector and prompted models built here."""
+    root = tmp_path_factory.mktemp("tiny-outputs")
+    yamls = root / "yaml"
+    yamls.mkdir()
+    builds = {SPARSE: ("sparse", build_sparse_encoder(root / "sparse"), ""),
+              COLBERT: ("multivector", build_colbert(root / "colbert"), ""),
+              PROMPTED: ("transformer", build_bi_encoder(root / "prompted"),
+                         'prompts: {query: "query: ", document: "passage: "}\n')}
+    for name, (adapter, path, extra) in builds.items():
+        (yamls / f"{name.split('/')[1]}.yaml").write_text(
+            f"name: {name}\nadapter: {adapter}\nsource: {{path: {path}}}\n"
+            f"tasks: [encode, score]\n{extra}", encoding="utf-8")
+    settings = ServerSettings(default_model=SYNTH, model_dirs=(yamls,))
+    async with serving(settings) as served:
+        yield served
+
+
+async def encode(served: Served, model: str, texts: list[str], **params: Any) -> Any:
+    body = {"items": [{"text": t} for t in texts], "params": params}
+    return await served.client.post(f"/v1/encode/{model}", json=body)
+
+
+async def test_sparse_output_in_the_native_wire_shape(tiny: Served) -> None:
+    response = await encode(tiny, SPARSE, ["hello world", "a much longer text " * 5])
+    assert response.status_code == 200
+    for item in response.json()["items"]:
+        sparse = item["sparse"]
+        assert set(sparse) == {"dims", "dtype", "indices", "values"}
+        assert sparse["dtype"] == "float32" and sparse["indices"] == sorted(set(sparse["indices"]))
+        assert all(v > 0 for v in sparse["values"]) and max(sparse["indices"]) < sparse["dims"]
+
+
+async def test_multivector_output_in_the_native_wire_shape(tiny: Served) -> None:
+    response = await encode(tiny, COLBERT, ["hello world"])
+    multi = response.json()["items"][0]["multivector"]
+    assert set(multi) == {"token_dims", "num_tokens", "dtype", "values"}
+    values = np.array(multi["values"], dtype=np.float32)
+    assert values.shape == (multi["num_tokens"], multi["token_dims"])
+    assert np.allclose(np.linalg.norm(values, axis=1), 1.0, atol=1e-5)
+
+
+async def test_msgpack_carries_sparse_and_multivector_as_numpy(tiny: Served) -> None:
+    for model, key in ((SPARSE, "sparse"), (COLBERT, "multivector")):
+        response = await tiny.client.post(
+            f"/v1/encode/{model}", json={"items": [{"text": "hello"}]},
+            headers={"accept": "application/msgpack"})
+        body = msgpack.unpackb(response.content, object_hook=msgpack_numpy.decode)
+        assert isinstance(body["items"][0][key]["values"], np.ndarray)
+
+
+async def test_int8_round_trip_on_the_default_model(shared: Served) -> None:
+    texts = ["the cat sat on the mat", "stock markets fell sharply", "a recipe for bread"]
+    floats = (await encode(shared, MINILM, texts)).json()["items"]
+    ints = (await encode(shared, MINILM, texts, output_dtype="int8")).json()["items"]
+    for f, q in zip(floats, ints, strict=True):
+        assert q["dense"]["dtype"] == "int8" and q["dense"]["dims"] == 384
+        restored = dequantize_int8(np.array(q["dense"]["values"], dtype=np.int8),
+                                   q["dense"]["scale"])
+        original = np.array(f["dense"]["values"], dtype=np.float32)
+        cosine = restored @ original / (np.linalg.norm(restored) * np.linalg.norm(original))
+        assert cosine >= 0.99
+
+
+async def test_binary_hamming_ranks_the_obvious_neighbour_first(shared: Served) -> None:
+    query = "How do I bake sourdough bread at home?"
+    docs = ["Baking sourdough bread at home: a starter, flour, water and salt.",
+            "The central bank raised interest rates by a quarter point.",
+            "The football match ended in a goalless draw."]
+    response = await encode(shared, MINILM, [query, *docs], output_dtype="binary")
+    dense = [item["dense"] for item in response.json()["items"]]
+    assert all(d["dtype"] == "binary" and d["dims"] == 384 for d in dense)
+    packed = [np.array(d["values"], dtype=np.uint8) for d in dense]
+    assert packed[0].shape == (48,)
+    distances = [hamming(packed[0], p) for p in packed[1:]]
+    assert distances.index(min(distances)) == 0
+
+
+async def test_float16_halves_and_stays_close(shared: Served) -> None:
+    f32 = (await encode(shared, MINILM, ["hello"])).json()["items"][0]["dense"]["values"]
+    f16 = (await encode(shared, MINILM, ["hello"], output_dtype="float16")).json()
+    values = f16["items"][0]["dense"]["values"]
+    assert np.max(np.abs(np.array(values) - np.array(f32))) < 1e-3
+
+
+@pytest.mark.parametrize(("model", "params", "param", "words"), [
+    (MINILM, {"output_dtype": "int4"}, "params.output_dtype", "float32"),
+    (MINILM, {"output_types": ["sparse"]}, "params.output_types", "dense"),
+    (SPARSE, {"output_types": ["dense"]}, "params.output_types", "sparse"),
+    (SPARSE, {"output_dtype": "binary"}, "params.output_dtype", "int8"),
+    (MINILM, {"instruction": "Represent this"}, "params.instruction", "no prompts"),
+])
+async def test_what_a_model_cannot_produce_is_a_422_saying_what_it_can(
+        shared: Served, tiny: Served, model: str, params: dict[str, Any], param: str,
+        words: str) -> None:
+    served = tiny if model.startswith("tiny/") else shared
+    response = await encode(served, model, ["hello"], **params)
+    error = assert_error(response, 422, param=param)
+    assert words in error["message"]
+
+
+async def test_query_and_document_sides_apply_the_models_prompts(tiny: Served) -> None:
+    query = (await encode(tiny, PROMPTED, ["cats"], is_query=True)).json()
+    document = (await encode(tiny, PROMPTED, ["cats"])).json()
+    q_vec = query["items"][0]["dense"]["values"]
+    d_vec = document["items"][0]["dense"]["values"]
+    assert not np.allclose(q_vec, d_vec)
+    openai = await tiny.client.post("/v1/embeddings", json={"model": PROMPTED, "input": "cats"})
+    assert np.allclose(openai.json()["data"][0]["embedding"], d_vec, atol=1e-6)
+
+
+async def test_models_report_outputs_dims_and_dtypes(tiny: Served) -> None:
+    await encode(tiny, SPARSE, ["x"])
+    models = {m["id"]: m for m in (await tiny.client.get("/v1/models")).json()["data"]}
+    assert models[SPARSE]["output_types"] == ["sparse"] and models[SPARSE]["dims"] > 0
+    assert models[COLBERT]["output_types"] == ["multivector"]
+    assert models[COLBERT]["output_dtypes"] == ["float32", "float16", "int8", "binary"]
+    assert models["spacy/en_core_web_sm"]["output_types"] == []
