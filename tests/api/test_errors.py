@@ -243,3 +243,16 @@ async def test_request_timeout_is_504_and_drops_the_queued_work(apps: AppFactory
         assert worker.stats.items == 1  # the timed-out items never reached a forward
         assert worker.stats.dropped_items == 2
         assert 'ember_rejections_total{reason="timeout"} 1.0' in await served.metrics()
+
+
+@pytest.mark.parametrize(("content", "param"), [
+    (b"{", "body"),  # malformed JSON: the field is the body, not a character offset
+    (b'{"items": [{"text": "caf\xe9"}]}', "body"),  # not UTF-8
+    (b"[" * 5000 + b"]" * 5000, "body"),  # nests past the JSON reader's limit
+    (b'{"items": [{"text": "a\\ud800"}]}', "items[0]"),  # a lone surrogate is no text
+])
+async def test_undecodable_bodies_are_422_naming_the_body_or_item(
+        shared: Served, content: bytes, param: str) -> None:
+    response = await shared.client.post(f"/v1/encode/{SYNTH}", content=content,
+                                        headers={"content-type": "application/json"})
+    assert_error(response, 422, "invalid_request", param=param)

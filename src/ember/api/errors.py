@@ -108,12 +108,20 @@ def install(app: FastAPI) -> None:
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid body"}
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            context = first.get("ctx")
+            reason = context.get("error", "malformed") if isinstance(context, dict) else "malformed"
+            return error_response(422, "invalid_request", f"body: invalid JSON ({reason})",
+                                  "body")
         param = field_path(tuple(first.get("loc", ())))
         message = f"{param}: {first.get('msg', 'invalid value')}"
         return error_response(422, "invalid_request", message, param)
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 400:  # only FastAPI's body reader raises it: undecodable input
+            return error_response(422, "invalid_request", "the request body is not valid "
+                                  "UTF-8 JSON (or nests too deep)", "body")
         kinds = {404: "not_found", 405: "method_not_allowed"}
         return error_response(exc.status_code, kinds.get(exc.status_code, "http_error"),
                               str(exc.detail), headers=dict(exc.headers or {}))

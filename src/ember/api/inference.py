@@ -30,6 +30,12 @@ def check_inputs(request: Request, texts: Sequence[str], field: str = "items") -
                        f"{settings.max_items_per_request} per request; split the request",
                        field)
     for index, text in enumerate(texts):
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate (valid JSON \ud800) is no text
+                raise ApiError(422, "invalid_request", "text is not valid Unicode (it "
+                               "holds a lone surrogate)", f"{field}[{index}]") from None
         if len(text) > settings.max_text_chars:
             raise ApiError(422, "invalid_request",
                            f"text of {len(text)} characters is over the limit of "
