@@ -1,0 +1,378 @@
+"""Helpers of the reliability tests: a real `ember serve` process, the error body of
+DESIGN.md, Prometheus samples, model YAMLs and the figures each test writes.
+
+Everything runs on 127.0.0.1 and every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import psutil  # type: ignore[import-untyped]
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+SYNTH = "ember/synthetic"  # the catalog's TEST model: deterministic vectors, no weights
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+SPACY = "spacy/en_core_web_sm"
+# What must never reach a client: a stack trace or a path inside the installation.
+LEAKS = ("Traceback", 'File "', "site-packages", "/work/", ".py\"", "/usr/lib", "/root/")
+ERROR_KEYS = {"type", "message", "param"}
+Record = Callable[[str, dict[str, Any]], Path]  # the `figures` fixture: (name, data) -> file
+
+
+# -- the server process -------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The test's environment without EMBER_* settings, offline, unbuffered."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class ServerProcess:
+    """One `python -m ember.cli serve` on 127.0.0.1; its stdout and stderr go to `log`."""
+
+    port: int
+    process: subprocess.Popen[bytes]
+    log: Path
+    args: tuple[str, ...]
+    notes: dict[str, Any] = field(default_factory=dict)  # what a fixture measured
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_text(self, since: int = 0) -> str:
+        return self.log.read_text(errors="replace")[since:]
+
+    def log_size(self) -> int:
+        return len(self.log_text())
+
+    def rss_bytes(self) -> int:
+        rss: int = psutil.Process(self.pid).memory_info().rss
+        return rss
+
+    def cpu_seconds(self) -> float:
+        """User and system CPU time of the server process and its threads."""
+        times = psutil.Process(self.pid).cpu_times()
+        return float(times.user + times.system)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def terminate(self) -> None:
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float) -> int:
+        return self.process.wait(timeout)
+
+    def stop(self, timeout: float = 60) -> int | None:
+        """SIGTERM and wait; killed if it hangs (then None). Safe to call twice."""
+        if not self.alive():
+            return self.process.returncode
+        self.terminate()
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            return None
+
+
+def start_server(log: Path, args: Sequence[str], *, env: Mapping[str, str] | None = None,
+                 ready_timeout: float = 180, attempts: int = 3) -> ServerProcess:
+    """Start the server on a free port and return once /readyz answers 200 (another
+    port if the chosen one was taken in the meantime)."""
+    for attempt in range(attempts):
+        try:
+            return _start_once(log, args, env, ready_timeout)
+        except PortTaken:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+class PortTaken(AssertionError):
+    """The free port was taken between choosing it and binding it."""
+
+
+def _start_once(log: Path, args: Sequence[str], env: Mapping[str, str] | None,
+                ready_timeout: float) -> ServerProcess:
+    port = free_port()
+    argv = (sys.executable, "-m", "ember.cli", "serve", "--host", "127.0.0.1", "--port",
+            str(port), *args)
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                   env=server_env(env), cwd=REPO)
+    server = ServerProcess(port, process, log, tuple(args))
+    deadline = time.monotonic() + ready_timeout
+    try:
+        while True:
+            if not server.alive():
+                text = server.log_text()
+                if "address already in use" in text.lower():
+                    raise PortTaken(f"port {port} taken")
+                raise AssertionError(f"server exited with {process.returncode}\n"
+                                     f"{text[-4000:]}")
+            try:
+                if httpx.get(f"{server.url}/readyz", timeout=5).status_code == 200:
+                    return server
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not ready in {ready_timeout} s\n"
+                                     f"{server.log_text()[-4000:]}")
+            time.sleep(0.05)
+    except BaseException:
+        if server.alive():
+            process.kill()
+            process.wait()
+        raise
+
+
+@dataclass
+class ServerPool:
+    """Servers a fixture started; `close()` stops every one of them."""
+
+    folder: Path
+    servers: list[ServerProcess] = field(default_factory=list)
+
+    def start(self, *args: str, models: Mapping[str, Mapping[str, Any]] | None = None,
+              env: Mapping[str, str] | None = None, name: str = "server",
+              ready_timeout: float = 180) -> ServerProcess:
+        """`models` maps YAML file names to catalog entries, served with --model-dir."""
+        index = len(self.servers)
+        flags = list(args)
+        if models:
+            model_dir = self.folder / f"{name}-{index}-models"
+            write_models(model_dir, models)
+            flags += ["--model-dir", str(model_dir)]
+        server = start_server(self.folder / f"{name}-{index}.log", flags, env=env,
+                              ready_timeout=ready_timeout)
+        self.servers.append(server)
+        return server
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+
+def write_models(folder: Path, models: Mapping[str, Mapping[str, Any]]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for file_name, entry in models.items():
+        (folder / file_name).write_text(yaml.safe_dump(dict(entry), sort_keys=False),
+                                        encoding="utf-8")
+    return folder
+
+
+def synthetic_model(name: str, *, dims: int = 16, overhead_ms: float = 2.0,
+                    per_token_us: float = 0.0, max_batch_items: int | None = None,
+                    tasks: Sequence[str] = ("encode", "score")) -> dict[str, Any]:
+    """A catalog entry for the synthetic TEST model (not a real model) with a forward time
+    of `overhead_ms + per_token_us x padded words`."""
+    entry: dict[str, Any] = {
+        "name": name, "description": "synthetic test model (not a real model)",
+        "adapter": "synthetic", "tasks": list(tasks),
+        "options": {"dims": dims, "overhead_ms": overhead_ms, "per_token_us": per_token_us},
+    }
+    if max_batch_items is not None:
+        entry["batching"] = {"max_batch_items": max_batch_items}
+    return entry
+
+
+# -- what the server answers --------------------------------------------------------------
+
+
+def assert_no_leak(text: str, extra: Iterable[str] = ()) -> None:
+    """No stack trace and no internal path in `text`."""
+    for leak in (*LEAKS, *extra):
+        assert leak not in text, f"{leak!r} leaked in {text[:500]!r}"
+
+
+def assert_error(response: httpx.Response, status: int | Sequence[int],
+                 kind: str | None = None, param: str | None = None,
+                 leaks: Iterable[str] = ()) -> dict[str, Any]:
+    """DESIGN.md's error body `{"error": {"type", "message", "param"?}}` with this status,
+    no stack trace and no internal path; returns the error object."""
+    statuses = (status,) if isinstance(status, int) else tuple(status)
+    assert response.status_code in statuses, (response.status_code, response.text[:500])
+    return check_error_body(response.headers.get("content-type", ""), response.content,
+                            kind, param, leaks)
+
+
+def check_error_body(content_type: str, content: bytes, kind: str | None = None,
+                     param: str | None = None, leaks: Iterable[str] = ()) -> dict[str, Any]:
+    assert content_type.startswith("application/json"), content_type
+    body = json.loads(content)
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert isinstance(error, dict) and set(error) <= ERROR_KEYS, error
+    assert {"type", "message"} <= set(error), error
+    assert isinstance(error["type"], str) and error["type"], error
+    assert isinstance(error["message"], str) and error["message"], error
+    assert error.get("param") is None or isinstance(error["param"], str), error
+    if kind is not None:
+        assert error["type"] == kind, error
+    if param is not None:
+        assert error.get("param") == param, error
+    assert_no_leak(content.decode("utf-8", "replace"), leaks)
+    return dict(error)
+
+
+def dense(body: Mapping[str, Any]) -> list[list[float]]:
+    """The vectors of a native encode response."""
+    return [item["dense"]["values"] for item in body["items"]]
+
+
+def encode_body(*texts: str, **params: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"items": [{"text": t} for t in texts]}
+    if params:
+        body["params"] = params
+    return body
+
+
+WORD_LIST = """search engine query document vector index rank token batch model river
+mountain city country paris london music film book coffee weather ocean forest library
+garden science history market kitchen bridge station letter window"""
+WORDS = WORD_LIST.split()
+
+
+def text_pool(count: int, seed: int = 7) -> list[str]:
+    """Distinct sentences of 2 to 45 words, so batches mix short and long items."""
+    rng = random.Random(seed)
+    lengths = [2, 3, 5, 8, 12, 20, 30, 45]
+    return [f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(lengths[i % len(lengths)]))
+            for i in range(count)]
+
+
+def references(url: str, model: str, texts: Sequence[str]) -> dict[str, np.ndarray]:
+    """Each text's vector when sent alone, one sequential request each."""
+    refs: dict[str, np.ndarray] = {}
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for text in texts:
+            response = client.post(f"/v1/encode/{model}", json=encode_body(text))
+            assert response.status_code == 200, response.text
+            refs[text] = np.asarray(dense(response.json())[0], dtype=np.float64)
+    return refs
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples called `name` whose labels include `labels` (0 if none)."""
+    total = 0.0
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None or match.group(1) != name:
+            continue
+        found = dict(_LABEL.findall(match.group(2) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(match.group(3))
+    return total
+
+
+def scrape(client: httpx.Client, url: str) -> str:
+    response = client.get(f"{url}/metrics", timeout=10)
+    assert response.status_code == 200, response.text
+    return response.text
+
+
+def wait_until(condition: Any, timeout: float, what: str, interval: float = 0.01) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached in {timeout} s")
+        time.sleep(interval)
+
+
+def busy_cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds the whole machine spent busy, CPU seconds of this test process): with
+    the server's own, they tell how much of the machine other processes took."""
+    times = psutil.cpu_times()
+    busy = sum(times) - times.idle - getattr(times, "iowait", 0.0)
+    mine = psutil.Process().cpu_times()
+    return float(busy), float(mine.user + mine.system)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+# -- figures ---------------------------------------------------------------------------------
+
+
+def figures_dir() -> Path | None:
+    raw = os.environ.get("EMBER_RELIABILITY_OUT")
+    return Path(raw) if raw else None
+
+
+def write_figures(folder: Path, name: str, data: Mapping[str, Any]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    payload = {"name": name, **data}
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n",
+                    encoding="utf-8")
+    return path
+
+
+def soak_seconds() -> float:
+    """Seconds of each load soak: short in CI, EMBER_SOAK_S=60 for the long form."""
+    return float(os.environ.get("EMBER_SOAK_S", "8"))
+
+
+def benchmarks_running() -> list[str]:
+    """Command lines of running `bench/` processes other than this one's ancestors (the
+    report script runs these tests from bench/ itself)."""
+    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info.get("cmdline") or [])
+        if "bench/" in cmdline and proc.info["pid"] not in mine:
+            found.append(cmdline)
+    return found
+
+
+def wait_for_benchmarks(limit_s: float = 600, poll_s: float = 30) -> float:
+    """Shared machine: heavy load waits (up to `limit_s`) for a running benchmark to end so
+    its figures are not disturbed. Returns the seconds waited."""
+    if os.environ.get("EMBER_RELIABILITY_WAIT_BENCH", "1") == "0":
+        return 0.0
+    started = time.monotonic()
+    while benchmarks_running() and time.monotonic() - started < limit_s:
+        time.sleep(poll_s)
+    return time.monotonic() - started
