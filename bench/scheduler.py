@@ -60,15 +60,18 @@ POLICIES: dict[str, WorkerConfig] = {
     "default": WorkerConfig(),
     "idle0": WorkerConfig(idle_coalesce_ms=0.0),
     "earlier": WorkerConfig(hold_lone_idle_requests=True),
+    "returning": WorkerConfig(hold_for_returning_senders=True),
 }
 CONTROL = "default-again"  # the A/A control: the default policy run a second time
 POLICY_LABELS = {
     "default": "default (R3)",
     "idle0": "idle_coalesce_ms=0",
     "earlier": "earlier rule (hold_lone_idle_requests)",
+    "returning": "R3d candidate (hold_for_returning_senders)",
     CONTROL: "default again (A/A control)",
 }
-PLOT_LABELS = {"default": "default", "idle0": "idle_coalesce_ms=0", "earlier": "earlier rule"}
+PLOT_LABELS = {"default": "default", "idle0": "idle_coalesce_ms=0", "earlier": "earlier rule",
+               "returning": "R3d candidate"}
 COSTS: dict[str, CostModel] = {
     "gpu": CostModel(overhead_ms=2.0, per_token_us=0.5, mode="sleep"),
     "cpu": CostModel(overhead_ms=13.0, per_token_us=240.0, mode="compute"),
@@ -513,7 +516,8 @@ def plot(data: Json, path: Path) -> None:
 
     costs = list(data["results"])
     fig, axes = plt.subplots(1, len(costs), figsize=(6 * len(costs), 4.5), squeeze=False)
-    colors = {"default": "tab:blue", "idle0": "tab:green", "earlier": "tab:red"}
+    colors = {"default": "tab:blue", "idle0": "tab:green", "earlier": "tab:red",
+              "returning": "tab:purple"}
     for ax, cost_name in zip(axes[0], costs, strict=True):
         opens = [r for r in data["results"][cost_name].values() if r["kind"] == "open"]
         loads = [r["params"]["load_pct"] for r in opens]

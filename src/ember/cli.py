@@ -22,6 +22,8 @@ WORKER_FLAGS: list[tuple[str, type, object, str]] = [
     ("coalesce-ms", float, 2.0, "quiet time that closes a batch while the model is busy"),
     ("idle-coalesce-ms", float, 3.0, "quiet time that closes a burst reaching an idle model"),
     ("max-queue-items", int, 4096, "queued items per model before 429"),
+    ("hold-for-returning-senders", bool, False, "R3d, opt-in: hold a lone arrival for the "
+     "idle window when the last forward's senders are returning (see docs/benchmarks.md)"),
 ]
 
 

@@ -9,11 +9,6 @@ an app's state (pausing a worker, draining, an API key) build their own small ap
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -33,6 +28,7 @@ from ember.api.state import ServerState
 from ember.config import DEFAULT_MODEL, ModelSpec, ServerSettings, load_catalog
 from ember.engine import ModelWorker, WorkerConfig
 from ember.registry import LoadFunction, Registry, RegistryLimits, adapter_loader
+from tests.live_server import ServerProcess, start_server
 
 SYNTH = "ember/synthetic"  # the catalog's test model: deterministic vectors, no weights
 MINILM = DEFAULT_MODEL
@@ -109,13 +105,6 @@ def vectors(body: dict[str, Any]) -> list[list[float]]:
 
 def encode_body(*texts: str, **params: Any) -> dict[str, Any]:
     return {"items": [{"text": t} for t in texts], "params": params}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # -- in-process apps ------------------------------------------------------------------
@@ -242,77 +231,14 @@ async def synthetic_app(apps: AppFactory) -> AsyncIterator[Served]:
 # -- one real server process ------------------------------------------------------------
 
 
-@dataclass
-class LiveServer:
-    port: int
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log.read_text(errors="replace")[-chars:]
-
-    def stop(self, timeout: float = 60) -> int:
-        """SIGTERM, then the exit status (the process is killed if it hangs)."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            raise AssertionError(f"server did not exit after SIGTERM\n{self.log_tail()}"
-                                 ) from None
-
-
-def server_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    return env
-
-
-def start_server(log: Path, *args: str, ready_timeout: float = 180) -> LiveServer:
-    """`python -m ember.cli serve` on a free port; returns once /readyz answers 200."""
-    port = free_port()
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "ember.cli", "serve", "--host", "127.0.0.1", "--port",
-             str(port), *args], stdout=out, stderr=subprocess.STDOUT, env=server_env(),
-            cwd=REPO)
-    server = LiveServer(port, process, log)
-    deadline = time.monotonic() + ready_timeout
-    try:
-        while True:
-            if process.poll() is not None:
-                raise AssertionError(f"server exited with {process.returncode}\n"
-                                     f"{server.log_tail()}")
-            try:
-                if httpx.get(f"{server.url}/readyz", timeout=5).status_code == 200:
-                    return server
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"server not ready in {ready_timeout} s\n"
-                                     f"{server.log_tail()}")
-            time.sleep(0.1)
-    except BaseException:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        raise
-
-
 @pytest.fixture(scope="session")
 def live_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[LiveServer]:
+                ) -> Iterator[ServerProcess]:
     """The real server on the real default model, plus the synthetic ones; stopped with
     SIGTERM at the end of the session, which must exit 0."""
     log = tmp_path_factory.mktemp("live") / "server.log"
-    server = start_server(log, "--model-dir", str(model_dir), "--preload", SYNTH,
-                          "--max-items-per-request", "64")
+    server = start_server(log, ["--model-dir", str(model_dir), "--preload", SYNTH,
+                                "--max-items-per-request", "64"])
     yield server
     code = server.stop()
     assert code == 0, f"server exited {code} after SIGTERM\n{server.log_tail()}"

@@ -12,7 +12,8 @@ import pytest
 from ember.cli import WORKER_FLAGS, build_parser, env_name, main, settings_from
 from ember.config import DEFAULT_MODEL, ServerSettings
 from ember.engine import WorkerConfig
-from tests.api.conftest import BUSY, REPO, SLOW, SPACY, SYNTH, server_env
+from tests.api.conftest import BUSY, SLOW, SPACY, SYNTH
+from tests.live_server import REPO, server_env
 
 # The flags issue 4 asks for, at least.
 REQUIRED_FLAGS = ["host", "port", "model-dir", "preload", "default-model", "device",
@@ -182,3 +183,10 @@ def test_the_console_script_is_installed() -> None:
                             env=server_env(), timeout=60)
     assert result.returncode == 0
     assert "serve" in result.stdout and "models" in result.stdout
+
+
+def test_the_returning_senders_rule_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not parse().worker.hold_for_returning_senders
+    assert parse("--hold-for-returning-senders").worker.hold_for_returning_senders
+    monkeypatch.setenv("EMBER_HOLD_FOR_RETURNING_SENDERS", "true")
+    assert parse().worker.hold_for_returning_senders

@@ -26,25 +26,24 @@ from tests.api.conftest import (
     SLOW,
     SPACY,
     SYNTH,
-    LiveServer,
     assert_error,
     encode_body,
-    start_server,
     vectors,
 )
+from tests.live_server import ServerProcess, start_server
 
 SYNTH_DIMS = 64  # the catalog's ember/synthetic
 SLOW_DIMS = 16
 
 
-def native(server: LiveServer, texts: list[str], model: str = MINILM) -> np.ndarray:
+def native(server: ServerProcess, texts: list[str], model: str = MINILM) -> np.ndarray:
     response = httpx.post(f"{server.url}/v1/encode/{model}", json=encode_body(*texts),
                           timeout=60)
     assert response.status_code == 200, response.text
     return np.array(vectors(response.json()), dtype=np.float32)
 
 
-def metric(server: LiveServer, pattern: str) -> float:
+def metric(server: ServerProcess, pattern: str) -> float:
     """The value of the first /metrics line matching `pattern` (a regex), else 0."""
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
     for line in text.splitlines():
@@ -53,7 +52,7 @@ def metric(server: LiveServer, pattern: str) -> float:
     return 0.0
 
 
-def test_ready_health_docs(live_server: LiveServer) -> None:
+def test_ready_health_docs(live_server: ServerProcess) -> None:
     ready = httpx.get(f"{live_server.url}/readyz")
     assert ready.status_code == 200 and ready.json()["default_model"] == MINILM
     assert httpx.get(f"{live_server.url}/healthz").json() == {"status": "ok"}
@@ -63,7 +62,7 @@ def test_ready_health_docs(live_server: LiveServer) -> None:
     assert "Ember listening on http://127.0.0.1:" in live_server.log_tail(100_000)
 
 
-def test_native_routes(live_server: LiveServer) -> None:
+def test_native_routes(live_server: ServerProcess) -> None:
     url = live_server.url
     vecs = native(live_server, ["a small dog", "a puppy", "quarterly earnings"])
     assert vecs.shape == (3, 384)
@@ -79,7 +78,7 @@ def test_native_routes(live_server: LiveServer) -> None:
     assert {"Angela Merkel", "Berlin"} <= texts
 
 
-def test_openai_sdk_float_matches_the_native_route(live_server: LiveServer) -> None:
+def test_openai_sdk_float_matches_the_native_route(live_server: ServerProcess) -> None:
     client = OpenAI(base_url=f"{live_server.url}/v1", api_key="x", max_retries=0)
     texts = ["OpenAI SDK against Ember", "a second input"]
     result = client.embeddings.create(model=MINILM, input=texts, encoding_format="float")
@@ -89,7 +88,7 @@ def test_openai_sdk_float_matches_the_native_route(live_server: LiveServer) -> N
     assert result.usage.prompt_tokens == result.usage.total_tokens > 0
 
 
-def test_openai_sdk_base64_matches_the_native_route(live_server: LiveServer) -> None:
+def test_openai_sdk_base64_matches_the_native_route(live_server: ServerProcess) -> None:
     client = OpenAI(base_url=f"{live_server.url}/v1", api_key="x", max_retries=0)
     texts = ["base64 on the wire"]
     expected = native(live_server, texts)[0]
@@ -104,7 +103,7 @@ def test_openai_sdk_base64_matches_the_native_route(live_server: LiveServer) -> 
         client.embeddings.create(model="not/served", input=["x"])
 
 
-def test_hf_inference_client_feature_extraction(live_server: LiveServer,
+def test_hf_inference_client_feature_extraction(live_server: ServerProcess,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """InferenceClient posts to the URL it is given as `model` (huggingface_hub's
     hf-inference provider), so a TEI-style server is addressed by its /embed URL."""
@@ -126,7 +125,7 @@ def test_hf_inference_client_feature_extraction(live_server: LiveServer,
     np.testing.assert_allclose(at_base.feature_extraction(texts), got, atol=1e-6)
 
 
-def test_msgpack_over_the_wire(live_server: LiveServer) -> None:
+def test_msgpack_over_the_wire(live_server: ServerProcess) -> None:
     body = msgpack.packb(encode_body("packed"), use_bin_type=True)
     response = httpx.post(f"{live_server.url}/v1/encode/{MINILM}", content=body, headers={
         "content-type": "application/msgpack", "accept": "application/msgpack"})
@@ -140,7 +139,7 @@ def test_msgpack_over_the_wire(live_server: LiveServer) -> None:
     assert_error(cut, 422, "invalid_request", "body")
 
 
-def test_errors_and_headers_over_the_wire(live_server: LiveServer) -> None:
+def test_errors_and_headers_over_the_wire(live_server: ServerProcess) -> None:
     url = live_server.url
     missing = httpx.post(f"{url}/v1/encode/no/such", json=encode_body("x"),
                          headers={"x-request-id": "e2e-1"})
@@ -162,7 +161,7 @@ def test_errors_and_headers_over_the_wire(live_server: LiveServer) -> None:
                                          json=encode_body("__fail__")).text
 
 
-def test_concurrent_requests_each_get_their_own_vectors(live_server: LiveServer) -> None:
+def test_concurrent_requests_each_get_their_own_vectors(live_server: ServerProcess) -> None:
     reference = SyntheticAdapter(dims=SYNTH_DIMS)
     batches = [[f"client {c} item {i}" for i in range(1 + c % 4)] for c in range(16)]
     before = metric(live_server, r'ember_batch_items_count\{model="ember/synthetic"\}')
@@ -181,7 +180,7 @@ def test_concurrent_requests_each_get_their_own_vectors(live_server: LiveServer)
     assert 1 <= forwards - before <= len(batches)
 
 
-def test_metrics_over_the_wire(live_server: LiveServer) -> None:
+def test_metrics_over_the_wire(live_server: ServerProcess) -> None:
     native(live_server, ["counted"])
     assert metric(live_server, r'ember_requests_total\{model="sentence-transformers/all-MiniLM'
                                r'-L6-v2",route="encode",status="200"\}') >= 1
@@ -189,7 +188,7 @@ def test_metrics_over_the_wire(live_server: LiveServer) -> None:
     assert metric(live_server, r'ember_model_loads_total\{model="sentence-') == 1
 
 
-def test_a_client_that_goes_away_has_its_queued_work_dropped(live_server: LiveServer) -> None:
+def test_a_client_that_goes_away_has_its_queued_work_dropped(live_server: ServerProcess) -> None:
     """While one slow forward runs, a second request's client gives up: its item is
     dropped before it reaches a forward."""
     url = live_server.url
@@ -213,12 +212,12 @@ def test_a_client_that_goes_away_has_its_queued_work_dropped(live_server: LiveSe
 # -- shutdown --------------------------------------------------------------------------------
 
 
-def start_slow_server(model_dir: Path, log: Path) -> LiveServer:
-    return start_server(log, "--model-dir", str(model_dir), "--default-model", SLOW,
+def start_slow_server(model_dir: Path, log: Path) -> ServerProcess:
+    return start_server(log, ["--model-dir", str(model_dir), "--default-model", SLOW],
                         ready_timeout=60)
 
 
-def send_in_flight(server: LiveServer, pool: ThreadPoolExecutor,
+def send_in_flight(server: ServerProcess, pool: ThreadPoolExecutor,
                    count: int) -> list[Future[httpx.Response]]:
     """`count` requests on the slow model (one item per 300 ms forward), returned once the
     server holds all of them: one in its forward, the rest queued."""

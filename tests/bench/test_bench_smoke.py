@@ -64,7 +64,7 @@ def test_scheduler_quick_run_writes_json_plot_and_tables(tmp_path: Path) -> None
     for results in data["results"].values():
         assert set(results) == SCHEDULER_SCENARIOS
         for scenario in results.values():
-            policies = {"default", "idle0", "earlier"}
+            policies = {"default", "idle0", "earlier", "returning"}
             if scenario["kind"] == "closed":
                 policies.add("default-again")
             assert set(scenario["reps"]) == policies

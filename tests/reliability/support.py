@@ -10,10 +10,6 @@ import json
 import os
 import random
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +21,8 @@ import numpy as np
 import psutil  # type: ignore[import-untyped]
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.live_server import ServerProcess, start_server
+
 SYNTH = "ember/synthetic"  # the catalog's TEST model: deterministic vectors, no weights
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 SPACY = "spacy/en_core_web_sm"
@@ -35,130 +32,7 @@ ERROR_KEYS = {"type", "message", "param"}
 Record = Callable[[str, dict[str, Any]], Path]  # the `figures` fixture: (name, data) -> file
 
 
-# -- the server process -------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The test's environment without EMBER_* settings, offline, unbuffered."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
-    env.update(extra or {})
-    return env
-
-
-@dataclass
-class ServerProcess:
-    """One `python -m ember.cli serve` on 127.0.0.1; its stdout and stderr go to `log`."""
-
-    port: int
-    process: subprocess.Popen[bytes]
-    log: Path
-    args: tuple[str, ...]
-    notes: dict[str, Any] = field(default_factory=dict)  # what a fixture measured
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def log_text(self, since: int = 0) -> str:
-        return self.log.read_text(errors="replace")[since:]
-
-    def log_size(self) -> int:
-        return len(self.log_text())
-
-    def rss_bytes(self) -> int:
-        rss: int = psutil.Process(self.pid).memory_info().rss
-        return rss
-
-    def cpu_seconds(self) -> float:
-        """User and system CPU time of the server process and its threads."""
-        times = psutil.Process(self.pid).cpu_times()
-        return float(times.user + times.system)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def terminate(self) -> None:
-        if self.alive():
-            self.process.send_signal(signal.SIGTERM)
-
-    def wait(self, timeout: float) -> int:
-        return self.process.wait(timeout)
-
-    def stop(self, timeout: float = 60) -> int | None:
-        """SIGTERM and wait; killed if it hangs (then None). Safe to call twice."""
-        if not self.alive():
-            return self.process.returncode
-        self.terminate()
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            return None
-
-
-def start_server(log: Path, args: Sequence[str], *, env: Mapping[str, str] | None = None,
-                 ready_timeout: float = 180, attempts: int = 3) -> ServerProcess:
-    """Start the server on a free port and return once /readyz answers 200 (another
-    port if the chosen one was taken in the meantime)."""
-    for attempt in range(attempts):
-        try:
-            return _start_once(log, args, env, ready_timeout)
-        except PortTaken:
-            if attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")
-
-
-class PortTaken(AssertionError):
-    """The free port was taken between choosing it and binding it."""
-
-
-def _start_once(log: Path, args: Sequence[str], env: Mapping[str, str] | None,
-                ready_timeout: float) -> ServerProcess:
-    port = free_port()
-    argv = (sys.executable, "-m", "ember.cli", "serve", "--host", "127.0.0.1", "--port",
-            str(port), *args)
-    with log.open("wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                   env=server_env(env), cwd=REPO)
-    server = ServerProcess(port, process, log, tuple(args))
-    deadline = time.monotonic() + ready_timeout
-    try:
-        while True:
-            if not server.alive():
-                text = server.log_text()
-                if "address already in use" in text.lower():
-                    raise PortTaken(f"port {port} taken")
-                raise AssertionError(f"server exited with {process.returncode}\n"
-                                     f"{text[-4000:]}")
-            try:
-                if httpx.get(f"{server.url}/readyz", timeout=5).status_code == 200:
-                    return server
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"server not ready in {ready_timeout} s\n"
-                                     f"{server.log_text()[-4000:]}")
-            time.sleep(0.05)
-    except BaseException:
-        if server.alive():
-            process.kill()
-            process.wait()
-        raise
-
+# -- the server process: tests/live_server.py ------------------------------------------
 
 @dataclass
 class ServerPool:
