@@ -43,32 +43,28 @@ def figures(figures_root: Path) -> Record:
     return record
 
 
-@pytest.fixture
-def servers(tmp_path: Path) -> Iterator[ServerPool]:
-    """Start servers with `servers.start(*flags, models=...)`; all stop after the test."""
-    pool = ServerPool(tmp_path)
+def _pool(folder: Path) -> Iterator[ServerPool]:
+    pool = ServerPool(folder)
     try:
         yield pool
     finally:
         pool.close()
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[ServerPool]:
+    """Start servers with `servers.start(*flags, models=...)`; all stop after the test."""
+    yield from _pool(tmp_path)
 
 
 @pytest.fixture(scope="module")
 def module_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
-    pool = ServerPool(tmp_path_factory.mktemp("servers"))
-    try:
-        yield pool
-    finally:
-        pool.close()
+    yield from _pool(tmp_path_factory.mktemp("servers"))
 
 
 @pytest.fixture(scope="session")
 def session_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPool]:
-    pool = ServerPool(tmp_path_factory.mktemp("servers"))
-    try:
-        yield pool
-    finally:
-        pool.close()
+    yield from _pool(tmp_path_factory.mktemp("servers"))
 
 
 @pytest.fixture(scope="session")
