@@ -48,3 +48,24 @@ def test_bad_yaml_names_the_file_and_the_field(tmp_path: Path, text: str, messag
 def test_a_missing_model_dir_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(CatalogError, match="does not exist"):
         load_catalog([tmp_path / "nowhere"])
+
+
+def test_a_named_model_directory_is_served_with_its_family_detected(tmp_path: Path) -> None:
+    from tests.adapters.tiny_models import build_bi_encoder, build_cross_encoder
+
+    encoder = build_bi_encoder(tmp_path / "enc")
+    ranker = build_cross_encoder(tmp_path / "rank")
+    spacy_dir = resolve_source(load_catalog()["spacy/en_core_web_sm"])
+    spacy_model = next(p.parent for p in spacy_dir.rglob("meta.json")
+                       if (p.parent / "config.cfg").is_file())
+    catalog = load_catalog(model_paths=[encoder, ranker, spacy_model])
+    assert catalog["local/enc"].adapter == "transformer"
+    assert catalog["local/enc"].tasks == ("encode", "score")
+    assert catalog["local/rank"].adapter == "cross_encoder"
+    assert catalog[f"local/{spacy_model.name}"].adapter == "spacy"
+    assert catalog["local/enc"].source.path == encoder.resolve()
+
+
+def test_a_directory_without_a_model_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(CatalogError, match="holds no model Ember recognises"):
+        load_catalog(model_paths=[tmp_path])

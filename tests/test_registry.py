@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ember.adapters.base import EncodeOptions
-from ember.config import ModelSpec, load_catalog, parse_spec
+from ember.config import ModelSpec, load_catalog, parse_spec, spec_from_directory
 from ember.errors import ModelLoadError, ModelNotFound
 from ember.registry import Registry, RegistryLimits
 
@@ -98,3 +98,14 @@ async def test_close_drains_every_worker() -> None:
     await registry.close()
     assert future.done() and len(future.result().values) == 1
     assert registry.loaded == {}
+
+
+async def test_a_directory_named_without_yaml_loads_and_serves(tmp_path: Path) -> None:
+    from tests.adapters.tiny_models import build_bi_encoder
+
+    spec = spec_from_directory(build_bi_encoder(tmp_path / "mine"))
+    registry = Registry({spec.name: spec})
+    model = await registry.get("local/mine")
+    output = await model.adapter.encode(model.submit, ["hello", "world"], EncodeOptions())
+    assert [e.dense.shape for e in output.values if e.dense is not None] == [(32,), (32,)]
+    await registry.close()

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     flag("port", int, 8080, "port to listen on")
     flag("model-dir", str, None, "folder of extra model YAML files (repeatable; the "
          "variable takes a list separated by ':')", action=AppendOverEnv)
+    flag("model", str, None, "a local model directory to serve as local/<dir name>, its "
+         "family read from its files (repeatable; the variable takes a list separated by "
+         "':')", action=AppendOverEnv)
     flag("preload", str, None, "model to load at startup besides the default (repeatable; "
          "the variable takes a comma-separated list)", action=AppendOverEnv)
     flag("default-model", str, DEFAULT_MODEL, "model behind /embed, /rerank, /v1/embeddings "
@@ -116,6 +119,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(
         host=args.host, port=args.port,
         model_dirs=tuple(Path(p) for p in _list(args.model_dir, ":")),
+        model_paths=tuple(Path(p) for p in _list(args.model, ":")),
         preload=_list(args.preload, ","), default_model=args.default_model,
         device=args.device, torch_threads=args.torch_threads, worker=worker,
         max_items_per_request=args.max_items_per_request, max_body_bytes=args.max_body_bytes,
@@ -135,7 +139,7 @@ def serve(settings: ServerSettings) -> int:
 
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    catalog = load_catalog(settings.model_dirs)
+    catalog = load_catalog(settings.model_dirs, settings.model_paths)
     if settings.default_model not in catalog:
         log.error("default model %r is not in the catalog; known: %s",
                   settings.default_model, ", ".join(sorted(catalog)))

@@ -140,9 +140,11 @@ def load_spec_file(path: Path) -> ModelSpec:
     return parse_spec(data, str(path), path.parent)
 
 
-def load_catalog(extra_dirs: Iterable[Path] = ()) -> dict[str, ModelSpec]:
-    """The built-in catalog, then each extra folder's *.yaml (a later entry of the
-    same name replaces an earlier one, so a user can override a default)."""
+def load_catalog(extra_dirs: Iterable[Path] = (),
+                 model_paths: Iterable[Path] = ()) -> dict[str, ModelSpec]:
+    """The built-in catalog, then each extra folder's *.yaml, then each model directory
+    named directly (a later entry of the same name replaces an earlier one, so a user
+    can override a default)."""
     catalog: dict[str, ModelSpec] = {}
     for folder in (BUILTIN_CATALOG, *extra_dirs):
         if not folder.is_dir():
@@ -150,7 +152,43 @@ def load_catalog(extra_dirs: Iterable[Path] = ()) -> dict[str, ModelSpec]:
         for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
             spec = load_spec_file(path)
             catalog[spec.name] = spec
+    for path in model_paths:
+        spec = spec_from_directory(path)
+        catalog[spec.name] = spec
     return catalog
+
+
+def spec_from_directory(path: Path) -> ModelSpec:
+    """A catalog entry for a model directory named without a YAML file: `local/<name>`,
+    its family read from the files it holds."""
+    path = path.expanduser().resolve()
+    if not path.is_dir():
+        raise CatalogError(f"model directory {path} does not exist")
+    family, tasks = _detect_family(path)
+    return ModelSpec(name=f"local/{path.name}", adapter=family, source=Source(path=path),
+                     tasks=tasks, description=f"{family} model from {path.name}/",
+                     origin=path)
+
+
+def _detect_family(path: Path) -> tuple[str, tuple[str, ...]]:
+    if (path / "meta.json").is_file() and (path / "config.cfg").is_file():
+        return "spacy", ("extract",)
+    if (path / "modules.json").is_file() or (path / "sentence_bert_config.json").is_file():
+        return "transformer", ("encode", "score")
+    config = path / "config.json"
+    if config.is_file():
+        import json
+
+        architectures = " ".join(json.loads(config.read_text(encoding="utf-8"))
+                                 .get("architectures") or [])
+        if "ForSequenceClassification" in architectures:
+            return "cross_encoder", ("score",)
+        if "ForMaskedLM" in architectures:
+            return "sparse", ("encode", "score")
+        return "transformer", ("encode", "score")
+    raise CatalogError(f"{path} holds no model Ember recognises (a sentence-transformers, "
+                       "transformers or spaCy directory); describe it in a YAML file in "
+                       "a --model-dir instead")
 
 
 def resolve_source(spec: ModelSpec) -> Path:
@@ -183,6 +221,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8080
     model_dirs: tuple[Path, ...] = ()
+    model_paths: tuple[Path, ...] = ()
     preload: tuple[str, ...] = ()
     default_model: str = DEFAULT_MODEL
     device: str = "cpu"

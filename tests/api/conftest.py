@@ -141,7 +141,7 @@ class Served:
 def make_registry(settings: ServerSettings,
                   loader: Callable[[str], LoadFunction] = adapter_loader) -> Registry:
     """The registry `ember serve` builds for these settings."""
-    return Registry(load_catalog(settings.model_dirs),
+    return Registry(load_catalog(settings.model_dirs, settings.model_paths),
                     Runtime(settings.device, settings.torch_threads), settings.worker,
                     RegistryLimits(settings.max_loaded_models), loader=loader)
 

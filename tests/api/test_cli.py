@@ -190,3 +190,10 @@ def test_the_returning_senders_rule_is_opt_in(monkeypatch: pytest.MonkeyPatch) -
     assert parse("--hold-for-returning-senders").worker.hold_for_returning_senders
     monkeypatch.setenv("EMBER_HOLD_FOR_RETURNING_SENDERS", "true")
     assert parse().worker.hold_for_returning_senders
+
+
+def test_model_names_local_directories(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse("--model", "/m/a", "--model", "/m/b").model_paths == (Path("/m/a"),
+                                                                      Path("/m/b"))
+    monkeypatch.setenv("EMBER_MODEL", "/m/c:/m/d")
+    assert parse().model_paths == (Path("/m/c"), Path("/m/d"))
