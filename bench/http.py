@@ -56,11 +56,17 @@ POLICY_BATCHING: dict[str, dict[str, Any]] = {
     "default": {},
     "earlier": {"hold_lone_idle_requests": True},
     "idle0": {"idle_coalesce_ms": 0.0},
+    "returning": {"hold_for_returning_senders": True},
+    "merge": {"hold_for_returning_senders": True, "drain_hold_ms": 2.0},
+    "merge10": {"hold_for_returning_senders": True, "drain_hold_ms": 10.0},
 }
 POLICY_LABELS = {
     "default": "default (R3)",
     "earlier": "earlier rule (hold_lone_idle_requests)",
     "idle0": "idle_coalesce_ms=0",
+    "returning": "R3d (hold_for_returning_senders)",
+    "merge": "R3d + R4b (drain_hold_ms=2)",
+    "merge10": "R3d + R4b (drain_hold_ms=10)",
 }
 _VOCAB = (
     "the a search engine query returns documents ranked by relevance for each user who "

@@ -24,6 +24,8 @@ WORKER_FLAGS: list[tuple[str, type, object, str]] = [
     ("max-queue-items", int, 4096, "queued items per model before 429"),
     ("hold-for-returning-senders", bool, False, "R3d, opt-in: hold a lone arrival for the "
      "idle window when the last forward's senders are returning (see docs/benchmarks.md)"),
+    ("drain-hold-ms", float, 0.0, "R4b, opt-in (0 = off): after a forward of several "
+     "requests, hold the backlog drain this long for its senders to return"),
 ]
 
 

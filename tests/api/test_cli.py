@@ -197,3 +197,8 @@ def test_model_names_local_directories(monkeypatch: pytest.MonkeyPatch) -> None:
                                                                       Path("/m/b"))
     monkeypatch.setenv("EMBER_MODEL", "/m/c:/m/d")
     assert parse().model_paths == (Path("/m/c"), Path("/m/d"))
+
+
+def test_the_drain_hold_is_opt_in() -> None:
+    assert parse().worker.drain_hold_ms == 0.0
+    assert parse("--drain-hold-ms", "2").worker.drain_hold_ms == 2.0

@@ -389,3 +389,34 @@ async def test_r3d_on_a_hold_ends_when_the_expected_senders_do_not_come() -> Non
         await asyncio.gather(*burst)
         result = await (await worker.submit(items(2), "p"))  # only one sender returns
         assert 20.0 <= result.queue_ms < 30.0 + 100.0  # held for the quiet window, no more
+
+
+# R4b drain hold (opt-in): two cohorts merge ------------------------------------------
+
+async def cohort_forwards(config: WorkerConfig) -> list[int]:
+    """Cohort A runs; cohort B queues behind it; A's senders come back 2 ms after."""
+    async with running(config, overhead_ms=20.0) as (worker, adapter):
+        worker.pause()
+        cohort_a = [await worker.submit(items(2), "p") for _ in range(4)]
+        worker.resume()
+        await asyncio.sleep(0.005)  # A's forward is in flight
+        cohort_b = [await worker.submit(items(2), "p") for _ in range(4)]
+
+        async def come_back(future: asyncio.Future[object]) -> None:
+            await future
+            await asyncio.sleep(0.002)
+            await (await worker.submit(items(2), "p"))
+
+        await asyncio.gather(*(come_back(f) for f in cohort_a), *cohort_b)
+        return forward_sizes(adapter)
+
+
+async def test_r4_without_a_drain_hold_cohorts_alternate() -> None:
+    assert await cohort_forwards(WorkerConfig(max_batch_wait_ms=100.0)) == [4, 4, 4]
+
+
+async def test_r4b_a_drain_hold_merges_the_returning_cohort() -> None:
+    # The backlog already waited out max_batch_wait_ms behind the 20 ms forward: the
+    # hold's bound counts from its own start.
+    config = WorkerConfig(max_batch_wait_ms=10.0, drain_hold_ms=10.0)
+    assert await cohort_forwards(config) == [4, 8]

@@ -18,6 +18,11 @@ class WorkerConfig:
     requests is held for the idle window, or until N requests are pending,
     since a closed-loop burst is on its way back. A sequential client (last
     forward of one request) still never waits.
+
+    `drain_hold_ms` (R4b, 0 = off): after a forward of N >= 2 requests, the backlog
+    drain waits until the N senders are back beside it, no arrival came for that
+    long, or `max_batch_wait_ms` passed since the hold began, so two cohorts of
+    clients merge into one forward instead of alternating.
     """
 
     max_batch_tokens: int = 16384
@@ -30,6 +35,7 @@ class WorkerConfig:
     hold_lone_idle_requests: bool = False
     hold_for_returning_senders: bool = False
     returning_window_ms: float = 5.0
+    drain_hold_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.starvation_ms < 0:
@@ -39,6 +45,6 @@ class WorkerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_batch_wait_ms", "coalesce_ms", "idle_coalesce_ms",
-                     "returning_window_ms"):
+                     "returning_window_ms", "drain_hold_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

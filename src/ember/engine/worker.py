@@ -190,16 +190,19 @@ class ModelWorker:
         return requests if self._now() - ended <= cfg.returning_window_ms / 1000 else 0
 
     async def _coalesce(self, batcher: BatchFormer, quiet_ms: float,
-                        expected_requests: int | None = None) -> None:
+                        expected_requests: int | None = None,
+                        since: float | None = None) -> None:
         """Take arrivals until none came for `quiet_ms`, the batch is full, the
         `expected_requests` are all there, or the oldest pending item has waited
-        `max_batch_wait_ms`."""
+        `max_batch_wait_ms`; with `since`, both clocks start no earlier than it."""
         max_wait = self.config.max_batch_wait_ms / 1000
         while not self._stopping and not self._paused:
             self._drop_dead(batcher)
             oldest, last = batcher.oldest_arrival, batcher.last_arrival
             if oldest is None or last is None or batcher.is_full(self._now()):
                 return
+            if since is not None:  # a hold after a forward: its own clock, not the backlog's
+                last, oldest = max(last, since), max(oldest, since)
             if expected_requests is not None and batcher.pending_requests >= expected_requests:
                 return
             timeout = min(last + quiet_ms / 1000, oldest + max_wait) - self._now()
@@ -215,6 +218,13 @@ class ModelWorker:
         """R4: dispatch what accumulated during the forward, bounded by that backlog;
         later arrivals wait for the next selection so other batchers get a turn."""
         self._drop_dead(batcher)
+        carried = self._last_forward.get(lora, (0.0, 0))[1]
+        hold_ms = self.config.drain_hold_ms
+        if hold_ms > 0 and carried >= 2 and batcher.pending_items and not self._stopping:
+            # R4b (opt-in): the senders just answered are on their way back; let them
+            # join the backlog instead of alternating with it in half-full forwards.
+            await self._coalesce(batcher, hold_ms, batcher.pending_requests + carried,
+                                 since=self._now())
         cutoff = batcher.newest_seq
         while not self._paused or self._stopping:
             batch = batcher.form(self._now(), upto_seq=cutoff)
