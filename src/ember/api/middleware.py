@@ -17,9 +17,8 @@ from ember.api.state import ServerState
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 
 
-class RequestContextMiddleware:
-    """X-Request-Id (the client's, or a new one) and the timing headers on every response;
-    counts requests in flight so a drain knows when all have been answered."""
+class HttpMiddleware:
+    """Passes anything but HTTP (lifespan) straight through; subclasses handle `http`."""
 
     def __init__(self, app: ASGIApp, state: Callable[[], ServerState]) -> None:
         self.app = app
@@ -29,6 +28,17 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.handle(scope, receive, send)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class RequestContextMiddleware(HttpMiddleware):
+    """X-Request-Id (the client's, or a new one) and the timing headers on every response;
+    counts requests in flight so a drain knows when all have been answered."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         started = time.perf_counter()
@@ -54,17 +64,10 @@ class RequestContextMiddleware:
             server.leave()
 
 
-class GateMiddleware:
+class GateMiddleware(HttpMiddleware):
     """Refusals before any work: draining (503), API key (401), body size (413)."""
 
-    def __init__(self, app: ASGIApp, state: Callable[[], ServerState]) -> None:
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         server = self.state()
         settings = server.settings
         path: str = scope["path"]

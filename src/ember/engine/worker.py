@@ -113,7 +113,8 @@ class ModelWorker:
             raise RuntimeError(f"worker {self.name!r} is not started: await start() first")
         if not items:
             raise ValueError("a request needs at least one item")
-        if sorted(item.index for item in items) != list(range(len(items))):
+        indices = {item.index for item in items}
+        if len(indices) != len(items) or min(indices) != 0 or max(indices) != len(items) - 1:
             raise ValueError("item indices must be 0..n-1, one each")
         if self._pending_total + len(items) > self.config.max_queue_items:  # R7
             raise QueueFull(self._pending_total, len(items), self.config.max_queue_items)
