@@ -420,3 +420,14 @@ async def test_r4b_a_drain_hold_merges_the_returning_cohort() -> None:
     # hold's bound counts from its own start.
     config = WorkerConfig(max_batch_wait_ms=10.0, drain_hold_ms=10.0)
     assert await cohort_forwards(config) == [4, 8]
+
+
+async def test_submit_refuses_items_whose_indices_are_not_one_each() -> None:
+    from ember.engine import PreparedItem
+
+    async with running() as (worker, _):
+        for indices in ((0, 0), (1, 2), (0, 2)):
+            with pytest.raises(ValueError, match="item indices must be 0..n-1"):
+                await worker.submit([PreparedItem("x", 1, i) for i in indices], "p")
+        with pytest.raises(ValueError, match="at least one item"):
+            await worker.submit([], "p")
