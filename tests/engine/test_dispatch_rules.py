@@ -427,7 +427,7 @@ async def test_submit_refuses_items_whose_indices_are_not_one_each() -> None:
 
     async with running() as (worker, _):
         for indices in ((0, 0), (1, 2), (0, 2)):
-            with pytest.raises(ValueError, match="item indices must be 0..n-1"):
+            with pytest.raises(ValueError, match=r"item indices must be 0\.\.n-1"):
                 await worker.submit([PreparedItem("x", 1, i) for i in indices], "p")
         with pytest.raises(ValueError, match="at least one item"):
             await worker.submit([], "p")
