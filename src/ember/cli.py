@@ -152,7 +152,7 @@ def serve(settings: ServerSettings) -> int:
     app = create_app(settings, registry)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
                             http="httptools", log_level=settings.log_level, access_log=False,
-                            timeout_graceful_shutdown=None)
+                            proxy_headers=False, timeout_graceful_shutdown=None)
     server = DrainingServer(config, app.state.ember)
     log.info("Ember listening on http://%s:%d (default model %s; /docs for the API)",
              settings.host, settings.port, settings.default_model)

@@ -154,9 +154,12 @@ def test_errors_and_headers_over_the_wire(live_server: ServerProcess) -> None:
     assert_error(fault, 500, "inference_error")
     ok = httpx.post(f"{url}/v1/encode/{SYNTH}", json=encode_body("after the fault"))
     assert ok.status_code == 200
-    for response in (missing, invalid, too_many, fault, ok):
-        assert float(response.headers["x-queue-time-ms"]) >= 0
-        assert float(response.headers["x-inference-time-ms"]) >= 0
+    for response in (missing, invalid, too_many, fault):  # no result, so no timings
+        assert response.headers["x-queue-time-ms"] == "0.00"
+        assert response.headers["x-inference-time-ms"] == "0.00"
+    # The synthetic model sleeps 2 ms a forward; the queue time is part of the total.
+    assert float(ok.headers["x-inference-time-ms"]) >= 1.0
+    assert 0 <= float(ok.headers["x-queue-time-ms"]) <= float(ok.headers["x-total-time-ms"])
     assert "Traceback" not in httpx.post(f"{url}/v1/encode/{SYNTH}",
                                          json=encode_body("__fail__")).text
 
@@ -257,7 +260,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(model_dir: Path,
                                            reference.vector(f"in flight {i}"), atol=1e-6)
         assert server.process.wait(30) == 0, server.log_tail()
         log = server.log_tail(100_000)
-        assert f"SIGTERM: draining, {count} requests in flight" in log
+        # The last /metrics poll may still be leaving when the signal lands: at least count.
+        draining = re.search(r"SIGTERM: draining, (\d+) requests in flight", log)
+        assert draining is not None and int(draining.group(1)) >= count, log
         assert "drained in" in log
     finally:
         server.stop()

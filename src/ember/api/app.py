@@ -6,14 +6,22 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
+from starlette.routing import BaseRoute
+from starlette.types import ASGIApp
 
 from ember import __version__
 from ember.api import errors, health, native, openai, rerank, tei
-from ember.api.codec import MsgpackBodyMiddleware
 from ember.api.metrics import Metrics
-from ember.api.middleware import GateMiddleware, RequestContextMiddleware
+from ember.api.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    DrainMiddleware,
+    RequestContextMiddleware,
+)
+from ember.api.routing import InferenceDispatcher
 from ember.api.state import ServerState
 from ember.config import ServerSettings
 from ember.registry import Registry
@@ -21,7 +29,31 @@ from ember.registry import Registry
 log = logging.getLogger("ember.api")
 
 
-def create_app(settings: ServerSettings, registry: Registry) -> FastAPI:
+class EmberAPI(FastAPI):
+    """FastAPI with Ember's layers outside its own middleware stack. A request meets:
+    headers and accounting, the API key, the drain, the body limit; then the inference
+    routes are served at once (`InferenceDispatcher`) and the rest go through FastAPI."""
+
+    def __init__(self, state: ServerState, **options: Any) -> None:
+        super().__init__(**options)
+        self.state.ember = state
+        self.inference_routes: list[BaseRoute] = []
+
+    def include_inference_router(self, router: APIRouter) -> None:
+        self.include_router(router)
+        self.inference_routes += router.routes
+
+    def build_middleware_stack(self) -> ASGIApp:
+        app: ASGIApp = InferenceDispatcher(super().build_middleware_stack(),
+                                           self.inference_routes)
+        state = self.state.ember
+        for layer in (BodyLimitMiddleware, DrainMiddleware, ApiKeyMiddleware,
+                      RequestContextMiddleware):
+            app = layer(app, lambda: state)
+        return app
+
+
+def create_app(settings: ServerSettings, registry: Registry) -> EmberAPI:
     """An app serving `registry`; the default model and the preload list load at startup
     in the background, so /healthz answers while they load and /readyz says when done."""
     metrics = Metrics()
@@ -36,17 +68,13 @@ def create_app(settings: ServerSettings, registry: Registry) -> FastAPI:
         preload.cancel()
         await registry.close()
 
-    app = FastAPI(title="Ember", version=__version__, lifespan=lifespan,
-                  description="Embeddings, reranking and entity extraction with dynamic "
-                  "batching.")
-    app.state.ember = state
+    app = EmberAPI(state, title="Ember", version=__version__, lifespan=lifespan,
+                   description="Embeddings, reranking and entity extraction with dynamic "
+                   "batching.")
     errors.install(app)
-    for family in (native, openai, rerank, tei, health):
-        app.include_router(family.router)
-    # Outermost first: headers on everything, then refusals, then body decoding.
-    app.add_middleware(MsgpackBodyMiddleware)
-    app.add_middleware(GateMiddleware, state=lambda: state)
-    app.add_middleware(RequestContextMiddleware, state=lambda: state)
+    for family in (native, openai, rerank, tei):
+        app.include_inference_router(family.router)
+    app.include_router(health.router)
     return app
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -99,6 +100,18 @@ def as_api_error(exc: Exception) -> ApiError:
                     scrub(f"inference failed: {type(exc).__name__}: {exc}"))
 
 
+def validation_error(errors: Sequence[Any]) -> ApiError:
+    """A 422 naming the first field pydantic refused (`items[3].text`, or `body`)."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid body"}
+    if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+        context = first.get("ctx")
+        reason = context.get("error", "malformed") if isinstance(context, dict) else "malformed"
+        return ApiError(422, "invalid_request", f"body: invalid JSON ({reason})", "body")
+    param = field_path(tuple(first.get("loc", ())))
+    return ApiError(422, "invalid_request", f"{param}: {first.get('msg', 'invalid value')}",
+                    param)
+
+
 def install(app: FastAPI) -> None:
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         error = as_api_error(exc)
@@ -107,15 +120,8 @@ def install(app: FastAPI) -> None:
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid body"}
-        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
-            context = first.get("ctx")
-            reason = context.get("error", "malformed") if isinstance(context, dict) else "malformed"
-            return error_response(422, "invalid_request", f"body: invalid JSON ({reason})",
-                                  "body")
-        param = field_path(tuple(first.get("loc", ())))
-        message = f"{param}: {first.get('msg', 'invalid value')}"
-        return error_response(422, "invalid_request", message, param)
+        error = validation_error(exc.errors())
+        return error_response(error.status, error.kind, error.message, error.param)
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

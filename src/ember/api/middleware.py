@@ -1,13 +1,13 @@
-"""Cross-cutting HTTP concerns, each a small ASGI middleware."""
+"""Cross-cutting HTTP concerns, one small ASGI middleware each (outermost first):
+request context, draining, API key, body size."""
 
 from __future__ import annotations
 
 import hmac
+import os
 import time
-import uuid
 from collections.abc import Callable
 
-from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -33,27 +33,39 @@ class HttpMiddleware:
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         raise NotImplementedError
 
+    async def refuse(self, reason: str, scope: Scope, receive: Receive, send: Send,
+                     status: int, kind: str, message: str, param: str | None = None,
+                     headers: dict[str, str] | None = None) -> None:
+        """Answer with an error before any work, counted under `reason`."""
+        self.state().metrics.rejected(reason)
+        await error_response(status, kind, message, param, headers)(scope, receive, send)
+
 
 class RequestContextMiddleware(HttpMiddleware):
     """X-Request-Id (the client's, or a new one) and the timing headers on every response;
-    counts requests in flight so a drain knows when all have been answered."""
+    counts requests in flight so a drain knows when all have been answered. While the
+    server drains, every response says `Connection: close`, so no client sends another
+    request on a connection that is about to close."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        request_id = Headers(scope=scope).get("x-request-id") or os.urandom(16).hex()
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
         started = time.perf_counter()
         server = self.state()
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
-                timing = scope["state"].get("timing", (0.0, 0.0))
-                headers = list(message.get("headers", []))
-                headers += [
+                queue_ms, inference_ms = state.get("timing", (0.0, 0.0))
+                headers = [
+                    *message.get("headers", ()),
                     (b"x-request-id", request_id.encode("latin-1", "replace")),
-                    (b"x-queue-time-ms", f"{timing[0]:.2f}".encode()),
-                    (b"x-inference-time-ms", f"{timing[1]:.2f}".encode()),
-                    (b"x-total-time-ms", f"{(time.perf_counter() - started) * 1e3:.2f}".encode()),
+                    (b"x-queue-time-ms", b"%.2f" % queue_ms),
+                    (b"x-inference-time-ms", b"%.2f" % inference_ms),
+                    (b"x-total-time-ms", b"%.2f" % ((time.perf_counter() - started) * 1e3)),
                 ]
+                if server.draining:
+                    headers.append((b"connection", b"close"))
                 message = {**message, "headers": headers}
             await send(message)
 
@@ -64,31 +76,58 @@ class RequestContextMiddleware(HttpMiddleware):
             server.leave()
 
 
-class GateMiddleware(HttpMiddleware):
-    """Refusals before any work: draining (503), API key (401), body size (413)."""
+class DrainMiddleware(HttpMiddleware):
+    """503 for new work once a drain has begun (health checks still answer)."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        server = self.state()
-        settings = server.settings
-        path: str = scope["path"]
-        headers = Headers(scope=scope)
-        refusal = None
-        if path not in OPEN_PATHS and settings.api_key and not _authorized(
-                headers.get("authorization", ""), settings.api_key):
-            refusal = ("unauthorized", error_response(
-                401, "unauthorized", "missing or wrong API key: send 'Authorization: Bearer "
-                "<key>'", headers={"WWW-Authenticate": "Bearer"}))
-        elif server.draining and path not in OPEN_PATHS:
-            refusal = ("draining", error_response(
-                503, "unavailable", "the server is draining before shutdown; retry on "
-                "another instance", headers={"Retry-After": "5"}))
-        elif _declared_length(headers) > settings.max_body_bytes:
-            refusal = ("body_too_large", _too_large(settings.max_body_bytes))
-        if refusal is not None:
-            server.metrics.rejected(refusal[0])
-            await refusal[1](scope, receive, send)
+        if self.state().draining and scope["path"] not in OPEN_PATHS:
+            await self.refuse("draining", scope, receive, send, 503, "unavailable",
+                              "the server is draining before shutdown; retry on another "
+                              "instance", headers={"Retry-After": "5"})
             return
-        await self.app(scope, _capped(receive, settings.max_body_bytes, server), send)
+        await self.app(scope, receive, send)
+
+
+class ApiKeyMiddleware(HttpMiddleware):
+    """401 unless `Authorization: Bearer <key>` matches, when a key is set."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = self.state().settings.api_key
+        if key and scope["path"] not in OPEN_PATHS and not _authorized(
+                Headers(scope=scope).get("authorization", ""), key):
+            await self.refuse("unauthorized", scope, receive, send, 401, "unauthorized",
+                              "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                              headers={"WWW-Authenticate": "Bearer"})
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware(HttpMiddleware):
+    """413 for a body over the byte limit: at once when its length is declared, else as
+    soon as the streamed chunks pass it."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        limit = self.state().settings.max_body_bytes
+        if _declared_length(Headers(scope=scope)) > limit:
+            await self.refuse("body_too_large", scope, receive, send, 413, "payload_too_large",
+                              f"request body is over the limit of {limit} bytes; send fewer "
+                              "or shorter items per request", "body")
+            return
+        await self.app(scope, self._capped(receive, limit), send)
+
+    def _capped(self, receive: Receive, limit: int) -> Receive:
+        seen = 0
+
+        async def capped() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                self.state().metrics.rejected("body_too_large")
+                raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
+            return message
+
+        return capped
 
 
 def _authorized(header: str, key: str) -> bool:
@@ -103,25 +142,3 @@ def _declared_length(headers: Headers) -> int:
         return int(headers.get("content-length", "0"))
     except ValueError:
         return 0
-
-
-def _too_large(limit: int) -> JSONResponse:
-    return error_response(413, "payload_too_large",
-                          f"request body is over the limit of {limit} bytes; send fewer or "
-                          "shorter items per request", "body")
-
-
-def _capped(receive: Receive, limit: int, server: ServerState) -> Receive:
-    """A receive that refuses a chunked body once it passes the limit."""
-    seen = 0
-
-    async def capped() -> Message:
-        nonlocal seen
-        message = await receive()
-        seen += len(message.get("body", b""))
-        if seen > limit:
-            server.metrics.rejected("body_too_large")
-            raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
-        return message
-
-    return capped

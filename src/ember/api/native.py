@@ -11,10 +11,11 @@ from pydantic import BaseModel, Field
 from ember.adapters.base import Encoded, EncodeOptions, ExtractOptions, ScoreOptions
 from ember.api.codec import render
 from ember.api.errors import ApiError
-from ember.api.inference import check_inputs, run_task
+from ember.api.model_task import check_inputs, run_task
+from ember.api.routing import InferenceRoute
 from ember.outputs import quantize
 
-router = APIRouter(tags=["native"])
+router = APIRouter(tags=["native"], route_class=InferenceRoute)
 
 
 class Item(BaseModel):
@@ -118,11 +119,11 @@ async def encode(model: str, body: EncodeRequest, request: Request) -> Response:
     check_inputs(request, texts)
     options = encode_options(body.params)
     output = await run_task(request, "encode", model, "encode",
-                            lambda m, a: a.encode(m.submit, texts, options))
+                            lambda m, a: a.encode(m.submit, texts, options), len(texts))
     dtype = body.params.output_dtype
     items = [with_id(item, encoded_wire(enc, dtype))
              for item, enc in zip(body.items, output.values, strict=True)]
-    return render(request, {"model": model, "items": items})
+    return render(request.headers, {"model": model, "items": items})
 
 
 @router.post("/v1/score/{model:path}", summary="Score items against a query")
@@ -133,11 +134,12 @@ async def score(model: str, body: ScoreRequest, request: Request) -> Response:
     opts = body.params.options
     options = ScoreOptions(truncate=opts.truncate, lora=opts.lora)
     output = await run_task(request, "score", model, "score",
-                            lambda m, a: a.score(m.submit, body.query.text, texts, options))
+                            lambda m, a: a.score(m.submit, body.query.text, texts, options),
+                            len(texts) + 1)
     order = sorted(range(len(texts)), key=lambda i: -output.values[i])
     scores = [{"item_id": body.items[i].id if body.items[i].id is not None else str(i),
                "score": output.values[i], "rank": rank} for rank, i in enumerate(order)]
-    return render(request, {"model": model, "scores": scores})
+    return render(request.headers, {"model": model, "scores": scores})
 
 
 @router.post("/v1/extract/{model:path}", summary="Extract entities from items")
@@ -147,7 +149,7 @@ async def extract(model: str, body: ExtractRequest, request: Request) -> Respons
     labels = tuple(body.params.labels) if body.params.labels is not None else None
     options = ExtractOptions(labels=labels)
     output = await run_task(request, "extract", model, "extract",
-                            lambda m, a: a.extract(m.submit, texts, options))
+                            lambda m, a: a.extract(m.submit, texts, options), len(texts))
     items = [with_id(item, {"entities": [vars(e) for e in entities]})
              for item, entities in zip(body.items, output.values, strict=True)]
-    return render(request, {"model": model, "items": items})
+    return render(request.headers, {"model": model, "items": items})

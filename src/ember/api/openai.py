@@ -12,11 +12,12 @@ from pydantic import BaseModel, Field
 from ember.adapters.base import EncodeOptions
 from ember.api.codec import render
 from ember.api.errors import ApiError
-from ember.api.inference import check_inputs, run_task
+from ember.api.model_task import check_inputs, run_task
+from ember.api.routing import InferenceRoute
 from ember.api.state import server_state
 from ember.registry import LoadedModel
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], route_class=InferenceRoute)
 
 
 class EmbeddingsRequest(BaseModel):
@@ -38,7 +39,8 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
     texts = [body.input] if isinstance(body.input, str) else body.input
     check_inputs(request, texts, "input")
     output = await run_task(request, "openai.embeddings", model, "encode",
-                            lambda m, a: a.encode(m.submit, texts, embeddings_side(m)), "input")
+                            lambda m, a: a.encode(m.submit, texts, embeddings_side(m)),
+                            len(texts), "input")
     data = []
     for index, encoded in enumerate(output.values):
         vector = encoded.dense
@@ -51,6 +53,6 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
             value = base64.b64encode(vector.astype("<f4", copy=False).tobytes()).decode()
         data.append({"object": "embedding", "index": index, "embedding": value})
     usage = {"prompt_tokens": output.tokens, "total_tokens": output.tokens}
-    return render(request, {"object": "list", "data": data, "model": model, "usage": usage})
+    return render(request.headers, {"object": "list", "data": data, "model": model, "usage": usage})
 
 

@@ -8,10 +8,11 @@ from pydantic import BaseModel, Field
 
 from ember.adapters.base import ScoreOptions
 from ember.api.codec import render
-from ember.api.inference import check_inputs, run_task
+from ember.api.model_task import check_inputs, run_task
+from ember.api.routing import InferenceRoute
 from ember.api.state import server_state
 
-router = APIRouter(tags=["rerank"])
+router = APIRouter(tags=["rerank"], route_class=InferenceRoute)
 
 
 class Document(BaseModel):
@@ -40,12 +41,12 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     check_inputs(request, [body.query], "query")
     output = await run_task(request, "rerank", model, "score",
                             lambda m, a: a.score(m.submit, body.query, texts, ScoreOptions()),
-                            "documents")
+                            len(texts) + 1, "documents")
     results = []
     for index in ranked(output.values, body.top_n):
         result: dict[str, object] = {"index": index, "relevance_score": output.values[index]}
         if body.return_documents:
             result["document"] = {"text": texts[index]}
         results.append(result)
-    return render(request, {"model": model, "results": results,
+    return render(request.headers, {"model": model, "results": results,
                             "usage": {"total_tokens": output.tokens}})

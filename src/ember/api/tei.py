@@ -8,11 +8,12 @@ from pydantic import BaseModel
 
 from ember.adapters.base import EncodeOptions, ScoreOptions
 from ember.api.codec import render
-from ember.api.inference import check_inputs, run_task
+from ember.api.model_task import check_inputs, run_task
 from ember.api.rerank import ranked
+from ember.api.routing import InferenceRoute
 from ember.api.state import server_state
 
-router = APIRouter(tags=["tei"])
+router = APIRouter(tags=["tei"], route_class=InferenceRoute)
 
 
 class EmbedRequest(BaseModel):
@@ -40,8 +41,9 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     options = EncodeOptions(normalize=body.normalize, truncate=body.truncate,
                             is_query=body.prompt_name == "query")
     output = await run_task(request, "tei.embed", model, "encode",
-                            lambda m, a: a.encode(m.submit, texts, options), "inputs")
-    return render(request, [encoded.dense for encoded in output.values])
+                            lambda m, a: a.encode(m.submit, texts, options), len(texts),
+                            "inputs")
+    return render(request.headers, [encoded.dense for encoded in output.values])
 
 
 @router.post("/rerank", summary="TEI-compatible rerank on the default model")
@@ -52,11 +54,11 @@ async def tei_rerank(body: TeiRerankRequest, request: Request) -> Response:
     options = ScoreOptions(truncate=body.truncate)
     output = await run_task(request, "tei.rerank", model, "score",
                             lambda m, a: a.score(m.submit, body.query, body.texts, options),
-                            "texts")
+                            len(body.texts) + 1, "texts")
     results = []
     for index in ranked(output.values, None):
         result: dict[str, object] = {"index": index, "score": output.values[index]}
         if body.return_text:
             result["text"] = body.texts[index]
         results.append(result)
-    return render(request, results)
+    return render(request.headers, results)

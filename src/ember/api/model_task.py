@@ -1,4 +1,5 @@
-"""Running one model task for a route: the model, its limits, the timeout, the accounting."""
+"""Running one model task for a route: the input limits, the model, queue capacity, the
+timeout and disconnects, the accounting."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fastapi import Request
 from ember.adapters.base import ModelAdapter, TaskOutput
 from ember.api.errors import ApiError, ClientGone, as_api_error
 from ember.api.state import server_state
+from ember.engine import QueueFull
 from ember.errors import UnsupportedTask
 from ember.registry import LoadedModel
 
@@ -43,22 +45,42 @@ def check_inputs(request: Request, texts: Sequence[str], field: str = "items") -
 
 
 async def until_disconnect(request: Request, work: Awaitable[T], timeout: float | None) -> T:
-    """Await `work`, but cancel it (dropping its queued items, R9) when the client
-    disconnects or the timeout passes. After the body is read, the next ASGI message
-    is the disconnect, so waiting for it costs nothing while the client stays."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(request.receive())
+    """Await `work` in this task, but cancel it (dropping its queued items, R9) when the
+    client disconnects or the timeout passes. After the body is read, the next ASGI
+    message is the disconnect, so watching for it costs nothing while the client stays."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    ended: list[BaseException] = []
+
+    def end(reason: BaseException) -> None:
+        if not ended:
+            ended.append(reason)
+            task.cancel()
+
+    watcher = asyncio.ensure_future(request.receive())
+    watcher.add_done_callback(lambda _: end(ClientGone()))
+    timer = loop.call_later(timeout, end, TimeoutError()) if timeout is not None else None
     try:
-        done, _ = await asyncio.wait({task, gone}, timeout=timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if ended and task.uncancel() == 0:
+            raise ended[0] from None
+        raise
     finally:
-        gone.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    if gone in done:
-        raise ClientGone()
-    raise TimeoutError()
+        ended.append(asyncio.CancelledError())  # too late to end it now
+        watcher.cancel()
+        if timer is not None:
+            timer.cancel()
+
+
+def check_capacity(model: LoadedModel, items: int) -> None:
+    """429 before any tokenizing when the queue cannot take the request (the engine
+    checks again, exactly, when it is submitted)."""
+    worker = model.worker
+    limit = worker.config.max_queue_items
+    if worker.pending_items + items > limit and items <= limit:
+        raise QueueFull(worker.pending_items, items, limit)
 
 
 _ITEM_PARAM = re.compile(r"items(\[\d+\])?(?:\.text)?")
@@ -76,15 +98,17 @@ def route_param(param: str | None, field: str) -> str | None:
 
 
 async def run_task(request: Request, route: str, model_name: str, task: str,
-                   call: TaskCall[T], field: str = "items") -> TaskOutput[T]:
+                   call: TaskCall[T], items: int, field: str = "items") -> TaskOutput[T]:
     """Run `call` on the named model under the server's timeout; record timing and metrics.
-    `field` is the request's name for its list of inputs, for the errors' `param`."""
+    `items` is about how many items it will queue; `field` is the request's name for its
+    list of inputs, for the errors' `param`."""
     state = server_state(request)
     status = "200"
     try:
         async with state.registry.use(model_name) as model:
             if task not in model.spec.tasks:
                 raise UnsupportedTask(model_name, task, model.spec.tasks)
+            check_capacity(model, items)
             output = await until_disconnect(request, call(model, model.adapter),
                                             state.settings.request_timeout_s)
         request.state.timing = (output.queue_ms, output.inference_ms)

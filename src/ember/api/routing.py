@@ -1,0 +1,98 @@
+"""The inference routes, served without FastAPI's per-request machinery.
+
+FastAPI keeps what it is good at: the routes are declared on its routers, so the
+OpenAPI schema and /docs describe them, and it serves everything else (health,
+models, metrics, docs). The requests of the routes declared with `InferenceRoute`
+are taken before FastAPI's router sees them: the body is decoded once (JSON by orjson, or
+msgpack), validated by the route's pydantic model, and handed to the endpoint.
+That skips FastAPI's dependency solving and its own middleware stack, which the
+profile showed cost more than the rest of a request (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ember.api import codec
+from ember.api.errors import as_api_error, error_response, validation_error
+
+Endpoint = Callable[..., Awaitable[Response]]
+
+
+class InferenceRoute(APIRoute):
+    """A POST route whose requests the `InferenceDispatcher` serves (FastAPI documents it)."""
+
+
+@dataclass(frozen=True)
+class _Handler:
+    """How to call one endpoint: its body model, and the names of its arguments."""
+
+    route: InferenceRoute
+    body_model: type[BaseModel]
+    body_arg: str
+    request_arg: str | None
+    endpoint: Endpoint
+
+    @classmethod
+    def of(cls, route: InferenceRoute) -> _Handler:
+        body_arg, body_model, request_arg = None, None, None
+        hints = inspect.get_annotations(route.endpoint, eval_str=True)
+        for name, hint in hints.items():
+            if inspect.isclass(hint) and issubclass(hint, BaseModel):
+                body_arg, body_model = name, hint
+            elif hint is Request:
+                request_arg = name
+        if body_arg is None or body_model is None:
+            raise TypeError(f"inference route {route.path} needs a pydantic body argument")
+        return cls(route, body_model, body_arg, request_arg, route.endpoint)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        try:
+            data = codec.decode(await request.body(), request.headers)
+            try:
+                body = self.body_model.model_validate(data)
+            except ValidationError as exc:
+                raise validation_error(exc.errors(include_url=False)) from None
+            arguments: dict[str, Any] = {**scope.get("path_params", {}), self.body_arg: body}
+            if self.request_arg is not None:
+                arguments[self.request_arg] = request
+            response = await self.endpoint(**arguments)
+        except Exception as exc:
+            error = as_api_error(exc)
+            response = error_response(error.status, error.kind, error.message, error.param,
+                                      error.headers)
+        await response(scope, receive, send)
+
+
+class InferenceDispatcher:
+    """Serves the `InferenceRoute`s among `routes` directly and passes every other
+    request on to FastAPI."""
+
+    def __init__(self, app: ASGIApp, routes: Sequence[BaseRoute]) -> None:
+        self.app = app
+        # Each route under the fixed part of its path: one string test rules out most.
+        self.handlers = [(r.path.split("{", 1)[0], _Handler.of(r))
+                         for r in routes if isinstance(r, InferenceRoute)]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path: str = scope["path"]
+            for prefix, handler in self.handlers:
+                if path.startswith(prefix):
+                    match, child = handler.route.matches(scope)
+                    if match is Match.FULL:
+                        await handler({**scope, **child}, receive, send)
+                        return
+        await self.app(scope, receive, send)
+
