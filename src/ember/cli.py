@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     flag("host", str, "127.0.0.1", "address to listen on")
     flag("port", int, 8080, "port to listen on")
+    flag("workers", int, 0, "API processes (HTTP, validation, tokenizing) beside one engine "
+         "process that batches and runs the models; 0 runs everything in one process "
+         "(best on small machines; see the README)")
     flag("model-dir", str, None, "folder of extra model YAML files (repeatable; the "
          "variable takes a list separated by ':')", action=AppendOverEnv)
     flag("model", str, None, "a local model directory to serve as local/<dir name>, its "
@@ -119,7 +122,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
     worker = WorkerConfig(**{name.replace("-", "_"): getattr(args, name.replace("-", "_"))
                              for name, *_ in WORKER_FLAGS})
     return ServerSettings(
-        host=args.host, port=args.port,
+        host=args.host, port=args.port, workers=args.workers,
         model_dirs=tuple(Path(p) for p in _list(args.model_dir, ":")),
         model_paths=tuple(Path(p) for p in _list(args.model, ":")),
         preload=_list(args.preload, ","), default_model=args.default_model,
@@ -132,31 +135,27 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
 
 
 def serve(settings: ServerSettings) -> int:
-    import uvicorn
+    from ember.logs import configure_logging
 
-    from ember.adapters.base import Runtime
-    from ember.api.app import create_app
-    from ember.registry import Registry, RegistryLimits
-    from ember.server import DrainingServer
-
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings)
     catalog = load_catalog(settings.model_dirs, settings.model_paths)
     if settings.default_model not in catalog:
         log.error("default model %r is not in the catalog; known: %s",
                   settings.default_model, ", ".join(sorted(catalog)))
         return 2
-    budget = settings.memory_budget_mb * 1024 * 1024 if settings.memory_budget_mb else None
-    registry = Registry(catalog, Runtime(settings.device, settings.torch_threads),
-                        settings.worker, RegistryLimits(settings.max_loaded_models, budget))
-    app = create_app(settings, registry)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
-                            http="httptools", log_level=settings.log_level, access_log=False,
-                            proxy_headers=False, timeout_graceful_shutdown=None)
-    server = DrainingServer(config, app.state.ember)
+    if settings.workers < 0:
+        log.error("--workers must be 0 (one process) or more, got %d", settings.workers)
+        return 2
+    if settings.workers:
+        from ember.supervisor import serve_processes
+
+        return serve_processes(settings)
+    from ember.registry import Registry
+    from ember.server import run_http
+
     log.info("Ember listening on http://%s:%d (default model %s; /docs for the API)",
              settings.host, settings.port, settings.default_model)
-    server.run()
+    run_http(settings, Registry.serving(settings, catalog))
     return 0
 
 

@@ -220,6 +220,7 @@ class ServerSettings:
 
     host: str = "127.0.0.1"
     port: int = 8080
+    workers: int = 0  # API processes beside one engine process; 0: everything in one
     model_dirs: tuple[Path, ...] = ()
     model_paths: tuple[Path, ...] = ()
     preload: tuple[str, ...] = ()

@@ -41,5 +41,8 @@ class UnsupportedTask(EmberError):
     """The model does not do what the route asks (HTTP 422)."""
 
     def __init__(self, model: str, task: str, tasks: Sequence[str]) -> None:
+        self.model = model
+        self.task = task
+        self.tasks = tuple(tasks)
         super().__init__(f"model {model!r} does not support {task!r}; it supports: "
                          f"{', '.join(tasks)}")

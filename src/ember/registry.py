@@ -9,15 +9,19 @@ import time
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Protocol, cast
 
-from ember.adapters.base import ModelAdapter, Runtime
-from ember.config import ADAPTERS, ModelSpec, resolve_source
-from ember.engine import ModelWorker, PreparedItem, RequestResult, WorkerConfig
+from ember.adapters.base import ModelAdapter, ModelInfo, Runtime
+from ember.config import ADAPTERS, ModelSpec, ServerSettings, resolve_source
+from ember.engine import ModelWorker, PreparedItem, QueueFull, RequestResult, WorkerConfig
 from ember.errors import ModelLoadError, ModelNotFound
 
 log = logging.getLogger("ember.registry")
 LoadFunction = Callable[[ModelSpec, Runtime], ModelAdapter]
+
+
+class Preloadable(Protocol):
+    async def get(self, name: str) -> object: ...
 
 
 def estimate_bytes(spec: ModelSpec) -> int:
@@ -49,6 +53,14 @@ class LoadedModel:
     last_used: float = field(default_factory=time.monotonic)
     in_use: int = 0
 
+    def check_room(self, items: int) -> None:
+        """QueueFull, before any tokenizing, when the queue cannot take `items` now (the
+        worker checks again, exactly, on submit)."""
+        worker = self.worker
+        limit = worker.config.max_queue_items
+        if worker.pending_items + items > limit and items <= limit:
+            raise QueueFull(worker.pending_items, items, limit)
+
     async def submit(self, items: Sequence[PreparedItem], params: Hashable,
                      lora: str | None) -> RequestResult:
         future = await self.worker.submit(items, params, lora=lora)
@@ -68,6 +80,13 @@ class RegistryLimits:
 
 class Registry:
     """Loads catalog models on first use; concurrent first requests load once."""
+
+    @classmethod
+    def serving(cls, settings: ServerSettings, catalog: Mapping[str, ModelSpec]) -> Registry:
+        """The registry `ember serve` runs with these settings."""
+        budget = settings.memory_budget_mb * 1024 * 1024 if settings.memory_budget_mb else None
+        return cls(catalog, Runtime(settings.device, settings.torch_threads), settings.worker,
+                   RegistryLimits(settings.max_loaded_models, budget))
 
     def __init__(self, catalog: Mapping[str, ModelSpec], runtime: Runtime | None = None,
                  worker_config: WorkerConfig | None = None,
@@ -107,6 +126,13 @@ class Registry:
         if name in self._loading:
             return "loading"
         return "failed" if name in self._failures else "available"
+
+    def info(self, name: str) -> ModelInfo | None:
+        model = self._loaded.get(name)
+        return model.adapter.info if model is not None else None
+
+    async def refresh(self) -> None:
+        """Nothing to do: this registry's state is always current."""
 
     @asynccontextmanager
     async def use(self, name: str) -> AsyncIterator[LoadedModel]:
@@ -200,3 +226,13 @@ class Registry:
         model.adapter.close()
         for hook in self.on_evict:
             hook(name)
+
+
+async def preload_models(models: Preloadable, names: Sequence[str]) -> None:
+    """Load each named model once, in order; a failure is logged and the server stays up
+    (the model's routes then say why)."""
+    for name in dict.fromkeys(names):
+        try:
+            await models.get(name)
+        except Exception as exc:
+            log.error("could not preload %s: %s", name, exc)

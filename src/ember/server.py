@@ -1,4 +1,4 @@
-"""uvicorn server with Ember's graceful drain on SIGTERM/SIGINT."""
+"""The HTTP server: uvicorn with Ember's graceful drain on SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -11,18 +11,24 @@ from types import FrameType
 
 import uvicorn
 
-from ember.api.state import ServerState
+from ember.api.state import Models, ServerState
+from ember.config import ServerSettings
 
 log = logging.getLogger("ember")
 
 
 class DrainingServer(uvicorn.Server):
     """The first signal drains: /readyz and new requests answer 503, accepted requests
-    finish, the workers drain, then the process exits 0. A second signal exits at once."""
+    finish, the workers drain, then the process exits 0. A second signal exits at once.
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    An API process of several (`managed`) ignores SIGINT: a Ctrl-C reaches the whole
+    process group, and its supervisor turns it into one SIGTERM for each process."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState,
+                 managed: bool = False) -> None:
         super().__init__(config)
         self.state = state
+        self.managed = managed
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -30,6 +36,8 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.managed and sig == signal.SIGINT:
+            return
         if self.state.draining:
             log.warning("second signal: exiting now")
             os._exit(1)
@@ -48,3 +56,16 @@ class DrainingServer(uvicorn.Server):
         await self.state.registry.close()
         log.info("drained in %.2f s; exiting", loop.time() - started)
         self.should_exit = True
+
+
+def run_http(settings: ServerSettings, registry: Models,
+             sockets: list[socket.socket] | None = None, managed: bool = False) -> None:
+    """Serve the HTTP API for `registry` until a signal has drained it: on the address of
+    the settings, or on `sockets` bound by a supervisor (shared by several processes)."""
+    from ember.api.app import create_app
+
+    app = create_app(settings, registry)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
+                            http="httptools", log_level=settings.log_level, access_log=False,
+                            proxy_headers=False, timeout_graceful_shutdown=None)
+    DrainingServer(config, app.state.ember, managed).run(sockets=sockets)

@@ -98,14 +98,12 @@ def combine(results: Sequence[RequestResult]) -> tuple[float, float]:
             max((r.inference_ms for r in results), default=0.0))
 
 
-class ModelAdapter(Protocol):
-    """What the registry loads and the API calls; tasks it lacks raise UnsupportedTask."""
+class TaskModel(Protocol):
+    """The request-path half of a model, what the API calls: it tokenizes, submits prepared
+    items and shapes the results. Tasks it lacks raise UnsupportedTask. An API process
+    of several loads only this half (`load_front`); the engine process runs the forward."""
 
     info: ModelInfo
-
-    def forward(self, items: Sequence[PreparedItem], params: Hashable) -> Sequence[object]: ...
-
-    def set_lora(self, name: str | None) -> None: ...
 
     async def encode(self, submit: Submit, texts: Sequence[str],
                      options: EncodeOptions) -> TaskOutput[list[Encoded]]: ...
@@ -115,6 +113,14 @@ class ModelAdapter(Protocol):
 
     async def extract(self, submit: Submit, texts: Sequence[str],
                       options: ExtractOptions) -> TaskOutput[list[list[Entity]]]: ...
+
+
+class ModelAdapter(TaskModel, Protocol):
+    """A whole model, what the registry loads: the request path and the forward half."""
+
+    def forward(self, items: Sequence[PreparedItem], params: Hashable) -> Sequence[object]: ...
+
+    def set_lora(self, name: str | None) -> None: ...
 
     def memory_bytes(self) -> int:
         """Approximate resident size, for the registry's memory budget."""

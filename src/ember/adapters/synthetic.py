@@ -161,3 +161,9 @@ def load(spec: ModelSpec, runtime: Runtime) -> SyntheticModel:
     tasks: tuple[Task, ...] = tuple(t for t in ("encode", "score") if t in spec.tasks)
     info = ModelInfo(name=spec.name, tasks=tasks, dims=dims, max_seq_length=spec.max_seq_length)
     return SyntheticModel(info, dims, cost, str(options.get("fault_marker", "__fail__")))
+
+
+def load_front(spec: ModelSpec, runtime: Runtime) -> SyntheticModel:
+    """The request path: the synthetic model has no weights, so its front half is the
+    whole model (in an API process its forwards still run in the engine process)."""
+    return load(spec, runtime)

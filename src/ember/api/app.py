@@ -22,9 +22,10 @@ from ember.api.middleware import (
     RequestContextMiddleware,
 )
 from ember.api.routing import InferenceDispatcher
-from ember.api.state import ServerState
+from ember.api.state import Models, ServerState
 from ember.config import ServerSettings
-from ember.registry import Registry
+from ember.ipc.client import RemoteModels
+from ember.registry import Registry, preload_models
 
 log = logging.getLogger("ember.api")
 
@@ -53,17 +54,22 @@ class EmberAPI(FastAPI):
         return app
 
 
-def create_app(settings: ServerSettings, registry: Registry) -> EmberAPI:
-    """An app serving `registry`; the default model and the preload list load at startup
-    in the background, so /healthz answers while they load and /readyz says when done."""
+def create_app(settings: ServerSettings, registry: Models) -> EmberAPI:
+    """An app serving `registry` (a local `Registry`, or the engine process's models in an
+    API process of several); the default model and the preload list load at startup in
+    the background, so /healthz answers while they load and /readyz says when done."""
     metrics = Metrics()
-    metrics.attach(registry)
     state = ServerState(settings, registry, metrics)
+    if isinstance(registry, Registry):
+        metrics.attach(registry)
+    elif isinstance(registry, RemoteModels):
+        metrics.pending = registry.pending
+        state.on_metrics.append(registry.refresh)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        names = list(dict.fromkeys([settings.default_model, *settings.preload]))
-        preload = asyncio.create_task(_preload(registry, names))
+        preload = asyncio.create_task(preload_models(registry, [settings.default_model,
+                                                                 *settings.preload]))
         yield
         preload.cancel()
         await registry.close()
@@ -77,10 +83,3 @@ def create_app(settings: ServerSettings, registry: Registry) -> EmberAPI:
     app.include_router(health.router)
     return app
 
-
-async def _preload(registry: Registry, names: list[str]) -> None:
-    for name in names:
-        try:
-            await registry.get(name)
-        except Exception as exc:  # the server stays up; the model's routes say why
-            log.error("could not preload %s: %s", name, exc)

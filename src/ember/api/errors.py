@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ember.engine import EngineError, QueueFull, ShuttingDown
 from ember.errors import EmberError, InvalidInput, ModelLoadError, ModelNotFound, UnsupportedTask
+from ember.ipc.wire import RemoteFault
 
 log = logging.getLogger("ember.api")
 _PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*")
@@ -95,9 +96,10 @@ def as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, TimeoutError):
         return ApiError(504, "timeout", "the request did not finish within the server's "
                         "request timeout; its queued work was dropped")
-    log.error("inference failed: %s: %s", type(exc).__name__, exc)
-    return ApiError(500, "inference_error",
-                    scrub(f"inference failed: {type(exc).__name__}: {exc}"))
+    # A fault from the engine process is already named by its original type.
+    what = str(exc) if isinstance(exc, RemoteFault) else f"{type(exc).__name__}: {exc}"
+    log.error("inference failed: %s", what)
+    return ApiError(500, "inference_error", scrub(f"inference failed: {what}"))
 
 
 def validation_error(errors: Sequence[Any]) -> ApiError:

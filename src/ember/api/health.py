@@ -25,6 +25,7 @@ async def healthz() -> dict[str, str]:
 async def readyz(request: Request) -> JSONResponse:
     state = server_state(request)
     default = state.settings.default_model
+    await state.registry.refresh()
     if state.draining:
         return error_response(503, "unavailable", "draining before shutdown")
     if state.registry.state(default) != "loaded":
@@ -36,7 +37,7 @@ async def readyz(request: Request) -> JSONResponse:
 @router.get("/v1/models", summary="The catalog: every model, its tasks, outputs and state")
 async def models(request: Request) -> dict[str, Any]:
     registry = server_state(request).registry
-    loaded = registry.loaded
+    await registry.refresh()
     data = []
     for name in registry.names:
         spec = registry.catalog[name]
@@ -47,8 +48,8 @@ async def models(request: Request) -> dict[str, Any]:
             "max_seq_length": spec.max_seq_length, "dims": None,
             "output_types": list(FAMILY_OUTPUTS.get(spec.adapter, ())),
         }
-        if name in loaded:
-            info = loaded[name].adapter.info
+        info = registry.info(name)
+        if info is not None:
             entry.update(dims=info.dims, max_seq_length=info.max_seq_length,
                          output_types=list(info.output_types) if "encode" in info.tasks
                          else [])
@@ -61,5 +62,8 @@ async def models(request: Request) -> dict[str, Any]:
 
 @router.get("/metrics", summary="Prometheus metrics")
 async def metrics(request: Request) -> Response:
-    registry = server_state(request).metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    state = server_state(request)
+    for gather in state.on_metrics:  # figures that live in another process
+        await gather()
+    return Response(generate_latest(state.metrics.exposition()),
+                    media_type=CONTENT_TYPE_LATEST)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from ember.engine import BatchRecord, RequestRecord
@@ -16,27 +18,38 @@ SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
-class _PendingCollector(Collector):
-    """Queue depth read from the live workers at scrape time."""
+PendingSource = Callable[[], Mapping[str, int]]
 
-    def __init__(self, registry: Callable[[], Registry]) -> None:
-        self.registry = registry
+
+class _PendingCollector(Collector):
+    """Queue depth of each loaded model, read at scrape time."""
+
+    def __init__(self, pending: Callable[[], PendingSource]) -> None:
+        self.pending = pending
 
     def collect(self) -> Iterator[Metric]:
         items = GaugeMetricFamily("ember_pending_items", "Items queued, not yet dispatched",
                                   labels=["model"])
         loaded = GaugeMetricFamily("ember_model_loaded", "1 when the model is in memory",
                                    labels=["model"])
-        for name, model in self.registry().loaded.items():
-            items.add_metric([name], model.worker.pending_items)
+        for name, count in self.pending()().items():
+            items.add_metric([name], count)
             loaded.add_metric([name], 1)
         yield items
         yield loaded
 
 
 class Metrics:
+    """The server's metrics. With several processes (prometheus-client's multiprocess mode,
+    PROMETHEUS_MULTIPROC_DIR set before the import), each process writes its own figures
+    and a scrape adds them up; the queue depths come live from the engine."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.pending: PendingSource = dict
+        self.multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+        if not self.multiprocess:
+            self.registry.register(_PendingCollector(lambda: self.pending))
         reg = self.registry
         self.requests = Counter("ember_requests", "HTTP requests by route, model and status",
                                 ["route", "model", "status"], registry=reg)
@@ -64,10 +77,21 @@ class Metrics:
                                  registry=reg)
 
     def attach(self, registry: Registry) -> None:
+        """Record what the registry's workers do (in the process that runs them)."""
         registry.on_worker.append(self._watch_worker)
         registry.on_load.append(self._loaded)
         registry.on_evict.append(lambda name: self.evictions.labels(name).inc())
-        self.registry.register(_PendingCollector(lambda: registry))
+        self.pending = lambda: {name: m.worker.pending_items
+                                for name, m in registry.loaded.items()}
+
+    def exposition(self) -> CollectorRegistry:
+        """What a scrape reports: this process's metrics, or every process's."""
+        if not self.multiprocess:
+            return self.registry
+        combined = CollectorRegistry()
+        MultiProcessCollector(combined)  # type: ignore[no-untyped-call]
+        combined.register(_PendingCollector(lambda: self.pending))
+        return combined
 
     def rejected(self, reason: str) -> None:
         self.rejections.labels(reason).inc()

@@ -10,15 +10,13 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from ember.adapters.base import ModelAdapter, TaskOutput
+from ember.adapters.base import TaskModel, TaskOutput
 from ember.api.errors import ApiError, ClientGone, as_api_error
-from ember.api.state import server_state
-from ember.engine import QueueFull
+from ember.api.state import ServedModel, server_state
 from ember.errors import UnsupportedTask
-from ember.registry import LoadedModel
 
 T = TypeVar("T")
-TaskCall = Callable[[LoadedModel, ModelAdapter], Awaitable[TaskOutput[T]]]
+TaskCall = Callable[[ServedModel, TaskModel], Awaitable[TaskOutput[T]]]
 
 
 def check_inputs(request: Request, texts: Sequence[str], field: str = "items") -> None:
@@ -74,15 +72,6 @@ async def until_disconnect(request: Request, work: Awaitable[T], timeout: float 
             timer.cancel()
 
 
-def check_capacity(model: LoadedModel, items: int) -> None:
-    """429 before any tokenizing when the queue cannot take the request (the engine
-    checks again, exactly, when it is submitted)."""
-    worker = model.worker
-    limit = worker.config.max_queue_items
-    if worker.pending_items + items > limit and items <= limit:
-        raise QueueFull(worker.pending_items, items, limit)
-
-
 _ITEM_PARAM = re.compile(r"items(\[\d+\])?(?:\.text)?")
 
 
@@ -108,7 +97,7 @@ async def run_task(request: Request, route: str, model_name: str, task: str,
         async with state.registry.use(model_name) as model:
             if task not in model.spec.tasks:
                 raise UnsupportedTask(model_name, task, model.spec.tasks)
-            check_capacity(model, items)
+            model.check_room(items)
             output = await until_disconnect(request, call(model, model.adapter),
                                             state.settings.request_timeout_s)
         request.state.timing = (output.queue_ms, output.inference_ms)

@@ -14,8 +14,7 @@ from ember.api.codec import render
 from ember.api.errors import ApiError
 from ember.api.model_task import check_inputs, run_task
 from ember.api.routing import InferenceRoute
-from ember.api.state import server_state
-from ember.registry import LoadedModel
+from ember.api.state import ServedModel, server_state
 
 router = APIRouter(tags=["openai"], route_class=InferenceRoute)
 
@@ -28,7 +27,7 @@ class EmbeddingsRequest(BaseModel):
     user: str | None = None
 
 
-def embeddings_side(model: LoadedModel) -> EncodeOptions:
+def embeddings_side(model: ServedModel) -> EncodeOptions:
     """The document side, unless the model's YAML says `options: {embeddings_side: query}`."""
     return EncodeOptions(is_query=model.spec.options.get("embeddings_side") == "query")
 

@@ -1,25 +1,78 @@
-"""What every route reaches through `request.app.state.ember`."""
+"""What every route reaches through `request.app.state.ember`, and the models as the routes
+see them: in one process the `Registry` itself; in an API process of several, the engine
+process's models through `ember.ipc.client.RemoteModels`."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fastapi import Request
 
+from ember.adapters.base import ModelInfo, TaskModel
 from ember.api.metrics import Metrics
-from ember.config import ServerSettings
-from ember.registry import Registry
+from ember.config import ModelSpec, ServerSettings
+from ember.engine import PreparedItem, RequestResult
+
+
+class ServedModel(Protocol):
+    """One model, ready for a request: its spec, the request-path half of its adapter,
+    and the submit that queues prepared items for its worker."""
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    @property
+    def adapter(self) -> TaskModel: ...
+
+    def submit(self, items: Sequence[PreparedItem], params: Hashable,
+               lora: str | None) -> Awaitable[RequestResult]: ...
+
+    def check_room(self, items: int) -> None:
+        """Refuse (QueueFull) a request its worker's queue cannot take now."""
+        ...
+
+
+class Models(Protocol):
+    """The catalog and the models loaded from it, as the routes use them."""
+
+    @property
+    def catalog(self) -> Mapping[str, ModelSpec]: ...
+
+    @property
+    def names(self) -> list[str]: ...
+
+    def state(self, name: str) -> str:
+        """loaded | loading | failed | available"""
+        ...
+
+    def info(self, name: str) -> ModelInfo | None:
+        """A loaded model's info; None while it is not loaded."""
+        ...
+
+    async def refresh(self) -> None:
+        """Bring `state` and `info` up to date (a no-op where they are always current)."""
+        ...
+
+    def use(self, name: str) -> AbstractAsyncContextManager[ServedModel]: ...
+
+    async def get(self, name: str) -> object: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass
 class ServerState:
     settings: ServerSettings
-    registry: Registry
+    registry: Models
     metrics: Metrics
     draining: bool = False
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    on_metrics: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     def enter(self) -> None:
         self.in_flight += 1

@@ -1,0 +1,210 @@
+"""`ember serve --workers N`: N API processes sharing one listening socket, one engine
+process per device, and this process watching over them.
+
+The API processes parse, validate, tokenize and encode the answers; the engine
+process batches and runs the forwards (`ember.ipc`). An API process that dies is
+replaced (its requests in flight end with their connections; the engine drops their
+queued work). SIGTERM or SIGINT drains: every API process finishes what it accepted,
+then the engine drains its workers, then everything exits 0. A second signal ends
+all processes at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from types import FrameType
+
+import zmq
+
+from ember.config import ServerSettings
+from ember.ipc.client import peer_name
+from ember.ipc.wire import pack
+from ember.logs import configure_logging
+
+log = logging.getLogger("ember.supervisor")
+ENGINE_START_S = 120.0  # the engine imports torch before it answers
+QUICK_DEATH_S = 5.0  # an API process that dies this soon after its start ...
+QUICK_DEATHS = 5  # ... this many times in a row means it cannot start: give up
+
+
+def run_api(settings: ServerSettings, sock: socket.socket, address: str) -> None:
+    """An API process's main: the HTTP routes on the shared socket, the models remote."""
+    from ember.adapters.base import Runtime
+    from ember.config import load_catalog
+    from ember.ipc.client import EngineClient, RemoteModels
+    from ember.server import run_http
+
+    configure_logging(settings)
+    models = RemoteModels(load_catalog(settings.model_dirs, settings.model_paths),
+                          Runtime(settings.device, settings.torch_threads),
+                          EngineClient(address), settings.worker.max_queue_items)
+    run_http(settings, models, sockets=[sock], managed=True)
+
+
+@dataclass
+class ApiProcess:
+    process: BaseProcess
+    started: float
+
+
+class Supervisor:
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.context = multiprocessing.get_context("spawn")
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix="ember-"))  # private: mode 0700
+        self.address = f"ipc://{self.runtime_dir / 'engine.sock'}"
+        self.apis: list[ApiProcess] = []
+        self.signals = 0
+        self.quick_deaths = 0
+        self._wake_read, self._wake_write = socket.socketpair()
+
+    def run(self, sock: socket.socket) -> int:
+        from ember.ipc.engine import run_engine
+
+        metrics_dir = self.runtime_dir / "metrics"
+        metrics_dir.mkdir()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # the children inherit it
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        try:
+            ready, ready_send = self.context.Pipe(duplex=False)
+            engine = self.context.Process(target=run_engine, name="ember-engine",
+                                          args=(self.settings, self.address, ready_send))
+            engine.start()
+            ready_send.close()
+            if not self._engine_ready(engine, ready):
+                return 1
+            for _ in range(self.settings.workers):
+                self._start_api(sock)
+            log.info("Ember listening on http://%s:%d: %d API processes, engine pid %s "
+                     "(default model %s; /docs for the API)", self.settings.host,
+                     self.settings.port, self.settings.workers, engine.pid,
+                     self.settings.default_model)
+            return self._watch(engine, sock)
+        finally:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    def _engine_ready(self, engine: BaseProcess, ready: multiprocessing.connection.Connection
+                      ) -> bool:
+        deadline = time.monotonic() + ENGINE_START_S
+        while time.monotonic() < deadline and not self.signals:
+            if ready.poll(0.2):
+                ready.recv()
+                return True
+            if not engine.is_alive():
+                break
+        log.error("the engine process did not start (exit code %s)", engine.exitcode)
+        engine.terminate()
+        engine.join(10)
+        return False
+
+    def _start_api(self, sock: socket.socket) -> None:
+        process = self.context.Process(target=run_api, name=f"ember-api-{len(self.apis)}",
+                                       args=(self.settings, sock, self.address))
+        process.start()
+        self.apis.append(ApiProcess(process, time.monotonic()))
+
+    def _watch(self, engine: BaseProcess, sock: socket.socket) -> int:
+        """Replace API processes that die until a signal comes; then drain in order."""
+        while not self.signals:
+            sentinels = [api.process.sentinel for api in self.apis]
+            wait([engine.sentinel, *sentinels, self._wake_read], timeout=5.0)
+            if self.signals:
+                break
+            if not engine.is_alive():
+                log.error("the engine process died (exit code %s); stopping", engine.exitcode)
+                self._stop_apis()
+                return 1
+            for api in [a for a in self.apis if not a.process.is_alive()]:
+                if not self._replace(api, sock):
+                    self._stop_apis()
+                    self._stop_engine(engine)
+                    return 1
+        log.info("draining %d API processes, then the engine", len(self.apis))
+        codes = self._stop_apis()
+        codes.append(self._stop_engine(engine))
+        return 0 if all(code == 0 for code in codes) else 1
+
+    def _replace(self, api: ApiProcess, sock: socket.socket) -> bool:
+        pid, code = api.process.pid, api.process.exitcode
+        self.apis.remove(api)
+        quick = time.monotonic() - api.started < QUICK_DEATH_S
+        self.quick_deaths = self.quick_deaths + 1 if quick else 0
+        if self.quick_deaths >= QUICK_DEATHS:
+            log.error("API processes keep dying at start (last exit code %s); stopping", code)
+            return False
+        log.warning("API process %s died (exit code %s); its requests in flight are lost "
+                    "with their connections; starting another", pid, code)
+        if pid is not None:
+            self._tell_engine({"op": "forget", "peer": peer_name(pid)})
+        self._start_api(sock)
+        return True
+
+    def _stop_apis(self) -> list[int]:
+        """SIGTERM each API process (it drains what it accepted) and wait for all."""
+        for api in self.apis:
+            if api.process.is_alive() and api.process.pid is not None:
+                os.kill(api.process.pid, signal.SIGTERM)
+        for api in self.apis:
+            api.process.join()
+        return [api.process.exitcode or 0 for api in self.apis]
+
+    def _stop_engine(self, engine: BaseProcess) -> int:
+        if engine.is_alive() and engine.pid is not None:
+            os.kill(engine.pid, signal.SIGTERM)
+        engine.join()
+        return engine.exitcode or 0
+
+    def _tell_engine(self, message: dict[str, object]) -> None:
+        context = zmq.Context()
+        try:
+            control = context.socket(zmq.DEALER)
+            control.setsockopt(zmq.LINGER, 1000)
+            control.connect(self.address)
+            control.send(pack(message))
+            control.close()
+        finally:
+            context.term()
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        self.signals += 1
+        if self.signals > 1:
+            log.warning("second signal: ending every process now")
+            for child in multiprocessing.active_children():
+                child.kill()
+            os._exit(1)
+        log.info("%s: draining", signal.Signals(sig).name)
+        self._wake_write.send(b"\0")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket every API process accepts on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_processes(settings: ServerSettings) -> int:
+    configure_logging(settings)
+    try:
+        sock = bind(settings.host, settings.port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror)
+        return 1
+    with sock:
+        return Supervisor(settings).run(sock)
