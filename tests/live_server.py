@@ -18,6 +18,7 @@ import httpx
 import psutil  # type: ignore[import-untyped]
 
 REPO = Path(__file__).resolve().parents[1]
+TEST_WORKERS = "EMBER_TEST_WORKERS"  # API processes of every server the tests start
 
 
 def free_port() -> int:
@@ -25,6 +26,13 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def mode_args(args: Sequence[str]) -> tuple[str, ...]:
+    """`--workers N` from EMBER_TEST_WORKERS, so a suite runs against the multi-process
+    server too (tests/test_server_modes.py), unless the test chose its own mode."""
+    workers = os.environ.get(TEST_WORKERS)
+    return ("--workers", workers) if workers and "--workers" not in args else ()
 
 
 def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -115,7 +123,7 @@ def _start_once(log: Path, args: Sequence[str], env: Mapping[str, str] | None,
                 ready_timeout: float) -> ServerProcess:
     port = free_port()
     argv = (sys.executable, "-m", "ember.cli", "serve", "--host", "127.0.0.1", "--port",
-            str(port), *args)
+            str(port), *mode_args(args), *args)
     with log.open("wb") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                    env=server_env(env), cwd=REPO)

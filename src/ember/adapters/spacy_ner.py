@@ -14,6 +14,8 @@ the worker's thread; the forward runs `nlp.pipe` over the whole batch.
 
 from __future__ import annotations
 
+import inspect
+import json
 import re
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -110,40 +112,25 @@ def estimate_tokens(text: str) -> int:
     return max(1, len(TOKEN_ESTIMATE.findall(text)))
 
 
-class SpacyNerAdapter:
-    """One spaCy pipeline. `extract` runs on the event loop; forward in the
-    worker's thread."""
+class SpacyNerFront:
+    """The request path of one spaCy pipeline: label filters, item costs, result
+    shaping. `extract` runs on the event loop; the forward is `SpacyNerAdapter`'s."""
 
-    def __init__(self, spec: ModelSpec, nlp: Any) -> None:
+    def __init__(self, spec: ModelSpec, labels: Sequence[str], max_chars: int,
+                 components: Sequence[str]) -> None:
         if set(spec.tasks) - set(TASKS):
             raise ModelLoadError(spec.name, f"the spacy family does only {TASKS}, the spec "
                                             f"lists {list(spec.tasks)}")
-        makers = [name for name, factory in nlp.pipe_factories.items()
-                  if factory in ENTITY_FACTORIES and name in nlp.pipe_names]
-        if not makers:
+        if not labels:
             raise ModelLoadError(spec.name, "the spaCy pipeline has no entity component "
                                             f"(one of {sorted(ENTITY_FACTORIES)})")
         self.spec = spec
-        self.nlp = nlp
-        self.labels: tuple[str, ...] = tuple(sorted(
-            {str(label) for name in makers for label in nlp.get_pipe(name).labels}))
-        self.max_chars = int(nlp.max_length)
+        self.labels: tuple[str, ...] = tuple(sorted(set(labels)))
+        self.max_chars = max_chars
         self.info = ModelInfo(name=spec.name, tasks=TASKS, output_types=(),
                               labels=self.labels,
-                              extra={"components": list(nlp.pipe_names),
+                              extra={"components": list(components),
                                      "friendly_labels": self.friendly_names()})
-
-    # -- the worker thread --------------------------------------------------------
-
-    def set_lora(self, name: str | None) -> None:
-        if name is not None:
-            raise KeyError(f"spaCy model {self.spec.name!r} has no LoRA adapters")
-
-    def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[list[Entity]]:
-        texts = [str(item.payload) for item in items]
-        docs = self.nlp.pipe(texts, batch_size=max(1, len(texts)))
-        return [[Entity(e.text, e.label_, e.start_char, e.end_char, 1.0) for e in doc.ents]
-                for doc in docs]
 
     # -- the request path (event loop) ----------------------------------------------
 
@@ -202,6 +189,27 @@ class SpacyNerAdapter:
                     options: ScoreOptions) -> TaskOutput[list[float]]:
         raise UnsupportedTask(self.spec.name, "score", self.info.tasks)
 
+
+class SpacyNerAdapter(SpacyNerFront):
+    """One spaCy pipeline: the request path, and the forward in the worker's thread."""
+
+    def __init__(self, spec: ModelSpec, nlp: Any) -> None:
+        makers = [name for name, factory in nlp.pipe_factories.items()
+                  if factory in ENTITY_FACTORIES and name in nlp.pipe_names]
+        labels = [str(label) for name in makers for label in nlp.get_pipe(name).labels]
+        super().__init__(spec, labels, int(nlp.max_length), nlp.pipe_names)
+        self.nlp = nlp
+
+    def set_lora(self, name: str | None) -> None:
+        if name is not None:
+            raise KeyError(f"spaCy model {self.spec.name!r} has no LoRA adapters")
+
+    def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[list[Entity]]:
+        texts = [str(item.payload) for item in items]
+        docs = self.nlp.pipe(texts, batch_size=max(1, len(texts)))
+        return [[Entity(e.text, e.label_, e.start_char, e.end_char, 1.0) for e in doc.ents]
+                for doc in docs]
+
     def memory_bytes(self) -> int:
         """The weights of the loaded components plus any static vectors."""
         total = int(self.nlp.vocab.vectors.data.nbytes)
@@ -218,15 +226,44 @@ class SpacyNerAdapter:
         self.nlp = None
 
 
+def kept_components(pipeline_dir: Path, spec: ModelSpec) -> tuple[Mapping[str, Any], list[str]]:
+    """The pipeline's config, and the components loaded: with `ner_only` (the default)
+    those that make entities and what they listen to."""
+    import spacy
+
+    config = spacy.util.load_config(pipeline_dir / "config.cfg", interpolate=False)
+    names = list(config["components"])
+    if not spec.options.get("ner_only", True):
+        return config, names
+    keep = entity_components(config)
+    return config, [name for name in names if name in keep]
+
+
 def load(spec: ModelSpec, runtime: Runtime) -> SpacyNerAdapter:
     """Load the pipeline from its folder (an installed package's data folder or a path).
     spaCy runs on the CPU here whatever the runtime says."""
     import spacy
 
     pipeline_dir = find_pipeline_dir(resolve_source(spec))
-    exclude: list[str] = []
-    if spec.options.get("ner_only", True):
-        config = spacy.util.load_config(pipeline_dir / "config.cfg", interpolate=False)
-        keep = entity_components(config)
-        exclude = [name for name in config["components"] if name not in keep]
+    config, kept = kept_components(pipeline_dir, spec)
+    exclude = [name for name in config["components"] if name not in kept]
     return SpacyNerAdapter(spec, spacy.load(pipeline_dir, exclude=exclude))
+
+
+def load_front(spec: ModelSpec, runtime: Runtime) -> SpacyNerFront:
+    """The request path alone, from the pipeline's config and meta.json: the entity
+    labels and the text limit, without loading any weights."""
+    from spacy.language import Language
+
+    pipeline_dir = find_pipeline_dir(resolve_source(spec))
+    config, kept = kept_components(pipeline_dir, spec)
+    meta = json.loads((pipeline_dir / "meta.json").read_text(encoding="utf-8"))
+    components: Mapping[str, Any] = config["components"]
+    labels = [str(label) for name in kept
+              if components[name].get("factory") in ENTITY_FACTORIES
+              for label in meta.get("labels", {}).get(name, ())]
+    max_length = config.get("nlp", {}).get("max_length")
+    if max_length is None:  # spaCy's own default, as a loaded pipeline would have it
+        max_length = inspect.signature(Language.__init__).parameters["max_length"].default
+    order = [name for name in meta.get("pipeline", kept) if name in kept]
+    return SpacyNerFront(spec, labels, int(max_length), order)
