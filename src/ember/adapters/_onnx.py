@@ -210,20 +210,34 @@ def _misfit(path: Path, plan: ExportPlan) -> str | None:
 def _int8(spec: ModelSpec, source: Path, root: Path) -> tuple[Path, Origin]:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    key = hashlib.sha256(f"{file_digest([source])}/int8/{ort.__version__}/{FORMAT}"
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{file_digest([source])}/int8-per-channel/{ort.__version__}/"
+                         f"{FORMAT}".encode()).hexdigest()[:16]
     target = root / f"{_slug(spec.name)}-int8-{key}" / "model.onnx"
     if target.is_file():
         return target, "cached"
     log.info("%s: quantizing to int8 (dynamic, onnxruntime) ...", spec.name)
     started = time.monotonic()
-    with _staging(target) as staged:
-        # The fused operators carry no type annotations the quantizer could read.
-        quantize_dynamic(source, staged, weight_type=QuantType.QInt8,
-                         extra_options={"DefaultTensorType": 1})  # onnx.TensorProto.FLOAT
+    quiet = _DropAdvice()
+    logging.root.addFilter(quiet)
+    try:
+        with _staging(target) as staged:
+            # Per channel: one scale per tensor cost MiniLM 0.96 mean cosine, this 0.99.
+            # The fused operators carry no type annotations: float32 is the default.
+            quantize_dynamic(source, staged, weight_type=QuantType.QInt8, per_channel=True,
+                             extra_options={"DefaultTensorType": 1})  # TensorProto.FLOAT
+    finally:
+        logging.root.removeFilter(quiet)
     log.info("%s: quantized in %.1f s, cached at %s", spec.name, time.monotonic() - started,
              target)
     return target, "exported"
+
+
+class _DropAdvice(logging.Filter):
+    """The quantizer advises static-quantization pre-processing, which dynamic
+    quantization does not need."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Please consider to run pre-processing")
 
 
 class _staging:
