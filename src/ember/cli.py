@@ -91,7 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     flag("default-model", str, DEFAULT_MODEL, "model behind /embed, /rerank, /v1/embeddings "
          "and /readyz")
     flag("device", str, "cpu", "cpu, cuda or cuda:N (fp16 on CUDA)")
-    flag("torch-threads", int, None, "torch intra-op threads (default: torch's choice)")
+    flag("torch-threads", int, None, "torch intra-op threads (default: all cores but one)")
+    flag("backend", str, "onnx", "forward backend, torch or onnx: onnx runs the models it "
+         "can (CPU, no LoRAs), torch the rest; a model's YAML 'backend:' overrides it",
+         choices=["torch", "onnx"])
+    flag("cache-dir", str, None, "folder for ONNX exports (default ~/.cache/ember)")
+    flag("onnx-threads", int, None, "ONNX Runtime intra-op threads (default: all cores "
+         "but one)")
+    flag("onnx-spinning", bool, False, "let ONNX Runtime's threads spin-wait between "
+         "forwards (off: spinning takes the core the front end needs)")
     for name, kind, default, text in WORKER_FLAGS:
         flag(name, kind, default, text)
     flag("max-items-per-request", int, 512, "items in one request before 413")
@@ -126,7 +134,9 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         model_dirs=tuple(Path(p) for p in _list(args.model_dir, ":")),
         model_paths=tuple(Path(p) for p in _list(args.model, ":")),
         preload=_list(args.preload, ","), default_model=args.default_model,
-        device=args.device, torch_threads=args.torch_threads, worker=worker,
+        device=args.device, torch_threads=args.torch_threads, backend=args.backend,
+        cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        onnx_threads=args.onnx_threads, onnx_spinning=args.onnx_spinning, worker=worker,
         max_items_per_request=args.max_items_per_request, max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout_s, max_loaded_models=args.max_loaded_models,
         memory_budget_mb=args.memory_budget_mb, api_key=args.api_key or None,

@@ -6,7 +6,7 @@ import importlib.util
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import yaml
 
@@ -23,6 +23,9 @@ FAMILY_OUTPUTS: dict[str, tuple[str, ...]] = {
     "synthetic": ("dense",), "cross_encoder": (), "spacy": ()}
 TASKS = ("encode", "score", "extract")
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+Backend = Literal["torch", "onnx"]
+BACKENDS: tuple[Backend, ...] = ("torch", "onnx")
+QUANTIZE = ("int8",)  # dynamic quantization, onnx backend only
 
 
 class CatalogError(ValueError):
@@ -58,6 +61,8 @@ class ModelSpec:
     prompts: Mapping[str, str] = field(default_factory=dict)  # query/document prefixes
     description: str = ""
     origin: Path | None = None  # the YAML file it came from
+    backend: Backend | None = None  # None: the server's --backend
+    quantize: str | None = None  # int8: dynamic quantization (onnx backend)
 
     def worker_config(self, base: WorkerConfig) -> WorkerConfig:
         """The server-wide batching settings with this model's overrides applied."""
@@ -113,6 +118,14 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
     allowed = set(WorkerConfig.__dataclass_fields__)
     if not isinstance(batching, Mapping) or set(batching) - allowed:
         raise CatalogError(f"{where}: 'batching' accepts only {sorted(allowed)}")
+    backend = data.get("backend")
+    if backend is not None and backend not in BACKENDS:
+        raise CatalogError(f"{where}: backend {backend!r} is unknown; use one of "
+                           f"{', '.join(BACKENDS)}")
+    quantize = data.get("quantize")
+    if quantize is not None and quantize not in QUANTIZE:
+        raise CatalogError(f"{where}: quantize {quantize!r} is unknown; use one of "
+                           f"{', '.join(QUANTIZE)} (or leave it out for float32)")
     return ModelSpec(
         name=name,
         adapter=adapter,
@@ -129,6 +142,8 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
         prompts=dict(data.get("prompts") or {}),
         description=str(data.get("description", "")),
         origin=base_dir,
+        backend=cast(Backend | None, backend),
+        quantize=quantize,
     )
 
 
@@ -226,7 +241,11 @@ class ServerSettings:
     preload: tuple[str, ...] = ()
     default_model: str = DEFAULT_MODEL
     device: str = "cpu"
-    torch_threads: int | None = None
+    torch_threads: int | None = None  # None: all cores but one
+    backend: Backend = "onnx"
+    cache_dir: Path | None = None  # None: $EMBER_CACHE_DIR, else ~/.cache/ember
+    onnx_threads: int | None = None  # None: all cores but one
+    onnx_spinning: bool = False
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     max_items_per_request: int = 512
     max_body_bytes: int = 16 * 1024 * 1024

@@ -85,7 +85,7 @@ class Registry:
     def serving(cls, settings: ServerSettings, catalog: Mapping[str, ModelSpec]) -> Registry:
         """The registry `ember serve` runs with these settings."""
         budget = settings.memory_budget_mb * 1024 * 1024 if settings.memory_budget_mb else None
-        return cls(catalog, Runtime(settings.device, settings.torch_threads), settings.worker,
+        return cls(catalog, Runtime.from_settings(settings), settings.worker,
                    RegistryLimits(settings.max_loaded_models, budget))
 
     def __init__(self, catalog: Mapping[str, ModelSpec], runtime: Runtime | None = None,

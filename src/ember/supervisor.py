@@ -47,7 +47,7 @@ def run_api(settings: ServerSettings, sock: socket.socket, address: str) -> None
 
     configure_logging(settings)
     models = RemoteModels(load_catalog(settings.model_dirs, settings.model_paths),
-                          Runtime(settings.device, settings.torch_threads),
+                          Runtime.from_settings(settings),
                           EngineClient(address), settings.worker.max_queue_items)
     run_http(settings, models, sockets=[sock], managed=True)
 

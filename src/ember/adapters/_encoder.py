@@ -13,6 +13,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 from ember.adapters import _torch as common
+from ember.adapters._backend import Forward
 from ember.adapters.base import (
     Encoded,
     EncodeOptions,
@@ -46,19 +47,19 @@ ValueT = TypeVar("ValueT")
 
 class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
     """One bi-encoder. Task methods run on the event loop; forward and set_lora in
-    the worker's thread. A family sets `max_seq_length`, `prompts`, `loras` and
-    `info` (through `describe`) in its __init__."""
+    the worker's thread. A family sets `max_seq_length`, `prompts` and `info`
+    (through `describe`) in its __init__."""
 
     max_seq_length: int
     prompts: dict[str, str]
 
-    def __init__(self, spec: ModelSpec, family: str, tokenizer: Any,
-                 runtime: Runtime) -> None:
+    def __init__(self, spec: ModelSpec, family: str, tokenizer: Any, runtime: Runtime,
+                 model: Forward) -> None:
         unknown = [t for t in spec.tasks if t not in TASKS]
         if unknown:
             raise ModelLoadError(spec.name, f"the {family} family does not do {unknown}; "
                                             f"it does {TASKS}")
-        super().__init__(spec, tokenizer, runtime)
+        super().__init__(spec, tokenizer, runtime, model)
 
     def describe(self, dims: int, output_types: tuple[str, ...],
                  extra: dict[str, object]) -> ModelInfo:
@@ -69,7 +70,7 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
             tasks=tuple(t for t in TASKS if t in self.spec.tasks),
             dims=dims,
             max_seq_length=self.max_seq_length,
-            loras=self.loras.names,
+            loras=self.model.loras,
             output_types=output_types,
             extra={**extra, "prompts": dict(self.prompts)},
         )
@@ -113,7 +114,7 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
                      options: EncodeOptions) -> TaskOutput[list[Encoded]]:
         self._require("encode")
         common.require_items(len(texts))
-        self.loras.check(options.lora)
+        self.model.check_lora(options.lora)
         items, params = self.prepare(texts, options)
         result = await submit(items, params, options.lora)
         return TaskOutput([self.encoded(v) for v in result.values], result.queue_ms,
@@ -123,7 +124,7 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
                     options: ScoreOptions) -> TaskOutput[list[float]]:
         self._require("score")
         common.require_items(len(docs))
-        self.loras.check(options.lora)
+        self.model.check_lora(options.lora)
         output_types = self.info.output_types
         q_params = self.params(EncodeOptions(is_query=True, output_types=output_types))
         d_params = self.params(EncodeOptions(is_query=False, output_types=output_types))

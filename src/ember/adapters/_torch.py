@@ -1,6 +1,6 @@
-"""What the torch families share: loading weights safely, LoRA switching,
-dynamic padding, token-budget checks, the device, and the adapter state and
-lifecycle (`TorchModel`)."""
+"""What the transformers families share: loading safely, the torch forward half with
+LoRA switching (`TorchForward`), dynamic padding, token-budget checks, the device, and
+the adapter state and lifecycle (`TorchModel`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import warnings
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,10 +21,14 @@ from ember.adapters.base import (
     Runtime,
     Submit,
     TaskOutput,
+    default_threads,
 )
 from ember.config import ModelSpec
 from ember.engine.types import PreparedItem, RequestResult
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
+
+if TYPE_CHECKING:
+    from ember.adapters._backend import Forward
 
 
 def read_json(path: Path) -> Any:
@@ -32,9 +36,10 @@ def read_json(path: Path) -> Any:
 
 
 def apply_runtime(runtime: Runtime) -> None:
-    """Set the torch thread count if asked (process-wide, as torch has it)."""
-    if runtime.torch_threads:
-        torch.set_num_threads(runtime.torch_threads)
+    """Set torch's thread count (process-wide, as torch has it): the runtime's, else all
+    cores but one; torch's own choice (every core) collapses when a neighbour holds one
+    (README, Backends and threads)."""
+    torch.set_num_threads(runtime.torch_threads or default_threads())
 
 
 def load_kwargs(spec: ModelSpec) -> dict[str, Any]:
@@ -71,19 +76,36 @@ def model_max_length(spec: ModelSpec, config: Any, tokenizer: Any,
     return int(limit)
 
 
-class LoraSet:
-    """The model with its PEFT LoRA adapters, on the runtime's device; `None` (the
-    base) is active after loading."""
+def check_lora(name: str | None, known: Sequence[str],
+               param: str = "params.options.lora") -> None:
+    """Refuse a request naming a LoRA this model does not have."""
+    if name is None or name in known:
+        return
+    names = ", ".join(known) if known else "none (this model has no LoRA adapters)"
+    raise InvalidInput(f"unknown LoRA {name!r}; known LoRAs: {names}", param)
+
+
+class TorchForward:
+    """The forward half on torch: the model with its PEFT LoRA adapters on the runtime's
+    device, called with padded inputs and returning one named output (`output`, e.g.
+    last_hidden_state or logits); `None` (the base) is active after loading."""
+
+    backend = "torch"
 
     def __init__(self, model: torch.nn.Module, loras: Mapping[str, Path],
-                 runtime: Runtime) -> None:
-        self.names: tuple[str, ...] = tuple(loras)
+                 runtime: Runtime, output: str) -> None:
+        self.loras: tuple[str, ...] = tuple(loras)
+        self.output = output
         self.active: str | None = None
         self._peft: Any = None
         if loras:
             model = self._attach(model, loras)
         # Placed after the adapters attach, so base and adapters share device and dtype.
         self.model = place(model, runtime)
+
+    def __call__(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        result: torch.Tensor = getattr(self.model(**inputs), self.output)
+        return result
 
     def _attach(self, model: torch.nn.Module, loras: Mapping[str, Path]) -> torch.nn.Module:
         from peft import PeftModel  # only models with adapters pay for the import
@@ -93,7 +115,7 @@ class LoraSet:
             if not (Path(path) / "adapter_config.json").is_file():
                 raise FileNotFoundError(f"LoRA {name!r}: {path} is not a PEFT adapter "
                                         f"directory (no adapter_config.json)")
-        first, *rest = self.names
+        first, *rest = self.loras
         with warnings.catch_warnings():
             # peft 0.21 reads an attribute transformers 5 deprecated; nothing to act on.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing",
@@ -107,29 +129,28 @@ class LoraSet:
         self._peft.base_model.disable_adapter_layers()
         return peft_model
 
-    def set(self, name: str | None) -> None:
+    def set_lora(self, name: str | None) -> None:
         if name == self.active:
             return
         if name is None:
             self._peft.base_model.disable_adapter_layers()
         else:
-            if name not in self.names:
-                raise KeyError(f"unknown LoRA {name!r}; known: {', '.join(self.names)}")
+            if name not in self.loras:
+                raise KeyError(f"unknown LoRA {name!r}; known: {', '.join(self.loras)}")
             self._peft.base_model.enable_adapter_layers()
             self._peft.set_adapter(name)
         self.active = name
 
+    def check_lora(self, name: str | None, param: str = "params.options.lora") -> None:
+        check_lora(name, self.loras, param)
+
+    def memory_bytes(self) -> int:
+        return module_bytes(self.model)
+
     def close(self) -> None:
-        """Drop the weights; the adapter is unusable afterwards."""
+        """Drop the weights; the forward is unusable afterwards."""
         self.model = torch.nn.Module()
         self._peft = None
-
-    def check(self, name: str | None, param: str = "params.options.lora") -> None:
-        """Refuse a request naming a LoRA this model does not have."""
-        if name is None or name in self.names:
-            return
-        known = ", ".join(self.names) if self.names else "none (this model has no LoRA adapters)"
-        raise InvalidInput(f"unknown LoRA {name!r}; known LoRAs: {known}", param)
 
 
 def pad(rows: Sequence[Sequence[int]], value: int, device: torch.device) -> torch.Tensor:
@@ -169,32 +190,34 @@ def release(device: torch.device) -> None:
 
 
 class TorchModel:
-    """The state and lifecycle every torch family's adapter shares: the spec, the
-    tokenizer, the device and the weights behind a `LoraSet`. A family sets `loras`
-    and `info` in its __init__; none of them extracts entities."""
+    """The state and lifecycle every transformers family's adapter shares: the spec,
+    the tokenizer, the device and the forward half (`model`, torch or ONNX Runtime,
+    see _backend). A family sets `info` in its __init__; none of them extracts
+    entities."""
 
-    loras: LoraSet
     info: ModelInfo
 
-    def __init__(self, spec: ModelSpec, tokenizer: Any, runtime: Runtime) -> None:
+    def __init__(self, spec: ModelSpec, tokenizer: Any, runtime: Runtime,
+                 model: Forward) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
         self.device = torch.device(runtime.device)
         self.pad_id = int(tokenizer.pad_token_id or 0)
+        self.model = model
 
     def set_lora(self, name: str | None) -> None:
         """Runs in the worker's thread, between forwards."""
-        self.loras.set(name)
+        self.model.set_lora(name)
 
     async def extract(self, submit: Submit, texts: Sequence[str],
                       options: ExtractOptions) -> TaskOutput[list[list[Entity]]]:
         raise UnsupportedTask(self.spec.name, "extract", self.info.tasks)
 
     def memory_bytes(self) -> int:
-        return module_bytes(self.loras.model)
+        return self.model.memory_bytes()
 
     def close(self) -> None:
-        self.loras.close()
+        self.model.close()
         release(self.device)
 
 
@@ -212,14 +235,6 @@ def load_tokenizer(spec: ModelSpec, model_dir: Path) -> Any:
         raise ModelLoadError(spec.name, "a fast (tokenizers) tokenizer is required; the "
                                         "model directory needs a tokenizer.json")
     return tokenizer
-
-
-def load_pretrained(spec: ModelSpec, model_dir: Path, auto_class: Any) -> tuple[Any, Any]:
-    """The directory's model (through a transformers Auto class) and fast tokenizer,
-    offline; the tokenizer is read first, so a slow-only one fails before the weights."""
-    tokenizer = load_tokenizer(spec, model_dir)
-    model = auto_class.from_pretrained(str(model_dir), **load_kwargs(spec))
-    return model, tokenizer
 
 
 def refuse_loras(spec: ModelSpec, family: str) -> None:

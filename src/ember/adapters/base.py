@@ -8,14 +8,20 @@ items to `submit` (the model's worker) and shapes the results.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Literal, Protocol, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+from ember.config import Backend
 from ember.engine.types import PreparedItem, RequestResult
+
+if TYPE_CHECKING:
+    from ember.config import ServerSettings
 
 Task = Literal["encode", "score", "extract"]
 Submit = Callable[[Sequence[PreparedItem], Hashable, "str | None"], Awaitable[RequestResult]]
@@ -131,13 +137,37 @@ class ModelAdapter(TaskModel, Protocol):
         ...
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, as containers set it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_threads() -> int:
+    """Intra-op threads for a forward: all cores but one, which stays free for the front
+    end (HTTP, tokenizing) and for neighbours; see README, Backends and threads."""
+    return max(1, usable_cores() - 1)
+
+
 @dataclass(frozen=True)
 class Runtime:
-    """Where and how a model runs: CPU here; CUDA with fp16 when present."""
+    """Where and how a model runs: CPU here; CUDA with fp16 when present. `backend` is
+    the server-wide preference; a model's YAML may name its own (see _backend)."""
 
     device: str = "cpu"
-    torch_threads: int | None = None
+    torch_threads: int | None = None  # None: default_threads()
+    backend: Backend = "onnx"
+    cache_dir: Path | None = None  # None: $EMBER_CACHE_DIR, else ~/.cache/ember
+    onnx_threads: int | None = None  # None: default_threads()
+    onnx_spinning: bool = False
 
     @property
     def half(self) -> bool:
         return self.device.startswith("cuda")
+
+    @classmethod
+    def from_settings(cls, settings: ServerSettings) -> Runtime:
+        return cls(settings.device, settings.torch_threads, settings.backend,
+                   settings.cache_dir, settings.onnx_threads, settings.onnx_spinning)

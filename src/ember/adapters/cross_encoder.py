@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 
 from ember.adapters import _torch as common
+from ember.adapters._backend import FEEDABLE, Forward, load_model
 from ember.adapters.base import (
     Encoded,
     EncodeOptions,
@@ -53,10 +54,10 @@ class CrossEncoderAdapter(common.TorchModel):
     """One reranker. `score` runs on the event loop; forward and set_lora in the
     worker's thread."""
 
-    def __init__(self, spec: ModelSpec, model: Any, tokenizer: Any,
+    def __init__(self, spec: ModelSpec, model: Forward, config: Any, tokenizer: Any,
                  runtime: Runtime) -> None:
-        super().__init__(spec, tokenizer, runtime)
-        labels = int(model.config.num_labels)
+        super().__init__(spec, tokenizer, runtime, model)
+        labels = int(config.num_labels)
         if labels != 1:
             raise ModelLoadError(spec.name, f"a cross-encoder needs one output label, this "
                                             f"model has {labels}")
@@ -65,15 +66,15 @@ class CrossEncoderAdapter(common.TorchModel):
             raise ModelLoadError(spec.name, f"options.activation {activation!r} is unknown; "
                                             f"use one of {ACTIVATIONS}")
         self.params = ScoreParams("sigmoid" if activation == "sigmoid" else "none")
-        self.max_seq_length = common.model_max_length(spec, model.config, tokenizer)
+        self.max_seq_length = common.model_max_length(spec, config, tokenizer)
         self.specials = int(tokenizer.num_special_tokens_to_add(pair=True))
-        self.loras = common.LoraSet(model, spec.loras, runtime)
         if set(spec.tasks) - set(TASKS):
             raise ModelLoadError(spec.name, f"a cross-encoder does only {TASKS}, the spec "
                                             f"lists {list(spec.tasks)}")
         self.info = ModelInfo(name=spec.name, tasks=TASKS,
-                              max_seq_length=self.max_seq_length, loras=self.loras.names,
-                              output_types=(), extra={"activation": self.params.activation})
+                              max_seq_length=self.max_seq_length, loras=self.model.loras,
+                              output_types=(), extra={"activation": self.params.activation,
+                                                      "backend": model.backend})
 
     # -- the worker thread --------------------------------------------------------
 
@@ -87,7 +88,7 @@ class CrossEncoderAdapter(common.TorchModel):
             if all(p.token_type_ids is not None for p in pairs):
                 types = [p.token_type_ids or [] for p in pairs]
                 inputs["token_type_ids"] = common.pad(types, 0, self.device)
-            logits = self.loras.model(**inputs).logits[:, 0].float()
+            logits = self.model(inputs)[:, 0].float()
             if params.activation == "sigmoid":
                 logits = torch.sigmoid(logits)
         return [float(x) for x in logits.cpu()]
@@ -118,7 +119,7 @@ class CrossEncoderAdapter(common.TorchModel):
     async def score(self, submit: Submit, query: str, docs: Sequence[str],
                     options: ScoreOptions) -> TaskOutput[list[float]]:
         common.require_items(len(docs))
-        self.loras.check(options.lora)
+        self.model.check_lora(options.lora)
         items = self.prepare(query, docs, options.truncate)
         result = await submit(items, self.params, options.lora)
         return TaskOutput([float(v) for v in result.values], result.queue_ms,
@@ -133,7 +134,7 @@ def load(spec: ModelSpec, runtime: Runtime) -> CrossEncoderAdapter:
     """Load a sequence-classification directory with one label, offline."""
     from transformers import AutoModelForSequenceClassification
 
-    common.apply_runtime(runtime)
-    model, tokenizer = common.load_pretrained(spec, resolve_source(spec),
-                                              AutoModelForSequenceClassification)
-    return CrossEncoderAdapter(spec, model, tokenizer, runtime)
+    model, config, tokenizer = load_model(spec, resolve_source(spec), runtime,
+                                          AutoModelForSequenceClassification, "logits",
+                                          FEEDABLE)
+    return CrossEncoderAdapter(spec, model, config, tokenizer, runtime)

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.adapters import _torch as common
+from ember.adapters._backend import Forward, load_model
 from ember.adapters._encoder import BiEncoder
 from ember.adapters.base import Encoded, EncodeOptions, Runtime
 from ember.config import ModelSpec, resolve_source
@@ -108,23 +109,22 @@ def read_projection(spec: ModelSpec, model_dir: Path) -> torch.Tensor:
 class MultiVectorAdapter(BiEncoder[MultiVectorParams, Matrix]):
     """One multi-vector encoder over an encoder directory and its projection."""
 
-    def __init__(self, spec: ModelSpec, model: Any, tokenizer: Any, projection: torch.Tensor,
-                 runtime: Runtime) -> None:
-        super().__init__(spec, "multivector", tokenizer, runtime)
-        common.refuse_loras(spec, "multivector")
-        hidden_size = int(model.config.hidden_size)
+    def __init__(self, spec: ModelSpec, model: Forward, config: Any, tokenizer: Any,
+                 projection: torch.Tensor, runtime: Runtime) -> None:
+        super().__init__(spec, "multivector", tokenizer, runtime, model)
+        hidden_size = int(config.hidden_size)
         if projection.ndim != 2 or projection.shape[1] != hidden_size:
             raise ModelLoadError(spec.name, f"the projection has shape "
                                             f"{tuple(projection.shape)}; expected "
                                             f"(token_dims, {hidden_size})")
-        self.max_seq_length = common.model_max_length(spec, model.config, tokenizer)
+        self.max_seq_length = common.model_max_length(spec, config, tokenizer)
         self.prompts = dict(spec.prompts)
         self.token_dims = int(projection.shape[0])
         # Kept in float32 on the device; the encoder's (fp16 on CUDA) output is cast up.
         self.projection = projection.to(self.device)
-        self.loras = common.LoraSet(model, {}, runtime)  # placement, and refusing a LoRA
         self.info = self.describe(self.token_dims, OUTPUT_TYPES,
-                                  {"token_dims": self.token_dims, "scoring": "maxsim"})
+                                  {"token_dims": self.token_dims, "scoring": "maxsim",
+                                   "backend": model.backend})
 
     # -- the worker thread --------------------------------------------------------
 
@@ -135,7 +135,7 @@ class MultiVectorAdapter(BiEncoder[MultiVectorParams, Matrix]):
         with torch.inference_mode():
             ids = common.pad(ids_rows, self.pad_id, self.device)
             mask = common.attention_mask(ids_rows, self.device)
-            hidden = self.loras.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            hidden = self.model({"input_ids": ids, "attention_mask": mask})
             vectors = hidden.float() @ self.projection.T  # (batch, longest, token_dims)
             if params.normalize:
                 vectors = F.normalize(vectors, p=2, dim=-1)
@@ -179,8 +179,9 @@ def load(spec: ModelSpec, runtime: Runtime) -> MultiVectorAdapter:
     """Load an encoder directory and its projection file, offline."""
     from transformers import AutoModel
 
-    common.apply_runtime(runtime)
+    common.refuse_loras(spec, "multivector")
     model_dir = resolve_source(spec)
     projection = read_projection(spec, model_dir)
-    model, tokenizer = common.load_pretrained(spec, model_dir, AutoModel)
-    return MultiVectorAdapter(spec, model, tokenizer, projection, runtime)
+    model, config, tokenizer = load_model(spec, model_dir, runtime, AutoModel,
+                                          "last_hidden_state")
+    return MultiVectorAdapter(spec, model, config, tokenizer, projection, runtime)

@@ -40,6 +40,7 @@ import numpy.typing as npt
 import torch
 
 from ember.adapters import _torch as common
+from ember.adapters._backend import Forward, load_model
 from ember.adapters._encoder import BiEncoder
 from ember.adapters.base import Encoded, EncodeOptions, Runtime, SparseVector
 from ember.config import ModelSpec, resolve_source
@@ -102,18 +103,18 @@ def dot(a: SparseVector, b: SparseVector) -> float:
 class SparseAdapter(BiEncoder[SparseParams, SparseVector]):
     """One sparse encoder over a masked-LM directory."""
 
-    def __init__(self, spec: ModelSpec, model: Any, tokenizer: Any, runtime: Runtime) -> None:
-        super().__init__(spec, "sparse", tokenizer, runtime)
-        common.refuse_loras(spec, "sparse")
+    def __init__(self, spec: ModelSpec, model: Forward, config: Any, tokenizer: Any,
+                 runtime: Runtime) -> None:
+        super().__init__(spec, "sparse", tokenizer, runtime, model)
         self.pruning = Pruning.from_options(spec.name, spec.options)
-        self.vocab_size = int(model.config.vocab_size)
-        self.max_seq_length = common.model_max_length(spec, model.config, tokenizer)
+        self.vocab_size = int(config.vocab_size)
+        self.max_seq_length = common.model_max_length(spec, config, tokenizer)
         self.prompts = dict(spec.prompts)
         self.logit_budget = LOGIT_BUDGET
-        self.loras = common.LoraSet(model, {}, runtime)  # placement, and refusing a LoRA
         self.info = self.describe(self.vocab_size, OUTPUT_TYPES,
                                   {"top_k": self.pruning.top_k,
-                                   "threshold": self.pruning.threshold})
+                                   "threshold": self.pruning.threshold,
+                                   "backend": model.backend})
 
     # -- the worker thread --------------------------------------------------------
 
@@ -128,7 +129,7 @@ class SparseAdapter(BiEncoder[SparseParams, SparseVector]):
                 chunk = rows[start:start + step]
                 ids = common.pad(chunk, self.pad_id, self.device)
                 mask = common.attention_mask(chunk, self.device)
-                logits = self.loras.model(input_ids=ids, attention_mask=mask).logits
+                logits = self.model({"input_ids": ids, "attention_mask": mask})
                 # log1p(relu(.)) is monotone, so the max of the logits pools the same.
                 logits.masked_fill_(mask.unsqueeze(-1) == 0, float("-inf"))
                 pooled = torch.log1p(torch.relu(logits.amax(dim=1).float()))
@@ -156,6 +157,7 @@ def load(spec: ModelSpec, runtime: Runtime) -> SparseAdapter:
     """Load a masked-LM directory, offline."""
     from transformers import AutoModelForMaskedLM
 
-    common.apply_runtime(runtime)
-    model, tokenizer = common.load_pretrained(spec, resolve_source(spec), AutoModelForMaskedLM)
-    return SparseAdapter(spec, model, tokenizer, runtime)
+    common.refuse_loras(spec, "sparse")
+    model, config, tokenizer = load_model(spec, resolve_source(spec), runtime,
+                                          AutoModelForMaskedLM, "logits")
+    return SparseAdapter(spec, model, config, tokenizer, runtime)

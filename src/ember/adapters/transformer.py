@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.adapters import _torch as common
+from ember.adapters._backend import Forward, load_model
 from ember.adapters._encoder import BiEncoder
 from ember.adapters.base import Encoded, EncodeOptions, Runtime
 from ember.config import ModelSpec, resolve_source
@@ -107,21 +108,21 @@ def cosine(query: Vector, docs: Sequence[Vector]) -> list[float]:
 class TransformerAdapter(BiEncoder[EncodeParams, Vector]):
     """One bi-encoder over a sentence-transformers directory."""
 
-    def __init__(self, spec: ModelSpec, model: Any, tokenizer: Any,
+    def __init__(self, spec: ModelSpec, model: Forward, config: Any, tokenizer: Any,
                  settings: DirectorySettings, runtime: Runtime) -> None:
-        super().__init__(spec, "transformer", tokenizer, runtime)
+        super().__init__(spec, "transformer", tokenizer, runtime, model)
         self.pooling = spec.pooling or settings.pooling
         if self.pooling not in POOLING_MODES:
             raise ModelLoadError(spec.name, f"pooling {self.pooling!r} is not supported; "
                                             f"use one of {POOLING_MODES} (spec field 'pooling')")
         self.normalize = settings.normalize if spec.normalize is None else spec.normalize
-        self.max_seq_length = common.model_max_length(spec, model.config, tokenizer,
+        self.max_seq_length = common.model_max_length(spec, config, tokenizer,
                                                       settings.max_seq_length)
         self.lower_case = settings.lower_case
         self.prompts = {**settings.prompts, **spec.prompts}
-        self.loras = common.LoraSet(model, spec.loras, runtime)
-        self.info = self.describe(int(model.config.hidden_size), OUTPUT_TYPES,
-                                  {"pooling": self.pooling, "normalize": self.normalize})
+        self.info = self.describe(int(config.hidden_size), OUTPUT_TYPES,
+                                  {"pooling": self.pooling, "normalize": self.normalize,
+                                   "backend": model.backend})
 
     # -- the worker thread --------------------------------------------------------
 
@@ -131,7 +132,7 @@ class TransformerAdapter(BiEncoder[EncodeParams, Vector]):
         with torch.inference_mode():
             ids = common.pad(rows, self.pad_id, self.device)
             mask = common.attention_mask(rows, self.device)
-            hidden = self.loras.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            hidden = self.model({"input_ids": ids, "attention_mask": mask})
             vectors = pool(hidden.float(), mask, self.pooling)
             if params.normalize:
                 vectors = F.normalize(vectors, p=2, dim=1)
@@ -162,7 +163,7 @@ def load(spec: ModelSpec, runtime: Runtime) -> TransformerAdapter:
     """Load a sentence-transformers (or plain transformers) directory, offline."""
     from transformers import AutoModel
 
-    common.apply_runtime(runtime)
     settings = read_directory(resolve_source(spec))
-    model, tokenizer = common.load_pretrained(spec, settings.weights_dir, AutoModel)
-    return TransformerAdapter(spec, model, tokenizer, settings, runtime)
+    model, config, tokenizer = load_model(spec, settings.weights_dir, runtime, AutoModel,
+                                          "last_hidden_state")
+    return TransformerAdapter(spec, model, config, tokenizer, settings, runtime)

@@ -1,0 +1,240 @@
+"""The ONNX Runtime backend: parity with sentence-transformers and with torch, the
+export cache, int8, and which backend a model gets."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sentence_transformers import SentenceTransformer
+
+from bench.retrieval import cosines, retrieval_set, top_k_overlap
+from ember.adapters import cross_encoder, multivector, sparse, transformer
+from ember.adapters._backend import choose_backend
+from ember.adapters.base import EncodeOptions, Runtime, ScoreOptions
+from ember.adapters.transformer import TransformerAdapter
+from ember.config import DEFAULT_MODEL, load_catalog, resolve_source
+from ember.engine import WorkerConfig
+from ember.errors import ModelLoadError
+from tests.adapters.serving import ServeFactory
+from tests.adapters.test_transformer import corpus, dense
+from tests.adapters.tiny_models import (
+    build_bi_encoder,
+    build_colbert,
+    build_cross_encoder,
+    build_lora,
+    build_sparse_encoder,
+    spec_for,
+)
+
+ONNX = Runtime(backend="onnx")
+TORCH = Runtime(backend="torch")
+
+
+def embed(adapter: TransformerAdapter, texts: list[str]) -> np.ndarray:
+    items, params = adapter.prepare(texts, EncodeOptions())
+    return np.stack(adapter.forward(items, params))
+
+
+# -- the default model ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def minilm_onnx() -> Iterator[TransformerAdapter]:
+    adapter = transformer.load(load_catalog()[DEFAULT_MODEL], ONNX)
+    yield adapter
+    adapter.close()
+
+
+@pytest.fixture(scope="module")
+def reference() -> SentenceTransformer:
+    return SentenceTransformer(str(resolve_source(load_catalog()[DEFAULT_MODEL])),
+                               device="cpu")
+
+
+def test_onnx_is_the_default_backend_on_cpu() -> None:
+    spec = load_catalog()[DEFAULT_MODEL]
+    assert choose_backend(spec, Runtime()) == "onnx"
+    assert choose_backend(spec, Runtime(device="cuda")) == "torch"
+
+
+def test_single_texts_match_sentence_transformers(minilm_onnx: TransformerAdapter,
+                                                  reference: SentenceTransformer) -> None:
+    assert minilm_onnx.info.extra["backend"] == "onnx"
+    texts = corpus(count=24, seed=3)
+    want = reference.encode(texts, batch_size=1, convert_to_numpy=True)
+    got = np.stack([embed(minilm_onnx, [t])[0] for t in texts])
+    assert got.dtype == np.float32 and got.shape == (24, 384)
+    assert cosines(got, want).min() >= 0.9999
+
+
+async def test_mixed_batches_match_sentence_transformers(minilm_onnx: TransformerAdapter,
+                                                         reference: SentenceTransformer,
+                                                         serve: ServeFactory) -> None:
+    texts = corpus(count=40, seed=5)  # 1 to ~400 words, some past the 256-token limit
+    want = reference.encode(texts, batch_size=8, convert_to_numpy=True)
+    async with serve(minilm_onnx, WorkerConfig(max_batch_items=13)) as served:
+        out = await minilm_onnx.encode(served.submit, texts, EncodeOptions())
+    got = np.stack(dense(out))
+    assert cosines(got, want).min() >= 0.9999
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
+def test_padding_does_not_change_an_onnx_embedding(minilm_onnx: TransformerAdapter) -> None:
+    short, long = "Cats sleep in the sun.", corpus(count=8, seed=1)[5]  # 400 words
+    batched = embed(minilm_onnx, [short, long, short])
+    alone = embed(minilm_onnx, [short])[0]
+    assert float(np.abs(batched[0] - alone).max()) <= 1e-5
+    assert float(np.abs(batched[2] - alone).max()) <= 1e-5
+    assert float(np.abs(embed(minilm_onnx, [long])[0] - batched[1]).max()) <= 1e-5
+
+
+def test_int8_keeps_the_ranking(minilm_onnx: TransformerAdapter) -> None:
+    spec = dataclasses.replace(load_catalog()[DEFAULT_MODEL], quantize="int8")
+    int8 = transformer.load(spec, ONNX)
+    assert int8.memory_bytes() < minilm_onnx.memory_bytes() / 3  # int8 weights
+    texts = retrieval_set()
+    queries = [embed(a, texts.queries) for a in (minilm_onnx, int8)]
+    docs = [embed(a, texts.documents) for a in (minilm_onnx, int8)]
+    cos = cosines(np.vstack([queries[0], docs[0]]), np.vstack([queries[1], docs[1]]))
+    overlap = top_k_overlap(queries[0], docs[0], queries[1], docs[1], k=10)
+    # Measured: cosine mean 0.992, min 0.987; top-10 overlap mean 0.996, min 0.9.
+    assert cos.mean() >= 0.985 and cos.min() >= 0.97
+    assert overlap.mean() >= 0.95 and overlap.min() >= 0.8
+    assert cos.max() < 0.99999  # it did run quantized
+
+
+# -- the other families on tiny models, against their torch forward ---------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-onnx")
+    base = build_bi_encoder(root / "bi")
+    return {"bi": base, "ce": build_cross_encoder(root / "ce"),
+            "sparse": build_sparse_encoder(root / "sparse"),
+            "colbert": build_colbert(root / "colbert"),
+            "lora": build_lora(base, root / "lora", seed=1)}
+
+
+QUERY = "what is the capital of france"
+DOCS = ["paris is the capital of france", "the dog is big", "music and film",
+        "the river and the mountain " * 20]
+
+
+@pytest.mark.parametrize("activation", ["sigmoid", "none"])
+async def test_cross_encoder_scores_match_torch(tiny: dict[str, Path], activation: str,
+                                                serve: ServeFactory) -> None:
+    spec = spec_for(tiny["ce"], "cross_encoder", ("score",),
+                    options={"activation": activation})
+    scores = {}
+    for runtime in (TORCH, ONNX):
+        adapter = cross_encoder.load(spec, runtime)
+        assert adapter.info.extra["backend"] == runtime.backend
+        async with serve(adapter) as served:
+            scores[runtime.backend] = (await adapter.score(served.submit, QUERY, DOCS,
+                                                           ScoreOptions())).values
+    assert len(set(scores["torch"])) == len(DOCS)  # distinct scores: a real comparison
+    assert scores["onnx"] == pytest.approx(scores["torch"], abs=1e-5)
+
+
+async def test_sparse_and_multivector_match_torch(tiny: dict[str, Path],
+                                                  serve: ServeFactory) -> None:
+    texts = ["the cat is big", "paris is the capital of france", DOCS[3]]
+    for family, folder, kind in ((sparse, "sparse", "sparse"),
+                                 (multivector, "colbert", "multivector")):
+        spec = spec_for(tiny[folder], kind, ("encode",))
+        values = {}
+        for runtime in (TORCH, ONNX):
+            adapter = family.load(spec, runtime)
+            assert adapter.info.extra["backend"] == runtime.backend
+            async with serve(adapter) as served:
+                values[runtime.backend] = (await adapter.encode(served.submit, texts,
+                                                                EncodeOptions())).values
+        for a, b in zip(values["torch"], values["onnx"], strict=True):
+            if kind == "sparse":
+                assert a.sparse is not None and b.sparse is not None
+                np.testing.assert_array_equal(a.sparse.indices, b.sparse.indices)
+                np.testing.assert_allclose(a.sparse.values, b.sparse.values, atol=1e-4)
+            else:
+                assert a.multivector is not None and b.multivector is not None
+                np.testing.assert_allclose(a.multivector, b.multivector, atol=1e-5)
+
+
+# -- where the graph comes from ------------------------------------------------------
+
+
+def load_bi(folder: Path, cache: Path, **fields: object) -> TransformerAdapter:
+    spec = spec_for(folder, "transformer", ("encode",), **fields)
+    return transformer.load(spec, Runtime(cache_dir=cache))
+
+
+def test_export_is_cached_and_redone_when_the_weights_change(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder, cache = build_bi_encoder(tmp_path / "bi", seed=0), tmp_path / "cache"
+    caplog.set_level(logging.INFO, logger="ember.onnx")
+    first = load_bi(folder, cache)
+    assert first.model.origin == "exported"  # type: ignore[attr-defined]
+    assert "exporting to ONNX" in caplog.text and "ONNX graph ready" in caplog.text
+    exported = list((cache / "onnx").glob("*/model.onnx"))
+    assert len(exported) == 1
+    stamp = exported[0].stat().st_mtime_ns
+    caplog.clear()
+
+    second = load_bi(folder, cache)
+    assert second.model.origin == "cached"  # type: ignore[attr-defined]
+    assert "exporting" not in caplog.text
+    assert exported[0].stat().st_mtime_ns == stamp
+    np.testing.assert_array_equal(embed(first, ["the cat"]), embed(second, ["the cat"]))
+
+    build_bi_encoder(folder, seed=1)  # new weights in the same folder
+    third = load_bi(folder, cache)
+    assert third.model.origin == "exported"  # type: ignore[attr-defined]
+    assert len(list((cache / "onnx").glob("*/model.onnx"))) == 2
+    assert float(np.abs(embed(third, ["the cat"]) - embed(first, ["the cat"])).max()) > 1e-3
+    assert not list((cache / "onnx").glob("*/.staging-*"))  # nothing half-written left
+
+
+def test_a_shipped_onnx_file_is_used(tmp_path: Path, tiny: dict[str, Path]) -> None:
+    folder = tmp_path / "shipped"
+    shutil.copytree(tiny["bi"], folder)
+    exported = load_bi(folder, tmp_path / "cache")
+    (folder / "onnx").mkdir()
+    shutil.copy(exported.model.path, folder / "onnx" / "model.onnx")  # type: ignore[attr-defined]
+    shipped = load_bi(folder, tmp_path / "other-cache")
+    assert shipped.model.origin == "shipped"  # type: ignore[attr-defined]
+    assert not (tmp_path / "other-cache").exists()  # nothing exported
+    texts = ["the cat is big", "a slow river"]
+    np.testing.assert_allclose(embed(shipped, texts), embed(exported, texts), atol=1e-6)
+
+
+def test_a_failed_export_is_refused_with_the_reason(
+        tmp_path: Path, tiny: dict[str, Path]) -> None:
+    cache = tmp_path / "cache"
+    cache.write_text("a file where the cache folder should be", encoding="utf-8")
+    with pytest.raises(ModelLoadError, match=r"cannot export to ONNX.*backend: torch"):
+        load_bi(tiny["bi"], cache)
+
+
+def test_loras_run_on_torch_or_are_refused_on_onnx(tiny: dict[str, Path]) -> None:
+    loras = {"a": tiny["lora"]}
+    with_loras = transformer.load(spec_for(tiny["bi"], "transformer", ("encode",),
+                                           loras=loras), Runtime())
+    assert with_loras.info.extra["backend"] == "torch"  # the server default falls back
+    with pytest.raises(ModelLoadError, match="LoRA adapters need backend: torch"):
+        transformer.load(spec_for(tiny["bi"], "transformer", ("encode",), loras=loras,
+                                  backend="onnx"), Runtime())
+    with pytest.raises(ModelLoadError, match="quantize applies to the onnx backend"):
+        transformer.load(spec_for(tiny["bi"], "transformer", ("encode",),
+                                  backend="torch", quantize="int8"), Runtime())
+
+
+def test_onnx_is_refused_off_cpu(tiny: dict[str, Path]) -> None:
+    with pytest.raises(ModelLoadError, match="CPU only"):
+        transformer.load(spec_for(tiny["bi"], "transformer", ("encode",), backend="onnx"),
+                         Runtime(device="cuda"))
