@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -45,6 +46,10 @@ def run_api(settings: ServerSettings, sock: socket.socket, address: str) -> None
     from ember.ipc.client import EngineClient, RemoteModels
     from ember.server import run_http
 
+    # Until uvicorn takes the signals over: a drain before this process serves has
+    # nothing to finish; a Ctrl-C is the supervisor's to handle.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(settings)
     models = RemoteModels(load_catalog(settings.model_dirs, settings.model_paths),
                           Runtime.from_settings(settings),
@@ -132,6 +137,7 @@ class Supervisor:
                     self._stop_engine(engine)
                     return 1
         log.info("draining %d API processes, then the engine", len(self.apis))
+        sock.close()  # no process will be started again; the last API process closes it
         codes = self._stop_apis()
         codes.append(self._stop_engine(engine))
         return 0 if all(code == 0 for code in codes) else 1

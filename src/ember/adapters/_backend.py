@@ -26,6 +26,7 @@ from ember.errors import ModelLoadError
 
 log = logging.getLogger("ember.backend")
 FEEDABLE = ("input_ids", "attention_mask", "token_type_ids")
+NO_WEIGHTS = "this process holds no weights: the engine process runs the forwards"
 
 
 class Forward(Protocol):
@@ -67,16 +68,45 @@ def choose_backend(spec: ModelSpec, runtime: Runtime) -> Backend:
     return "onnx"
 
 
+class ForwardElsewhere:
+    """The forward half as an API process knows it when the engine process runs it: its
+    backend and LoRAs (so requests are checked here), and no weights."""
+
+    def __init__(self, backend: Backend, loras: Sequence[str]) -> None:
+        self.backend: str = backend
+        self.loras: tuple[str, ...] = tuple(loras)
+
+    def __call__(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        raise RuntimeError(NO_WEIGHTS)
+
+    def set_lora(self, name: str | None) -> None:
+        raise RuntimeError(NO_WEIGHTS)
+
+    def check_lora(self, name: str | None, param: str = "params.options.lora") -> None:
+        common.check_lora(name, self.loras, param)
+
+    def memory_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
 def load_model(spec: ModelSpec, model_dir: Path, runtime: Runtime, auto_class: Any,
-               output: str, inputs: Sequence[str] = FEEDABLE[:2]
+               output: str, inputs: Sequence[str] = FEEDABLE[:2], weights: bool = True
                ) -> tuple[Forward, Any, Any]:
     """The forward half, the config and the fast tokenizer of a transformers directory,
     offline. `auto_class` builds the torch model; `output` names the model output the
-    family reads; `inputs` are what its forward feeds (those the tokenizer makes)."""
+    family reads; `inputs` are what its forward feeds (those the tokenizer makes).
+    Without `weights` (an API process of several), the forward half stays elsewhere."""
     from transformers import AutoConfig
 
     tokenizer = common.load_tokenizer(spec, model_dir)
     backend = choose_backend(spec, runtime)
+    if not weights:
+        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True,
+                                            trust_remote_code=spec.trust_remote_code)
+        return ForwardElsewhere(backend, tuple(spec.loras)), config, tokenizer
     if backend == "torch":
         common.apply_runtime(runtime)
         model = auto_class.from_pretrained(str(model_dir), **common.load_kwargs(spec))

@@ -130,11 +130,16 @@ class CrossEncoderAdapter(common.TorchModel):
         raise UnsupportedTask(self.spec.name, "encode", self.info.tasks)
 
 
-def load(spec: ModelSpec, runtime: Runtime) -> CrossEncoderAdapter:
+def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> CrossEncoderAdapter:
     """Load a sequence-classification directory with one label, offline."""
     from transformers import AutoModelForSequenceClassification
 
     model, config, tokenizer = load_model(spec, resolve_source(spec), runtime,
                                           AutoModelForSequenceClassification, "logits",
-                                          FEEDABLE)
+                                          FEEDABLE, weights=weights)
     return CrossEncoderAdapter(spec, model, config, tokenizer, runtime)
+
+
+def load_front(spec: ModelSpec, runtime: Runtime) -> CrossEncoderAdapter:
+    """The request path alone (pair tokenizing, activation), without weights."""
+    return load(spec, runtime, weights=False)

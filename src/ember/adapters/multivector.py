@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.adapters import _torch as common
-from ember.adapters._backend import Forward, load_model
+from ember.adapters._backend import Forward, ForwardElsewhere, load_model
 from ember.adapters._encoder import BiEncoder
 from ember.adapters.base import Encoded, EncodeOptions, Runtime
 from ember.config import ModelSpec, resolve_source
@@ -121,7 +121,9 @@ class MultiVectorAdapter(BiEncoder[MultiVectorParams, Matrix]):
         self.prompts = dict(spec.prompts)
         self.token_dims = int(projection.shape[0])
         # Kept in float32 on the device; the encoder's (fp16 on CUDA) output is cast up.
-        self.projection = projection.to(self.device)
+        # An API process without the weights keeps it where it is (it runs no forward).
+        self.projection = (projection if isinstance(model, ForwardElsewhere)
+                           else projection.to(self.device))
         self.info = self.describe(self.token_dims, OUTPUT_TYPES,
                                   {"token_dims": self.token_dims, "scoring": "maxsim",
                                    "backend": model.backend})
@@ -175,7 +177,7 @@ class MultiVectorAdapter(BiEncoder[MultiVectorParams, Matrix]):
         super().close()
 
 
-def load(spec: ModelSpec, runtime: Runtime) -> MultiVectorAdapter:
+def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> MultiVectorAdapter:
     """Load an encoder directory and its projection file, offline."""
     from transformers import AutoModel
 
@@ -183,5 +185,11 @@ def load(spec: ModelSpec, runtime: Runtime) -> MultiVectorAdapter:
     model_dir = resolve_source(spec)
     projection = read_projection(spec, model_dir)
     model, config, tokenizer = load_model(spec, model_dir, runtime, AutoModel,
-                                          "last_hidden_state")
+                                          "last_hidden_state", weights=weights)
     return MultiVectorAdapter(spec, model, config, tokenizer, projection, runtime)
+
+
+def load_front(spec: ModelSpec, runtime: Runtime) -> MultiVectorAdapter:
+    """The request path alone (tokenizer, token dims from the projection's shape),
+    without the encoder's weights."""
+    return load(spec, runtime, weights=False)

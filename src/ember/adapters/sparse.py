@@ -153,11 +153,16 @@ class SparseAdapter(BiEncoder[SparseParams, SparseVector]):
         return [dot(query, doc) for doc in docs]
 
 
-def load(spec: ModelSpec, runtime: Runtime) -> SparseAdapter:
+def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> SparseAdapter:
     """Load a masked-LM directory, offline."""
     from transformers import AutoModelForMaskedLM
 
     common.refuse_loras(spec, "sparse")
     model, config, tokenizer = load_model(spec, resolve_source(spec), runtime,
-                                          AutoModelForMaskedLM, "logits")
+                                          AutoModelForMaskedLM, "logits", weights=weights)
     return SparseAdapter(spec, model, config, tokenizer, runtime)
+
+
+def load_front(spec: ModelSpec, runtime: Runtime) -> SparseAdapter:
+    """The request path alone (tokenizer, pruning, prompts), without weights."""
+    return load(spec, runtime, weights=False)

@@ -159,11 +159,16 @@ class TransformerAdapter(BiEncoder[EncodeParams, Vector]):
         return cosine(query, docs)
 
 
-def load(spec: ModelSpec, runtime: Runtime) -> TransformerAdapter:
+def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> TransformerAdapter:
     """Load a sentence-transformers (or plain transformers) directory, offline."""
     from transformers import AutoModel
 
     settings = read_directory(resolve_source(spec))
     model, config, tokenizer = load_model(spec, settings.weights_dir, runtime, AutoModel,
-                                          "last_hidden_state")
+                                          "last_hidden_state", weights=weights)
     return TransformerAdapter(spec, model, config, tokenizer, settings, runtime)
+
+
+def load_front(spec: ModelSpec, runtime: Runtime) -> TransformerAdapter:
+    """The request path alone (tokenizer, prompts, pooling settings), without weights."""
+    return load(spec, runtime, weights=False)

@@ -25,9 +25,9 @@ async def healthz() -> dict[str, str]:
 async def readyz(request: Request) -> JSONResponse:
     state = server_state(request)
     default = state.settings.default_model
-    await state.registry.refresh()
     if state.draining:
         return error_response(503, "unavailable", "draining before shutdown")
+    await state.registry.refresh()
     if state.registry.state(default) != "loaded":
         return error_response(503, "not_ready", f"default model {default!r} is "
                               f"{state.registry.state(default)}")

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from ember.adapters.base import ModelInfo, Runtime, TaskModel
 from ember.config import ADAPTERS, ModelSpec
-from ember.engine import PreparedItem, QueueFull, RequestResult
+from ember.engine import PreparedItem, QueueFull, RequestResult, ShuttingDown
 from ember.errors import ModelLoadError, ModelNotFound
 from ember.ipc.wire import error_from_wire, pack, unpack
 
@@ -49,6 +49,8 @@ class EngineClient:
     async def call(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request and await its reply; cancelling the caller cancels it in the
         engine too (its queued items are dropped, R9)."""
+        if self._socket.closed:  # this process drained and let go of the engine
+            raise ShuttingDown()
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read())
         call_id = next(self._ids)
@@ -58,7 +60,7 @@ class EngineClient:
             await self._socket.send(pack({"op": op, "id": call_id, **fields}), copy=False)
             return await reply
         except asyncio.CancelledError:
-            if not reply.done():
+            if reply.cancelled() or not reply.done():  # cancelling the caller cancels `reply`
                 await asyncio.shield(self._socket.send(pack({"op": "cancel", "id": call_id})))
             raise
         finally:
@@ -123,6 +125,7 @@ class RemoteModels:
     max_queue_items: int
     loader: Callable[[str], FrontLoader] = front_loader
     _fronts: dict[str, RemoteModel] = field(default_factory=dict)
+    _loading: dict[str, asyncio.Future[RemoteModel]] = field(default_factory=dict)
     _states: dict[str, str] = field(default_factory=dict)
     _info: dict[str, ModelInfo] = field(default_factory=dict)
     _pending: dict[str, int] = field(default_factory=dict)
@@ -153,19 +156,29 @@ class RemoteModels:
         self._pending = dict(status["pending"])
 
     async def get(self, name: str) -> RemoteModel:
-        """The model's front half, loaded here once, with the engine holding its weights."""
+        """The model's front half, loaded here once (concurrent first requests share the
+        load), with the engine holding its weights."""
         spec = self.spec(name)
         await self.client.call("load", model=name)  # raises the engine's ModelLoadError
-        model = self._fronts.get(name)
-        if model is None:
-            try:
-                adapter = await asyncio.to_thread(self.loader(spec.adapter), spec, self.runtime)
-            except ModelLoadError:
-                raise
-            except Exception as exc:
-                raise ModelLoadError(name, f"{type(exc).__name__}: {exc}") from None
-            model = self._fronts.setdefault(name, RemoteModel(
-                spec, adapter, self.client, max_queue_items=self._queue_limit(spec)))
+        if name in self._fronts:
+            return self._fronts[name]
+        loading = self._loading.get(name)
+        if loading is None:
+            loading = asyncio.ensure_future(self._load_front(spec))
+            self._loading[name] = loading
+            loading.add_done_callback(lambda _: self._loading.pop(name, None))
+        return await asyncio.shield(loading)
+
+    async def _load_front(self, spec: ModelSpec) -> RemoteModel:
+        try:
+            adapter = await asyncio.to_thread(self.loader(spec.adapter), spec, self.runtime)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(spec.name, f"{type(exc).__name__}: {exc}") from None
+        model = RemoteModel(spec, adapter, self.client,
+                            max_queue_items=self._queue_limit(spec))
+        self._fronts[spec.name] = model
         return model
 
     @asynccontextmanager
