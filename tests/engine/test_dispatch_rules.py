@@ -7,7 +7,15 @@ import time
 
 import pytest
 
-from ember.engine import QueueFull, ShuttingDown, WorkerConfig
+from ember.adapters.synthetic import CostModel, SyntheticAdapter
+from ember.engine import (
+    DispatchPolicy,
+    ModelWorker,
+    QueueFull,
+    QueueView,
+    ShuttingDown,
+    WorkerConfig,
+)
 from tests.engine.helpers import WELL_UNDER_WINDOW_S, forward_sizes, items, payloads, running
 
 WINDOW_ON = WorkerConfig(idle_coalesce_ms=200.0, max_batch_wait_ms=400.0)
@@ -85,12 +93,21 @@ async def test_r3a_staggered_burst_with_the_window_off_dispatches_each_at_once()
         assert forward_sizes(adapter) == [1, 2, 1]
 
 
-async def test_r3_hold_lone_idle_requests_restores_the_earlier_rule() -> None:
-    config = WorkerConfig(idle_coalesce_ms=60.0, max_batch_wait_ms=200.0,
-                          hold_lone_idle_requests=True)
-    async with running(config) as (worker, _):
-        result = await (await worker.submit(items(3), "p"))
-        assert result.queue_ms >= 50.0  # the lone request waited out the idle window
+async def test_r3_a_policy_hook_can_hold_lone_idle_requests() -> None:
+    """The benchmark's earlier rule (every idle request waits the window) as a policy."""
+
+    class HoldEveryIdleRequest(DispatchPolicy):
+        def idle_release_at(self, queue: QueueView) -> float:
+            return min(queue.last_arrival + self.config.idle_coalesce_ms / 1000,
+                       queue.oldest_arrival + self.config.max_batch_wait_ms / 1000)
+
+    config = WorkerConfig(idle_coalesce_ms=60.0, max_batch_wait_ms=200.0)
+    adapter = SyntheticAdapter(dims=8, cost=CostModel(1.0, 0.0, "sleep"))
+    worker = ModelWorker(adapter, config, policy=HoldEveryIdleRequest(config))
+    await worker.start()
+    result = await (await worker.submit(items(3), "p"))
+    await worker.stop()
+    assert result.queue_ms >= 50.0  # the lone request waited out the idle window
 
 
 # R2 and R4 across LoRAs (scenario 6) -------------------------------------------------
@@ -341,57 +358,70 @@ async def test_results_come_back_in_each_requests_input_order() -> None:
             assert (vector == adapter.vector(text)).all()
 
 
-# R3d returning senders (issue 5, part 4) --------------------------------------------
+# R4 hold: the senders of a forward come back into one batch --------------------------
 
-async def closed_loop_forwards(config: WorkerConfig) -> list[int]:
-    """Four clients: one fused forward, then each sends again after a small stagger."""
-    async with running(config, overhead_ms=5.0) as (worker, adapter):
+async def closed_loop_forwards(config: WorkerConfig, stagger_s: float = 0.001) -> list[int]:
+    """Four clients: one fused forward (40 ms), then each sends again after a stagger."""
+    async with running(config, overhead_ms=40.0) as (worker, adapter):
         worker.pause()
         first = [await worker.submit(items(2), "p") for _ in range(4)]
         worker.resume()
 
-        async def client(future: asyncio.Future[object], stagger_s: float) -> None:
+        async def client(future: asyncio.Future[object], delay_s: float) -> None:
             await future
-            await asyncio.sleep(stagger_s)  # the way back over the network
+            await asyncio.sleep(delay_s)  # the way back over the network
             await (await worker.submit(items(2), "p"))
 
-        await asyncio.gather(*(client(f, 0.001 * i) for i, f in enumerate(first)))
+        await asyncio.gather(*(client(f, stagger_s * i) for i, f in enumerate(first)))
         return forward_sizes(adapter)
 
 
-async def test_r3d_off_a_returning_burst_is_split_by_its_first_arrival() -> None:
-    config = WorkerConfig(idle_coalesce_ms=20.0, max_batch_wait_ms=100.0)
-    sizes = await closed_loop_forwards(config)
-    assert sizes[0] == 4 and sizes[1] == 1 and sum(sizes) == 8
-
-
-async def test_r3d_on_the_returning_burst_fuses_again() -> None:
-    config = WorkerConfig(idle_coalesce_ms=20.0, max_batch_wait_ms=100.0,
-                          hold_for_returning_senders=True, returning_window_ms=20.0)
+async def test_r4_returning_senders_fuse_into_one_forward_again() -> None:
+    # The hold: up to 25 % of the 40 ms forward, and 2 ms of quiet between returns.
+    config = WorkerConfig(idle_coalesce_ms=0.0, max_batch_wait_ms=100.0)
     assert await closed_loop_forwards(config) == [4, 4]
 
 
-async def test_r3d_on_a_sequential_client_still_never_waits() -> None:
-    config = WorkerConfig(idle_coalesce_ms=200.0, max_batch_wait_ms=400.0,
-                          hold_for_returning_senders=True, returning_window_ms=50.0)
-    async with running(config) as (worker, _):
-        for _ in range(4):
-            assert await timed(await worker.submit(items(3), "p")) < WELL_UNDER_WINDOW_S
+async def test_r4_without_the_hold_the_first_returning_sender_goes_alone() -> None:
+    config = WorkerConfig(idle_coalesce_ms=0.0, max_batch_wait_ms=100.0, hold_fraction=0.0)
+    sizes = await closed_loop_forwards(config)
+    assert sizes[:2] == [4, 1] and sum(sizes) == 8
 
 
-async def test_r3d_on_a_hold_ends_when_the_expected_senders_do_not_come() -> None:
-    config = WorkerConfig(idle_coalesce_ms=30.0, max_batch_wait_ms=400.0,
-                          hold_for_returning_senders=True, returning_window_ms=50.0)
-    async with running(config) as (worker, _):
+async def test_r4_a_hold_ends_when_the_senders_stop_coming() -> None:
+    config = WorkerConfig(idle_coalesce_ms=0.0, coalesce_ms=20.0, max_batch_wait_ms=400.0,
+                          hold_fraction=10.0)
+    async with running(config, overhead_ms=5.0) as (worker, _):
         worker.pause()
         burst = [await worker.submit(items(2), "p") for _ in range(4)]
         worker.resume()
         await asyncio.gather(*burst)
         result = await (await worker.submit(items(2), "p"))  # only one sender returns
-        assert 20.0 <= result.queue_ms < 30.0 + 100.0  # held for the quiet window, no more
+        assert 10.0 <= result.queue_ms < 20.0 + 100.0  # held for the quiet time, no more
 
 
-# R4b drain hold (opt-in): two cohorts merge ------------------------------------------
+async def test_r3c_ends_as_soon_as_the_senders_of_the_last_forward_are_back() -> None:
+    # A 200 ms idle window would show in the queue time if the burst waited it out.
+    async with running(WINDOW_ON) as (worker, adapter):
+        worker.pause()
+        first = [await worker.submit(items(2), "p") for _ in range(4)]
+        worker.resume()
+
+        async def again(future: asyncio.Future[object]) -> float:
+            await future
+            return (await (await worker.submit(items(2), "p"))).queue_ms
+
+        waits = await asyncio.gather(*(again(f) for f in first))
+        assert forward_sizes(adapter) == [4, 4]
+        assert max(waits) < 100.0
+
+
+async def test_r4_a_sequential_client_still_never_waits() -> None:
+    config = WorkerConfig(idle_coalesce_ms=200.0, max_batch_wait_ms=400.0, hold_fraction=10.0)
+    async with running(config, overhead_ms=20.0) as (worker, _):
+        for _ in range(4):
+            assert (await (await worker.submit(items(3), "p"))).queue_ms < 10.0
+
 
 async def cohort_forwards(config: WorkerConfig) -> list[int]:
     """Cohort A runs; cohort B queues behind it; A's senders come back 2 ms after."""
@@ -411,14 +441,14 @@ async def cohort_forwards(config: WorkerConfig) -> list[int]:
         return forward_sizes(adapter)
 
 
-async def test_r4_without_a_drain_hold_cohorts_alternate() -> None:
-    assert await cohort_forwards(WorkerConfig(max_batch_wait_ms=100.0)) == [4, 4, 4]
+async def test_r4_without_the_hold_cohorts_alternate() -> None:
+    assert await cohort_forwards(WorkerConfig(hold_fraction=0.0)) == [4, 4, 4]
 
 
-async def test_r4b_a_drain_hold_merges_the_returning_cohort() -> None:
-    # The backlog already waited out max_batch_wait_ms behind the 20 ms forward: the
-    # hold's bound counts from its own start.
-    config = WorkerConfig(max_batch_wait_ms=10.0, drain_hold_ms=10.0)
+async def test_r4_the_hold_merges_a_returning_cohort_with_the_backlog() -> None:
+    # B already waited out max_batch_wait_ms behind A's 20 ms forward: the hold's
+    # bound counts from the forward's end.
+    config = WorkerConfig(max_batch_wait_ms=10.0, hold_fraction=0.5)
     assert await cohort_forwards(config) == [4, 8]
 
 
