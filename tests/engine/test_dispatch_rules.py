@@ -360,32 +360,30 @@ async def test_results_come_back_in_each_requests_input_order() -> None:
 
 # R4 hold: the senders of a forward come back into one batch --------------------------
 
-async def closed_loop_forwards(config: WorkerConfig, stagger_s: float = 0.001) -> list[int]:
-    """Four clients: one fused forward (40 ms), then each sends again after a stagger."""
+async def staggered_clients(config: WorkerConfig, rounds: int = 4) -> list[int]:
+    """Four closed-loop clients, started 0.5 ms apart, each back 0-3 ms after its answer."""
     async with running(config, overhead_ms=40.0) as (worker, adapter):
-        worker.pause()
-        first = [await worker.submit(items(2), "p") for _ in range(4)]
-        worker.resume()
 
-        async def client(future: asyncio.Future[object], delay_s: float) -> None:
-            await future
-            await asyncio.sleep(delay_s)  # the way back over the network
-            await (await worker.submit(items(2), "p"))
+        async def client(number: int) -> None:
+            await asyncio.sleep(0.0005 * number)
+            for _ in range(rounds):
+                await (await worker.submit(items(2), "p"))
+                await asyncio.sleep(0.001 * number)  # the way back over the network
 
-        await asyncio.gather(*(client(f, stagger_s * i) for i, f in enumerate(first)))
+        await asyncio.gather(*(client(n) for n in range(4)))
         return forward_sizes(adapter)
 
 
-async def test_r4_returning_senders_fuse_into_one_forward_again() -> None:
-    # The hold: up to 25 % of the 40 ms forward, and 2 ms of quiet between returns.
-    config = WorkerConfig(idle_coalesce_ms=0.0, max_batch_wait_ms=100.0)
-    assert await closed_loop_forwards(config) == [4, 4]
+async def test_r4_returning_senders_are_awaited_once_seen_to_return() -> None:
+    # Two rounds show the senders come back within the hold (25 % of a 40 ms forward);
+    # from then on each round is one forward.
+    sizes = await staggered_clients(WorkerConfig(idle_coalesce_ms=0.0))
+    assert sizes[-2:] == [4, 4] and sum(sizes) == 16
 
 
-async def test_r4_without_the_hold_the_first_returning_sender_goes_alone() -> None:
-    config = WorkerConfig(idle_coalesce_ms=0.0, max_batch_wait_ms=100.0, hold_fraction=0.0)
-    sizes = await closed_loop_forwards(config)
-    assert sizes[:2] == [4, 1] and sum(sizes) == 8
+async def test_r4_without_the_hold_staggered_senders_alternate_forever() -> None:
+    sizes = await staggered_clients(WorkerConfig(idle_coalesce_ms=0.0, hold_fraction=0.0))
+    assert max(sizes) < 4 and sum(sizes) == 16
 
 
 async def test_r4_a_hold_ends_when_the_senders_stop_coming() -> None:
@@ -395,8 +393,13 @@ async def test_r4_a_hold_ends_when_the_senders_stop_coming() -> None:
         worker.pause()
         burst = [await worker.submit(items(2), "p") for _ in range(4)]
         worker.resume()
-        await asyncio.gather(*burst)
-        result = await (await worker.submit(items(2), "p"))  # only one sender returns
+
+        async def again(future: asyncio.Future[object]) -> asyncio.Future[object]:
+            await future
+            return await worker.submit(items(2), "p")  # all four come straight back
+
+        await asyncio.gather(*await asyncio.gather(*(again(f) for f in burst)))
+        result = await (await worker.submit(items(2), "p"))  # now only one returns
         assert 10.0 <= result.queue_ms < 20.0 + 100.0  # held for the quiet time, no more
 
 
@@ -424,17 +427,24 @@ async def test_r4_a_sequential_client_still_never_waits() -> None:
 
 
 async def cohort_forwards(config: WorkerConfig) -> list[int]:
-    """Cohort A runs; cohort B queues behind it; A's senders come back 2 ms after."""
+    """A warm-up round whose senders come straight back as cohort A; cohort B queues
+    behind A's forward; A's senders come back 1 ms after it."""
     async with running(config, overhead_ms=20.0) as (worker, adapter):
         worker.pause()
-        cohort_a = [await worker.submit(items(2), "p") for _ in range(4)]
+        warm_up = [await worker.submit(items(2), "p") for _ in range(4)]
         worker.resume()
+
+        async def again(future: asyncio.Future[object]) -> asyncio.Future[object]:
+            await future
+            return await worker.submit(items(2), "p")
+
+        cohort_a = await asyncio.gather(*(again(f) for f in warm_up))
         await asyncio.sleep(0.005)  # A's forward is in flight
         cohort_b = [await worker.submit(items(2), "p") for _ in range(4)]
 
         async def come_back(future: asyncio.Future[object]) -> None:
             await future
-            await asyncio.sleep(0.002)
+            await asyncio.sleep(0.001)  # within coalesce_ms (2 ms) of each other
             await (await worker.submit(items(2), "p"))
 
         await asyncio.gather(*(come_back(f) for f in cohort_a), *cohort_b)
@@ -442,14 +452,14 @@ async def cohort_forwards(config: WorkerConfig) -> list[int]:
 
 
 async def test_r4_without_the_hold_cohorts_alternate() -> None:
-    assert await cohort_forwards(WorkerConfig(hold_fraction=0.0)) == [4, 4, 4]
+    assert await cohort_forwards(WorkerConfig(hold_fraction=0.0)) == [4, 4, 4, 4]
 
 
 async def test_r4_the_hold_merges_a_returning_cohort_with_the_backlog() -> None:
     # B already waited out max_batch_wait_ms behind A's 20 ms forward: the hold's
     # bound counts from the forward's end.
     config = WorkerConfig(max_batch_wait_ms=10.0, hold_fraction=0.5)
-    assert await cohort_forwards(config) == [4, 8]
+    assert await cohort_forwards(config) == [4, 4, 8]
 
 
 async def test_submit_refuses_items_whose_indices_are_not_one_each() -> None:

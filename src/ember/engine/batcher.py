@@ -199,28 +199,31 @@ class BatchFormer:
               before_seq: int | None) -> None:
         """Grow `batch` from the buckets around it: at each step the candidate (next
         shorter or next longer) that adds the fewest padded tokens, while it fits."""
-        keys = group.keys
-        while True:
-            shorter = group.head(keys[low], before_seq) if low >= 0 else None
-            if shorter is None and low >= 0:
+        keys, max_tokens, max_items = group.keys, self.max_batch_tokens, self.max_batch_items
+        shorter = longer = None
+        while len(batch.items) < max_items:
+            while low >= 0 and (shorter := group.head(keys[low], before_seq)) is None:
                 low -= 1
-                continue
-            longer = group.head(keys[high], before_seq) if high < len(keys) else None
-            if longer is None and high < len(keys):
+            while high < len(keys) and (longer := group.head(keys[high], before_seq)) is None:
                 high += 1
-                continue
-            candidates = [p for p in (shorter, longer) if p is not None]
-            if not candidates:  # nothing eligible is left: the batch holds all of it
-                batch.full = len(batch.items) >= self.max_batch_items
-                return
-            candidates.sort(key=lambda p: self._added_padding(batch, p.item.cost))
-            chosen = next((p for p in candidates if batch.fits(
-                p.item.cost, self.max_batch_tokens, self.max_batch_items)), None)
-            if chosen is None:
+            if low < 0:
+                shorter = None
+            if high >= len(keys):
+                longer = None
+            if shorter is None and longer is None:
+                return  # nothing eligible is left: the batch holds all of it
+            first, second = (shorter, longer) if longer is None or (
+                shorter is not None and self._added_padding(batch, shorter.item.cost)
+                <= self._added_padding(batch, longer.item.cost)) else (longer, shorter)
+            for chosen in (first, second):
+                if chosen is not None and batch.fits(chosen.item.cost, max_tokens, max_items):
+                    group.buckets[keys[low] if chosen is shorter else keys[high]].popleft()
+                    batch.add(chosen)
+                    break
+            else:
                 batch.full = True
                 return
-            group.buckets[cost_bucket(chosen.item.cost)].popleft()
-            batch.add(chosen)
+        batch.full = True
 
     @staticmethod
     def _added_padding(batch: Batch, cost: int) -> int:

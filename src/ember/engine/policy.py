@@ -14,11 +14,13 @@ from ember.engine.config import WorkerConfig
 
 @dataclass(frozen=True, slots=True)
 class LastForward:
-    """The last forward that ended on a LoRA."""
+    """The last forward that ended on a LoRA; `senders_return` tells whether the
+    senders of the forward before it all came back within its hold window."""
 
     ended: float
     requests: int
     duration: float
+    senders_return: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,15 +32,18 @@ class QueueView:
     oldest_arrival: float
     last_arrival: float
     arrived_since_forward: int  # requests submitted since the last forward ended
+    senders_return: bool = False  # the last forward's senders are back, or may still be
 
 
 class DispatchPolicy:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
 
-    def holds_after(self, requests: int) -> bool:
-        """Whether a forward of `requests` requests is followed by a hold for its senders."""
-        return requests >= 2 and self.config.hold_fraction > 0
+    def hold_s(self, requests: int, duration: float) -> float:
+        """How long the senders of a forward of `requests` may be awaited after it."""
+        if requests < 2:
+            return 0.0
+        return min(self.config.max_batch_wait_ms / 1000, self.config.hold_fraction * duration)
 
     def release_at(self, queue: QueueView, last: LastForward | None,
                    running_requests: int | None, now: float) -> float | None:
@@ -47,21 +52,22 @@ class DispatchPolicy:
         cfg = self.config
         if queue.full:
             return now
-        if running_requests is not None:  # R4: it goes right after, unless senders return
-            return None if self.holds_after(running_requests) else now
+        if running_requests is not None:  # R4: its backlog goes right after it...
+            awaits = queue.senders_return and self.hold_s(running_requests, 1.0) > 0
+            return None if awaits else now  # ...unless its senders are worth awaiting
         if last is not None:
             hold_end = last.ended
-            if self.holds_after(last.requests):
-                hold_end += min(cfg.max_batch_wait_ms / 1000, cfg.hold_fraction * last.duration)
+            if last.senders_return:  # R4: closed-loop clients: they come back at once
+                hold_end += self.hold_s(last.requests, last.duration)
             if now < hold_end and queue.arrived_since_forward < last.requests:
-                # R4: the senders of the last forward are on their way back, so wait
-                # for them, unless they stop coming for `coalesce_ms`.
                 quiet_end = max(last.ended, queue.last_arrival) + cfg.coalesce_ms / 1000
-                return min(hold_end, quiet_end)
+                return min(hold_end, quiet_end)  # unless they stop coming
             if queue.oldest_arrival <= hold_end:
                 return now  # R4: work that came during a forward or its hold goes at once
+            if (queue.arrived_since_forward >= last.requests >= 2
+                    and queue.oldest_arrival <= last.ended + cfg.max_batch_wait_ms / 1000):
+                return now  # R3c ends: the senders of the last forward are all back
         return self.idle_release_at(queue)
-
     def idle_release_at(self, queue: QueueView) -> float:
         """R3: work that reached an idle worker."""
         cfg = self.config

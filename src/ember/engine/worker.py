@@ -71,6 +71,12 @@ class _Lane:
     arrived_at_last_end: int = 0
     last_arrival: float = 0.0
     last_forward: LastForward | None = None
+    # Whether senders come back: after each forward of several requests, did all of them
+    # return within its hold window? Closed-loop clients do; open-loop arrivals and
+    # one-off bursts do not. A forward of one request leaves the answer as it was.
+    senders_return: bool = False
+    probe_target: int = 0  # `arrived` that means they are all back
+    probe_end: float = -1.0  # < 0: no probe running
 
 
 class ModelWorker:
@@ -199,6 +205,8 @@ class ModelWorker:
         lane = self._lane(lora)
         lane.arrived += 1
         lane.last_arrival = now
+        if lane.probe_end >= now and lane.arrived >= lane.probe_target:
+            lane.senders_return, lane.probe_end = True, -1.0
         queued = self._revise_slot(lora, request.items)
         lane.former.add(queued)
         self._queued += len(queued)
@@ -284,6 +292,7 @@ class ModelWorker:
             oldest_arrival=min(oldest, head.arrival) if head is not None else oldest,
             last_arrival=lane.last_arrival,
             arrived_since_forward=lane.arrived - lane.arrived_at_last_end,
+            senders_return=lane.senders_return or self._now() <= lane.probe_end,
         )
 
     def _revise_slot(self, lora: str | None, items: list[PendingItem]) -> list[PendingItem]:
@@ -358,8 +367,14 @@ class ModelWorker:
         lane = self._lanes[batch.lora]
         elapsed = forward.ended - forward.started
         requests = list(dict.fromkeys(cast(_Request, p.owner) for p in batch.items))
-        lane.last_forward = LastForward(forward.ended, len(requests), elapsed)
+        if 0 <= lane.probe_end < self._now():  # the last probe ran out: they did not
+            lane.senders_return, lane.probe_end = False, -1.0
+        lane.last_forward = LastForward(forward.ended, len(requests), elapsed,
+                                        lane.senders_return)
         lane.arrived_at_last_end = lane.arrived
+        if len(requests) >= 2:
+            lane.probe_target = lane.arrived + len(requests)
+            lane.probe_end = forward.ended + self.policy.hold_s(len(requests), elapsed)
         self.stats.record_batch(BatchRecord(len(batch.items), len(requests),
                                             batch.padded_tokens, batch.lora, elapsed * 1000,
                                             forward.error is not None, forward.started,
