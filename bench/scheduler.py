@@ -118,6 +118,7 @@ MIXED_LOAD = 1.2  # the mixed open loop offers 120 % of the mixed capacity
 # Mixed lengths run where padding costs device time and the device, not the event loop,
 # is the limit: the GPU-like overhead with 10x its per-token cost.
 MIXED_COST = CostModel(overhead_ms=2.0, per_token_us=5.0, mode="sleep")
+MIXED_SPAN = 3  # the mixed open loop runs this many open-loop windows
 PARAMS = "encode"
 LOADS = (25, 50, 75, 90)  # open loop, % of capacity
 CAPACITY_CLIENTS = 64  # = max_batch_items: every forward can be full
@@ -373,14 +374,15 @@ async def open_mixed(worker: ModelWorker, plan: Plan, seed: int, *, rate: float)
     """Poisson arrivals of mixed-length items above capacity: padding per real token,
     served items/s, and the waits (submit to dispatch) against the starvation bound."""
     rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * plan.open_s * 1.5) + 50))
-    arrivals = arrivals[arrivals < plan.open_s]
+    duration = MIXED_SPAN * plan.open_s  # overload needs time to build a queue
+    arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * duration * 1.5) + 50))
+    arrivals = arrivals[arrivals < duration]
     requests = mixed_items(rng, len(arrivals))
     forwards = Forwards(worker)
     waits: list[float] = []
     futures: list[asyncio.Future[Any]] = []
     refused = 0
-    skip = 0.1 * plan.open_s
+    skip = 0.1 * duration
     start = clock() + 0.002
     for at, items in zip(arrivals, requests, strict=True):
         delay = start + float(at) - clock()
@@ -398,7 +400,7 @@ async def open_mixed(worker: ModelWorker, plan: Plan, seed: int, *, rate: float)
     begin, end = start + skip, clock()
     wait_p50, longest = percentile(waits, 50), max(waits, default=float("nan"))
     starvation_ms = worker.config.starvation_s * 1000
-    return {"offered_rps": len(arrivals) / plan.open_s, "refused": refused,
+    return {"offered_rps": len(arrivals) / duration, "refused": refused,
             "items_per_s": forwards.rate(begin, end),
             "padded_per_real": forwards.padding(begin, end),
             "wait_p50_ms": wait_p50, "wait_p99_ms": percentile(waits, 99),

@@ -13,6 +13,7 @@ from ember.engine import (
     ModelWorker,
     QueueFull,
     QueueView,
+    RequestResult,
     ShuttingDown,
     WorkerConfig,
 )
@@ -386,19 +387,25 @@ async def test_r4_without_the_hold_staggered_senders_alternate_forever() -> None
     assert max(sizes) < 4 and sum(sizes) == 16
 
 
+async def burst_then_back(worker: ModelWorker) -> list[asyncio.Future[RequestResult]]:
+    """Four requests fused into one forward, each sent again the moment it is answered
+    (closed-loop clients); returns the second round's futures."""
+    worker.pause()
+    burst = [await worker.submit(items(2), "p") for _ in range(4)]
+    worker.resume()
+
+    async def again(future: asyncio.Future[RequestResult]) -> asyncio.Future[RequestResult]:
+        await future
+        return await worker.submit(items(2), "p")
+
+    return list(await asyncio.gather(*(again(f) for f in burst)))
+
+
 async def test_r4_a_hold_ends_when_the_senders_stop_coming() -> None:
     config = WorkerConfig(idle_coalesce_ms=0.0, coalesce_ms=20.0, max_batch_wait_ms=400.0,
                           hold_fraction=10.0)
     async with running(config, overhead_ms=5.0) as (worker, _):
-        worker.pause()
-        burst = [await worker.submit(items(2), "p") for _ in range(4)]
-        worker.resume()
-
-        async def again(future: asyncio.Future[object]) -> asyncio.Future[object]:
-            await future
-            return await worker.submit(items(2), "p")  # all four come straight back
-
-        await asyncio.gather(*await asyncio.gather(*(again(f) for f in burst)))
+        await asyncio.gather(*await burst_then_back(worker))  # all four came back
         result = await (await worker.submit(items(2), "p"))  # now only one returns
         assert 10.0 <= result.queue_ms < 20.0 + 100.0  # held for the quiet time, no more
 
@@ -406,17 +413,9 @@ async def test_r4_a_hold_ends_when_the_senders_stop_coming() -> None:
 async def test_r3c_ends_as_soon_as_the_senders_of_the_last_forward_are_back() -> None:
     # A 200 ms idle window would show in the queue time if the burst waited it out.
     async with running(WINDOW_ON) as (worker, adapter):
-        worker.pause()
-        first = [await worker.submit(items(2), "p") for _ in range(4)]
-        worker.resume()
-
-        async def again(future: asyncio.Future[object]) -> float:
-            await future
-            return (await (await worker.submit(items(2), "p"))).queue_ms
-
-        waits = await asyncio.gather(*(again(f) for f in first))
+        second = await asyncio.gather(*await burst_then_back(worker))
         assert forward_sizes(adapter) == [4, 4]
-        assert max(waits) < 100.0
+        assert max(r.queue_ms for r in second) < 100.0
 
 
 async def test_r4_a_sequential_client_still_never_waits() -> None:
@@ -430,19 +429,11 @@ async def cohort_forwards(config: WorkerConfig) -> list[int]:
     """A warm-up round whose senders come straight back as cohort A; cohort B queues
     behind A's forward; A's senders come back 1 ms after it."""
     async with running(config, overhead_ms=20.0) as (worker, adapter):
-        worker.pause()
-        warm_up = [await worker.submit(items(2), "p") for _ in range(4)]
-        worker.resume()
-
-        async def again(future: asyncio.Future[object]) -> asyncio.Future[object]:
-            await future
-            return await worker.submit(items(2), "p")
-
-        cohort_a = await asyncio.gather(*(again(f) for f in warm_up))
+        cohort_a = await burst_then_back(worker)
         await asyncio.sleep(0.005)  # A's forward is in flight
         cohort_b = [await worker.submit(items(2), "p") for _ in range(4)]
 
-        async def come_back(future: asyncio.Future[object]) -> None:
+        async def come_back(future: asyncio.Future[RequestResult]) -> None:
             await future
             await asyncio.sleep(0.001)  # within coalesce_ms (2 ms) of each other
             await (await worker.submit(items(2), "p"))
