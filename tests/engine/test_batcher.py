@@ -89,15 +89,6 @@ def test_pending_counts_and_discarded_items() -> None:
     assert {p.owner for p in costs_items(former.form(now=0.0))} == {alive}
 
 
-def test_before_seq_bounds_the_batch_to_older_items() -> None:
-    former = BatchFormer(max_batch_tokens=1000, max_batch_items=10, starvation_s=60)
-    add(former, [3, 1])
-    add(former, [1], seq_start=5)  # newer than an item waiting on another LoRA (seq 4)
-    assert costs(former.form(now=0.0, before_seq=4)) == [1, 3]
-    assert former.form(now=0.0, before_seq=4) is None
-    assert former.pending_items == 1
-
-
 def test_a_deep_queue_drains_in_ascending_cost_order() -> None:
     """In cost order up to a bucket's width (costs under 64 exact, above ~3 %)."""
     former = BatchFormer(max_batch_tokens=10**9, max_batch_items=8, starvation_s=60)

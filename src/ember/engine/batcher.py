@@ -108,14 +108,12 @@ class _Group:
         del self.live[key], self.buckets[key]
         del self.keys[bisect.bisect_left(self.keys, key)]
 
-    def head(self, key: int, before_seq: int | None) -> PendingItem | None:
-        """The oldest queued item of bucket `key`, if it arrived before `before_seq`."""
+    def head(self, key: int) -> PendingItem | None:
+        """The oldest queued item of bucket `key`."""
         bucket = self.buckets[key]
         while bucket and not bucket[0].queued:
             bucket.popleft()
-        if not bucket or (before_seq is not None and bucket[0].seq >= before_seq):
-            return None
-        return bucket[0]
+        return bucket[0] if bucket else None
 
 
 class BatchFormer:
@@ -172,39 +170,36 @@ class BatchFormer:
         self._left(pending)
         return True
 
-    def form(self, now: float, lora: str | None = None,
-             before_seq: int | None = None) -> Batch | None:
-        """Take the next batch out of the queue: only items older than `before_seq`, if
-        set (an older item waits on another LoRA: FCFS across LoRAs, R2)."""
+    def form(self, now: float, lora: str | None = None) -> Batch | None:
+        """Take the next batch out of the queue (None when it is empty)."""
         head = self.oldest()
-        if head is None or (before_seq is not None and head.seq >= before_seq):
+        if head is None:
             return None
         group = self._groups[head.group]
         batch = Batch(lora, head.group)
         keys = group.keys
         if now - head.arrival >= self.starvation_s:  # it leads; the rest packs near its length
-            group.head(cost_bucket(head.item.cost), None)  # drop tombstones ahead of it
+            group.head(cost_bucket(head.item.cost))  # drop tombstones ahead of it
             group.buckets[cost_bucket(head.item.cost)].popleft()
             batch.add(head)
             low = bisect.bisect_left(keys, cost_bucket(head.item.cost))
             high = low + 1
         else:  # cheapest first
             low, high = -1, 0
-        self._pack(batch, group, low, high, before_seq)
+        self._pack(batch, group, low, high)
         for pending in batch.items:
             self._left(pending)
         return batch
 
-    def _pack(self, batch: Batch, group: _Group, low: int, high: int,
-              before_seq: int | None) -> None:
+    def _pack(self, batch: Batch, group: _Group, low: int, high: int) -> None:
         """Grow `batch` from the buckets around it: at each step the candidate (next
         shorter or next longer) that adds the fewest padded tokens, while it fits."""
         keys, max_tokens, max_items = group.keys, self.max_batch_tokens, self.max_batch_items
         shorter = longer = None
         while len(batch.items) < max_items:
-            while low >= 0 and (shorter := group.head(keys[low], before_seq)) is None:
+            while low >= 0 and (shorter := group.head(keys[low])) is None:
                 low -= 1
-            while high < len(keys) and (longer := group.head(keys[high], before_seq)) is None:
+            while high < len(keys) and (longer := group.head(keys[high])) is None:
                 high += 1
             if low < 0:
                 shorter = None

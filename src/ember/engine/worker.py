@@ -243,17 +243,14 @@ class ModelWorker:
                 self._cond.notify_all()
 
     def _fill_slot(self) -> None:
-        """R2: the lane whose oldest item arrived first; its batch may take only items
-        older than every other lane's oldest (FCFS across LoRAs within one forward)."""
-        heads = [(head, lora) for lora, lane in self._lanes.items()
+        """R2: every batch comes from the lane whose oldest item arrived first, so an
+        older request on another LoRA waits for at most one forward (FCFS across LoRAs)."""
+        heads = [(head.seq, lora) for lora, lane in self._lanes.items()
                  if (head := lane.former.oldest()) is not None]
         if not heads:
             return
-        heads.sort(key=lambda entry: entry[0].seq)
-        lora = heads[0][1]
-        before = heads[1][0].seq if len(heads) > 1 else None
-        former = self._lanes[lora].former
-        batch = former.form(self._now(), lora, before)
+        lora = min(heads, key=lambda entry: entry[0])[1]
+        batch = self._lanes[lora].former.form(self._now(), lora)
         if batch is None:
             return
         self._queued -= len(batch.items)
@@ -296,11 +293,7 @@ class ModelWorker:
         )
 
     def _revise_slot(self, lora: str | None, items: list[PendingItem]) -> list[PendingItem]:
-        """Add arrivals to the next batch while they fit and nothing older waits on
-        another LoRA; return the items that stay queued."""
-        if any(lane.former.pending_items for other, lane in self._lanes.items()
-               if other != lora):
-            return items
+        """Add arrivals to the next batch while they fit; return those that stay queued."""
         with self._cond:
             slot = self._slot
             if slot is None or slot.lora != lora or slot.group != items[0].group:
