@@ -9,11 +9,18 @@ forward time comes from a cost model (DESIGN.md, Models). Two cost models:
   all-MiniLM-L6-v2 on this machine kind per DESIGN's performance notes: one
   13-token sentence ~16 ms, 8 of them ~38 ms (~210/s), 32 ~113 ms (~280/s).
 
-Three dispatch policies, run interleaved (A B C A B C ...) in every repetition:
-the default rules (R3); `idle_coalesce_ms=0`; and the earlier rule
-(`hold_lone_idle_requests=True`: every idle request waits the idle window).
-Closed-loop scenarios also run the default a second time, an A/A control
-whose ratio to the first run is the noise band.
+Four dispatch policies, run interleaved (A B C D A B C D ...) in every
+repetition: the default rules; `idle_coalesce_ms=0`; `hold_fraction=0` (no hold
+for the senders of a forward: the engine's earlier busy rule); and the earlier
+idle rule (every idle request waits the idle window), a policy subclass that
+exists only here. Closed-loop scenarios also run the default a second time, an
+A/A control whose ratio to the first run is the noise band.
+
+Besides: `closed_c128_immediate` saturates the worker (twice `max_batch_items`
+in flight) to measure the gap between consecutive forwards; `open_mixed_120`
+offers 120 % of the mixed-length capacity (one item of 5-120 tokens per
+request) to measure padding and the longest wait; and the formation
+micro-benchmark times `BatchFormer.form` with 4,096 items pending.
 
 Every request carries one 13-token item. Closed-loop clients model the HTTP
 layer's turnaround: the requests of one forward come back through one serial
@@ -25,7 +32,7 @@ Under uvloop, timers fire on whole milliseconds, so 0.5 ms returns come back
 in pairs and 1 ms returns one by one: the two variants bracket what the
 default rule's lone-request dispatch (R3b) sees.
 
-    python bench/scheduler.py                 # full run, ~7 min on 2 cores
+    python bench/scheduler.py                 # full run, ~6 min on 2 cores
     python bench/scheduler.py --quick         # smoke run, a few seconds
     python bench/scheduler.py --report docs/bench/scheduler.json   # tables only
 """
@@ -41,6 +48,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -53,25 +61,46 @@ import numpy as np  # noqa: E402
 from benchlib import Json, fmt_spread, median, percentile, spread, table  # noqa: E402
 
 from ember.adapters.synthetic import CostModel, SyntheticAdapter  # noqa: E402
-from ember.engine import ModelWorker, PreparedItem, QueueFull, WorkerConfig  # noqa: E402
+from ember.engine import (  # noqa: E402
+    BatchFormer,
+    DispatchPolicy,
+    ModelWorker,
+    PendingItem,
+    PreparedItem,
+    QueueFull,
+    QueueView,
+    WorkerConfig,
+)
 from ember.engine.stats import BatchRecord  # noqa: E402
+
+
+class EarlierIdleRule(DispatchPolicy):
+    """The earlier R3 (benchmark only): every request reaching an idle worker, even a
+    lone one, waits for the idle window to go quiet."""
+
+    def idle_release_at(self, queue: QueueView) -> float:
+        cfg = self.config
+        return min(queue.last_arrival + cfg.idle_coalesce_ms / 1000,
+                   queue.oldest_arrival + cfg.max_batch_wait_ms / 1000)
+
 
 POLICIES: dict[str, WorkerConfig] = {
     "default": WorkerConfig(),
     "idle0": WorkerConfig(idle_coalesce_ms=0.0),
-    "earlier": WorkerConfig(hold_lone_idle_requests=True),
-    "returning": WorkerConfig(hold_for_returning_senders=True),
+    "nohold": WorkerConfig(hold_fraction=0.0),
+    "earlier": WorkerConfig(),
 }
+POLICY_CLASSES: dict[str, type[DispatchPolicy]] = {"earlier": EarlierIdleRule}
 CONTROL = "default-again"  # the A/A control: the default policy run a second time
 POLICY_LABELS = {
-    "default": "default (R3)",
+    "default": "default",
     "idle0": "idle_coalesce_ms=0",
-    "earlier": "earlier rule (hold_lone_idle_requests)",
-    "returning": "R3d candidate (hold_for_returning_senders)",
+    "nohold": "hold_fraction=0 (no hold for senders)",
+    "earlier": "earlier idle rule (lone requests wait)",
     CONTROL: "default again (A/A control)",
 }
-PLOT_LABELS = {"default": "default", "idle0": "idle_coalesce_ms=0", "earlier": "earlier rule",
-               "returning": "R3d candidate"}
+PLOT_LABELS = {"default": "default", "idle0": "idle_coalesce_ms=0", "nohold": "no hold",
+               "earlier": "earlier idle rule"}
 COSTS: dict[str, CostModel] = {
     "gpu": CostModel(overhead_ms=2.0, per_token_us=0.5, mode="sleep"),
     "cpu": CostModel(overhead_ms=13.0, per_token_us=240.0, mode="compute"),
@@ -84,6 +113,12 @@ COST_LABELS = {
 clock = time.perf_counter
 ITEM_TOKENS = 13
 ITEMS = [PreparedItem("a thirteen token sentence standing in for a short query", ITEM_TOKENS, 0)]
+MIXED_TOKENS = (5, 120)  # one item per request, its cost drawn uniformly in this range
+MIXED_LOAD = 1.2  # the mixed open loop offers 120 % of the mixed capacity
+# Mixed lengths run where padding costs device time and the device, not the event loop,
+# is the limit: the GPU-like overhead with 10x its per-token cost.
+MIXED_COST = CostModel(overhead_ms=2.0, per_token_us=5.0, mode="sleep")
+MIXED_SPAN = 3  # the mixed open loop runs this many open-loop windows
 PARAMS = "encode"
 LOADS = (25, 50, 75, 90)  # open loop, % of capacity
 CAPACITY_CLIENTS = 64  # = max_batch_items: every forward can be full
@@ -159,6 +194,17 @@ class Forwards:
         chosen = [r for t, r in self.records if begin <= t <= end]
         return len(chosen), sum(r.items for r in chosen)
 
+    def gaps_ms(self, begin: float, end: float) -> list[float]:
+        """Device idle time between consecutive forwards ending in the window."""
+        chosen = [r for t, r in self.records if begin <= t <= end]
+        return [(b.started - a.ended) * 1000 for a, b in pairwise(chosen)]
+
+    def padding(self, begin: float, end: float) -> float:
+        """Padded tokens per real token over the forwards ending in the window."""
+        chosen = [r for t, r in self.records if begin <= t <= end]
+        real = sum(r.real_tokens for r in chosen)
+        return sum(r.padded_tokens for r in chosen) / real if real else float("nan")
+
     def rate(self, begin: float, end: float) -> float:
         """Items per second from the first to the last forward ending in the window: a
         window edge falling between two forwards does not count a whole round or none."""
@@ -221,6 +267,7 @@ async def closed_loop(worker: ModelWorker, plan: Plan, seed: int, *, clients: in
     batches, items = forwards.between(begin, end)
     done = len(lat)
     return {"requests": done, "throughput_rps": forwards.rate(begin, end),
+            "gap_p50_ms": percentile(forwards.gaps_ms(begin, end), 50),
             "latency_p50_ms": percentile(lat, 50), "latency_p99_ms": percentile(lat, 99),
             "queue_p50_ms": percentile(queue, 50),
             "forwards_per_request": batches / done if done else float("nan"),
@@ -300,14 +347,105 @@ async def open_loop(worker: ModelWorker, plan: Plan, seed: int, *, rate: float) 
             "items_per_forward": items / batches if batches else float("nan")}
 
 
+def mixed_items(rng: np.random.Generator, count: int) -> list[list[PreparedItem]]:
+    costs = rng.integers(MIXED_TOKENS[0], MIXED_TOKENS[1] + 1, count)
+    return [[PreparedItem(f"mixed item of {int(c)} tokens", int(c), 0)] for c in costs]
+
+
+async def mixed_capacity(worker: ModelWorker, plan: Plan, seed: int) -> Json:
+    """Closed loop at 64 in flight with mixed lengths: items/s the worker sustains."""
+    rng = np.random.default_rng(seed)
+    forwards = Forwards(worker)
+    begin = clock() + plan.warmup_s
+    end = begin + plan.capacity_s
+    pool = mixed_items(rng, 4096)
+
+    async def client(offset: int) -> None:
+        i = offset
+        while clock() < end:
+            await (await worker.submit(pool[i % len(pool)], PARAMS))
+            i += CAPACITY_CLIENTS
+
+    await asyncio.gather(*(client(k) for k in range(CAPACITY_CLIENTS)))
+    return {"throughput_rps": forwards.rate(begin, end)}
+
+
+async def open_mixed(worker: ModelWorker, plan: Plan, seed: int, *, rate: float) -> Json:
+    """Poisson arrivals of mixed-length items above capacity: padding per real token,
+    served items/s, and the waits (submit to dispatch) against the starvation bound."""
+    rng = np.random.default_rng(seed)
+    duration = MIXED_SPAN * plan.open_s  # overload needs time to build a queue
+    arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * duration * 1.5) + 50))
+    arrivals = arrivals[arrivals < duration]
+    requests = mixed_items(rng, len(arrivals))
+    forwards = Forwards(worker)
+    waits: list[float] = []
+    futures: list[asyncio.Future[Any]] = []
+    refused = 0
+    skip = 0.1 * duration
+    start = clock() + 0.002
+    for at, items in zip(arrivals, requests, strict=True):
+        delay = start + float(at) - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        try:
+            future = await worker.submit(items, PARAMS)
+        except QueueFull:
+            refused += 1
+            continue
+        if at >= skip:
+            future.add_done_callback(lambda f: waits.append(f.result().queue_ms))
+        futures.append(future)
+    await asyncio.gather(*futures)
+    begin, end = start + skip, clock()
+    wait_p50, longest = percentile(waits, 50), max(waits, default=float("nan"))
+    starvation_ms = worker.config.starvation_s * 1000
+    return {"offered_rps": len(arrivals) / duration, "refused": refused,
+            "items_per_s": forwards.rate(begin, end),
+            "padded_per_real": forwards.padding(begin, end),
+            "wait_p50_ms": wait_p50, "wait_p99_ms": percentile(waits, 99),
+            "wait_max_ms": longest,
+            "wait_bound_ms": 2 * wait_p50 + starvation_ms,
+            "wait_max_over_bound": longest / (2 * wait_p50 + starvation_ms),
+            "gap_p50_ms": percentile(forwards.gaps_ms(begin, end), 50)}
+
+
+def formation_ms(pending: int, starved: bool, batches: int = 2000, seed: int = 0) -> Json:
+    """Time of one `BatchFormer.form` with `pending` mixed-length items queued; each
+    formed batch is queued again, so the depth stays the same."""
+    cfg = WorkerConfig()
+    former = BatchFormer(cfg.max_batch_tokens, cfg.max_batch_items, cfg.starvation_s)
+    rng = np.random.default_rng(seed)
+    seq = iter(range(10**9))
+
+    def queue(costs: Sequence[int]) -> None:
+        former.add([PendingItem(PreparedItem(c, c, 0), object(), PARAMS, 0.0, next(seq))
+                    for c in costs])
+
+    queue([int(c) for c in rng.integers(MIXED_TOKENS[0], MIXED_TOKENS[1] + 1, pending)])
+    now = 1.0 if starved else 0.0  # every item older than the bound, or none
+    times: list[float] = []
+    for _ in range(batches):
+        began = clock()
+        batch = former.form(now)
+        times.append((clock() - began) * 1000)
+        assert batch is not None
+        queue([p.item.cost for p in batch.items])
+    return {"pending": pending, "starved": starved, "p50_ms": percentile(times, 50),
+            "p99_ms": percentile(times, 99), "mean_ms": float(np.mean(times))}
+
+
 # -- the run ----------------------------------------------------------------------------
 
 Body = Callable[[ModelWorker, Plan, int], Awaitable[Json]]
 
 
-async def with_worker(config: WorkerConfig, cost: CostModel, body: Body, plan: Plan,
+async def with_worker(policy: str, cost: CostModel, body: Body, plan: Plan,
                       seed: int) -> Json:
-    worker = ModelWorker(BenchAdapter(cost), config, name="bench")
+    config = config_of(policy)
+    policy_class = POLICY_CLASSES.get(policy, DispatchPolicy)
+    worker = ModelWorker(BenchAdapter(cost), config, name="bench",
+                         policy=policy_class(config))
     await worker.start()
     try:
         return await body(worker, plan, seed)
@@ -315,7 +453,7 @@ async def with_worker(config: WorkerConfig, cost: CostModel, body: Body, plan: P
         await worker.stop()
 
 
-def scenarios(capacity: float, turnaround_ms: float) -> list[Scenario]:
+def scenarios(capacity: float, mixed: float | None, turnaround_ms: float) -> list[Scenario]:
     out = [Scenario("sequential", "sequential")]
     out += [Scenario(f"closed_c{c}", "closed", {"clients": c, "turnaround_ms": turnaround_ms})
             for c in (1, 8, 32)]
@@ -323,6 +461,10 @@ def scenarios(capacity: float, turnaround_ms: float) -> list[Scenario]:
                      {"clients": c, "turnaround_ms": 2 * turnaround_ms}) for c in (8, 32)]
     out += [Scenario(f"closed_c{c}_immediate", "closed", {"clients": c, "turnaround_ms": 0.0})
             for c in (8, 32)]
+    out += [Scenario("closed_c128_immediate", "closed", {"clients": 128, "turnaround_ms": 0.0})]
+    if mixed:
+        out += [Scenario("open_mixed_120", "open_mixed", {"load_pct": 120,
+                                                          "rate": mixed * MIXED_LOAD})]
     out += [Scenario(f"burst_k{k}", "burst", {"size": k, "spread_ms": 4.0}) for k in (8, 32)]
     out += [Scenario(f"open_{p}", "open", {"load_pct": p, "rate": capacity * p / 100})
             for p in LOADS]
@@ -337,6 +479,8 @@ def body_of(scenario: Scenario) -> Body:
         return partial(closed_loop, clients=p["clients"], turnaround_ms=p["turnaround_ms"])
     if scenario.kind == "burst":
         return partial(bursts, size=p["size"], spread_ms=p["spread_ms"])
+    if scenario.kind == "open_mixed":
+        return partial(open_mixed, rate=p["rate"])
     return partial(open_loop, rate=p["rate"])
 
 
@@ -362,10 +506,15 @@ def summarize(reps: dict[str, list[Json]]) -> Json:
     return out
 
 
-async def measure_capacity(cost: CostModel, plan: Plan) -> float:
+async def measure_capacity(cost: CostModel, plan: Plan) -> tuple[float, float | None]:
+    """Requests/s of short items, and items/s of mixed lengths (64 in flight) on a
+    sleeping device (a computing one takes seconds per mixed forward: too long here)."""
     body = partial(closed_loop, clients=CAPACITY_CLIENTS, turnaround_ms=0.0)
-    result = await with_worker(POLICIES["default"], cost, body, plan, 0)
-    return float(result["throughput_rps"])
+    short = await with_worker("default", cost, body, plan, 0)
+    if cost.mode != "sleep":
+        return float(short["throughput_rps"]), None
+    mixed = await with_worker("default", MIXED_COST, mixed_capacity, plan, 0)
+    return float(short["throughput_rps"]), float(mixed["throughput_rps"])
 
 
 async def run(args: argparse.Namespace) -> Json:
@@ -378,16 +527,20 @@ async def run(args: argparse.Namespace) -> Json:
         "cost_models": {k: asdict(COSTS[k]) for k in args.costs},
         "quick_cpu_speedup": QUICK_SPEEDUP if args.quick else None,
         "plans": {k: asdict(plans[k]) for k in args.costs},
-    }, "capacity_rps": {}, "results": {}}
+    }, "capacity_rps": {}, "mixed_capacity_items_per_s": {}, "results": {}}
+    data["formation"] = [formation_ms(n, starved) for n in (512, 4096)
+                         for starved in (False, True)] if not args.quick else [
+        formation_ms(4096, False, batches=50), formation_ms(4096, True, batches=50)]
     began = time.perf_counter()
     for cost_name in args.costs:
         cost, plan = COSTS[cost_name], plans[cost_name]
         if args.quick and cost.mode == "compute":
             cost = replace(cost, overhead_ms=cost.overhead_ms / QUICK_SPEEDUP,
                            per_token_us=cost.per_token_us / QUICK_SPEEDUP)
-        capacity = await measure_capacity(cost, replace(plan, closed_s=plan.capacity_s))
+        capacity, mixed = await measure_capacity(cost, replace(plan, closed_s=plan.capacity_s))
         data["capacity_rps"][cost_name] = capacity
-        chosen = [s for s in scenarios(capacity, args.turnaround_ms)
+        data["mixed_capacity_items_per_s"][cost_name] = mixed
+        chosen = [s for s in scenarios(capacity, mixed, args.turnaround_ms)
                   if not args.scenarios or s.name in args.scenarios]
         reps: dict[str, dict[str, list[Json]]] = {s.name: {p: [] for p in s.policies}
                                                   for s in chosen}
@@ -396,8 +549,8 @@ async def run(args: argparse.Namespace) -> Json:
                 seed = zlib.crc32(f"{cost_name}/{scenario.name}/{rep}".encode())
                 for policy in scenario.policies:  # interleaved: A B C, then the next
                     gc.collect()
-                    result = await with_worker(config_of(policy), cost, body_of(scenario),
-                                               plan, seed)
+                    device = MIXED_COST if scenario.kind == "open_mixed" else cost
+                    result = await with_worker(policy, device, body_of(scenario), plan, seed)
                     reps[scenario.name][policy].append(result)
             data["meta"].setdefault("loadavg_per_rep", []).append(benchlib.loadavg())
             print(f"[scheduler] {cost_name}: repetition {rep + 1}/{args.reps} done "
@@ -446,10 +599,11 @@ def markdown(data: Json) -> str:
             out.append(f"Closed loop, {p['clients']} in flight ({how}):\n")
             s = res["summary"]
             out.append(table(["policy", "requests/s", "latency p50 ms", "latency p99 ms",
-                              "forwards/request", "items/forward", "requests/s / default",
-                              "p50 / default"],
+                              "forwards/request", "items/forward", "gap p50 ms",
+                              "requests/s / default", "p50 / default"],
                              [_row(s, q, ["throughput_rps", "latency_p50_ms", "latency_p99_ms",
-                                          "forwards_per_request", "items_per_forward"],
+                                          "forwards_per_request", "items_per_forward",
+                                          "gap_p50_ms"],
                                    ["throughput_rps", "latency_p50_ms"]) for q in s]))
             out.append("")
         for res in results.values():
@@ -463,6 +617,25 @@ def markdown(data: Json) -> str:
                               "burst time / default"],
                              [_row(s, q, ["forwards_per_burst", "burst_ms_p50", "queue_p50_ms"],
                                    ["burst_ms_p50"]) for q in s]))
+            out.append("")
+        for res in results.values():
+            if res["kind"] != "open_mixed":
+                continue
+            out.append(f"Open loop above capacity, mixed lengths ({MIXED_TOKENS[0]}-"
+                       f"{MIXED_TOKENS[1]} tokens, one item per request) on a device of "
+                       f"{MIXED_COST.overhead_ms:g} ms + {MIXED_COST.per_token_us:g} us per "
+                       "padded token (sleep), offered "
+                       f"{res['params']['load_pct']} % of "
+                       f"{data['mixed_capacity_items_per_s'][cost_name]:,.0f} items/s; waits "
+                       "are submit to dispatch, bound = 2 x median wait + starvation_ms:\n")
+            s = res["summary"]
+            out.append(table(["policy", "offered req/s", "served items/s", "padded / real tokens",
+                              "wait p50 ms", "wait p99 ms", "longest wait ms", "bound ms",
+                              "longest / bound", "gap p50 ms", "items/s / default"],
+                             [_row(s, q, ["offered_rps", "items_per_s", "padded_per_real",
+                                          "wait_p50_ms", "wait_p99_ms", "wait_max_ms",
+                                          "wait_bound_ms", "wait_max_over_bound", "gap_p50_ms"],
+                                   ["items_per_s"]) for q in s]))
             out.append("")
         opens = [(n, r) for n, r in results.items() if r["kind"] == "open"]
         if opens:
@@ -481,13 +654,57 @@ def markdown(data: Json) -> str:
                               "latency p99 ms", "items/forward", "p50 / default",
                               "p99 / default"], rows))
             out.append("")
+    out.append(formation_table(data))
+    out.append(done_when(data))
     out.append(verdict(data))
     return "\n".join(out)
 
 
+def formation_table(data: Json) -> str:
+    rows = [[f"{f['pending']:,}", "all starved" if f["starved"] else "none starved",
+             f["p50_ms"], f["p99_ms"], f["mean_ms"]] for f in data.get("formation", [])]
+    return ("### Formation (`BatchFormer.form`, mixed lengths, one batch of up to 64 items)\n\n"
+            + table(["pending items", "starvation", "p50 ms", "p99 ms", "mean ms"], rows) + "\n")
+
+
+def done_when(data: Json) -> str:
+    """The issue's scheduler targets, each with its figure from this run."""
+    rows: list[list[Any]] = []
+    for cost_name, results in data["results"].items():
+        for name in ("closed_c8_immediate", "closed_c32_immediate"):
+            if name in results:
+                ratio = results[name]["summary"]["idle0"]["ratio_to_default"]["throughput_rps"]
+                inverse = {k: 1 / v if k != "n" and v else v for k, v in ratio.items()}
+                inverse["min"], inverse["max"] = inverse["max"], inverse["min"]
+                rows.append([cost_name, f"{name}: default / idle_coalesce_ms=0 requests/s",
+                             ">= 0.95", fmt_spread(inverse)])
+        if "sequential" in results:
+            rows.append([cost_name, "sequential queue p50 ms (default)", "< 0.1",
+                         results["sequential"]["summary"]["default"]["median"]["queue_p50_ms"]])
+        if "closed_c128_immediate" in results:
+            rows.append([cost_name, "gap between forwards p50 ms, 128 in flight (default)",
+                         "< 0.2", results["closed_c128_immediate"]["summary"]["default"]
+                         ["median"]["gap_p50_ms"]])
+        if "open_mixed_120" in results:
+            mixed = results["open_mixed_120"]["summary"]["default"]["median"]
+            rows.append([cost_name, "open loop 120 %, mixed: padded / real tokens", "<= 1.15",
+                         mixed["padded_per_real"]])
+            rows.append([cost_name, "open loop 120 %, mixed: longest wait / bound", "<= 1",
+                         mixed["wait_max_over_bound"]])
+            rows.append([cost_name, "open loop 120 %, mixed: gap between forwards p50 ms",
+                         "< 0.2", mixed["gap_p50_ms"]])
+    for f in data.get("formation", []):
+        if f["pending"] == 4096:
+            starved = "all starved" if f["starved"] else "none starved"
+            rows.append(["-", f"formation at 4,096 pending ({starved}), p50 ms", "<= 0.2",
+                         f["p50_ms"]])
+    return ("### Done when (issue 11), from this run\n\n"
+            + table(["cost model", "measure", "target", "figure"], rows) + "\n")
+
+
 def verdict(data: Json) -> str:
     """The trade in numbers: sequential queue time gained, closed-loop throughput kept."""
-    lines = ["Trade summary (earlier rule against the default, per repetition, median "
+    lines = ["Trade summary (earlier idle rule against the default, per repetition, median "
              "(min-max); the A/A row is the noise band):\n"]
     rows = []
     for cost_name, results in data["results"].items():
@@ -517,7 +734,7 @@ def plot(data: Json, path: Path) -> None:
     costs = list(data["results"])
     fig, axes = plt.subplots(1, len(costs), figsize=(6 * len(costs), 4.5), squeeze=False)
     colors = {"default": "tab:blue", "idle0": "tab:green", "earlier": "tab:red",
-              "returning": "tab:purple"}
+              "nohold": "tab:purple"}
     for ax, cost_name in zip(axes[0], costs, strict=True):
         opens = [r for r in data["results"][cost_name].values() if r["kind"] == "open"]
         loads = [r["params"]["load_pct"] for r in opens]

@@ -69,3 +69,16 @@ def test_a_named_model_directory_is_served_with_its_family_detected(tmp_path: Pa
 def test_a_directory_without_a_model_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(CatalogError, match="holds no model Ember recognises"):
         load_catalog(model_paths=[tmp_path])
+
+
+def test_a_models_batch_wait_moves_its_starvation_bound_unless_set(tmp_path: Path) -> None:
+    (tmp_path / "slow.yaml").write_text(
+        "name: me/slow\nadapter: synthetic\ntasks: [encode]\n"
+        "batching: {max_batch_wait_ms: 50}\n")
+    (tmp_path / "set.yaml").write_text(
+        "name: me/set\nadapter: synthetic\ntasks: [encode]\n"
+        "batching: {max_batch_wait_ms: 50, starvation_ms: 30}\n")
+    catalog = load_catalog([tmp_path])
+    assert catalog["me/slow"].worker_config(WorkerConfig()).starvation_s == 0.2  # 4 x 50 ms
+    assert catalog["me/set"].worker_config(WorkerConfig()).starvation_s == 0.03
+    assert WorkerConfig().starvation_s == 0.04

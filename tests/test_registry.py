@@ -109,3 +109,32 @@ async def test_a_directory_named_without_yaml_loads_and_serves(tmp_path: Path) -
     output = await model.adapter.encode(model.submit, ["hello", "world"], EncodeOptions())
     assert [e.dense.shape for e in output.values if e.dense is not None] == [(32,), (32,)]
     await registry.close()
+
+
+async def test_a_worker_whose_loop_failed_is_restarted_on_next_use() -> None:
+    registry = Registry(catalog(synthetic("a")))
+    model = await registry.get("a")
+    task = next(t for t in asyncio.all_tasks() if t.get_name() == "ember-worker-a")
+    task.cancel()  # the loop dies (as if a listener or the loop itself failed)
+    await asyncio.sleep(0.01)
+    assert model.worker.failure is not None
+    again = await registry.get("a")
+    output = await again.adapter.encode(again.submit, ["fine"], EncodeOptions())
+    assert output.values[0].dense is not None and again.worker.failure is None
+    await registry.close()
+
+
+async def test_a_cancelled_caller_drops_its_queued_items() -> None:
+    registry = Registry(catalog(synthetic("a")))
+    model = await registry.get("a")
+    model.worker.pause()
+    prepared = model.adapter.prepare(["gone", "too"])  # type: ignore[attr-defined]
+    caller = asyncio.create_task(model.submit(prepared, "p", None))
+    await asyncio.sleep(0.01)
+    assert model.worker.pending_items == 2
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    await asyncio.sleep(0)
+    assert model.worker.pending_items == 0 and model.worker.stats.dropped_items == 2
+    await registry.close()

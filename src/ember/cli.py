@@ -19,13 +19,9 @@ WORKER_FLAGS: list[tuple[str, type, object, str]] = [
     ("max-batch-tokens", int, 16384, "padded tokens per forward (items x longest)"),
     ("max-batch-items", int, 64, "items per forward"),
     ("max-batch-wait-ms", float, 10.0, "longest a batch stays open after its first item"),
-    ("coalesce-ms", float, 2.0, "quiet time that closes a batch while the model is busy"),
+    ("coalesce-ms", float, 2.0, "quiet time that ends the wait for the senders of a forward"),
     ("idle-coalesce-ms", float, 3.0, "quiet time that closes a burst reaching an idle model"),
     ("max-queue-items", int, 4096, "queued items per model before 429"),
-    ("hold-for-returning-senders", bool, False, "R3d, opt-in: hold a lone arrival for the "
-     "idle window when the last forward's senders are returning (see docs/benchmarks.md)"),
-    ("drain-hold-ms", float, 0.0, "R4b, opt-in (0 = off): after a forward of several "
-     "requests, hold the backlog drain this long for its senders to return"),
 ]
 
 

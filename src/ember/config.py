@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -66,10 +66,7 @@ class ModelSpec:
 
     def worker_config(self, base: WorkerConfig) -> WorkerConfig:
         """The server-wide batching settings with this model's overrides applied."""
-        if not self.batching:
-            return base
-        values = {**base.__dict__, **self.batching}
-        return WorkerConfig(**values)
+        return replace(base, **self.batching) if self.batching else base
 
 
 def _require(data: Mapping[str, Any], key: str, kind: type, where: str) -> Any:

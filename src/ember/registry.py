@@ -63,12 +63,9 @@ class LoadedModel:
 
     async def submit(self, items: Sequence[PreparedItem], params: Hashable,
                      lora: str | None) -> RequestResult:
-        future = await self.worker.submit(items, params, lora=lora)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            future.cancel()  # the caller went away: its pending items are dropped (R9)
-            raise
+        # Cancelling this await cancels the engine's future, which drops the request's
+        # pending items (R9).
+        return await (await self.worker.submit(items, params, lora=lora))
 
 
 @dataclass
@@ -148,6 +145,9 @@ class Registry:
     async def get(self, name: str) -> LoadedModel:
         spec = self.spec(name)
         if (model := self._loaded.get(name)) is not None:
+            if model.worker.failure is not None:  # its loop failed: a fresh one serves on
+                log.warning("restarting the worker of %s: %s", name, model.worker.failure)
+                await model.worker.restart()
             return model
         failure = self._failures.get(name)
         if failure and time.monotonic() - failure[0] < self.limits.failure_retry_s:

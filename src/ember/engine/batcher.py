@@ -1,12 +1,30 @@
-"""BatchFormer: one pending queue and cost-ordered batch formation (R5, R6)."""
+"""BatchFormer: one LoRA's pending items, kept in cost order as they arrive (R5, R6).
+
+Each parameter group keeps a deque per cost bucket (arrival order inside a bucket)
+and the sorted list of its non-empty buckets, so a formation walks only the
+buckets it takes from: O(batch), never a sort of the whole queue.
+"""
 
 from __future__ import annotations
 
+import bisect
+from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ember.engine.types import PreparedItem
+
+EXACT_COSTS = 64  # costs below this get a bucket each
+STEPS_PER_OCTAVE = 32  # above it, buckets at most 1/32 (~3 %) apart
+
+
+def cost_bucket(cost: int) -> int:
+    """A key that orders like the cost and groups costs at most ~3 % apart."""
+    if cost < EXACT_COSTS:
+        return max(cost, 0)
+    shift = cost.bit_length() - 6
+    return shift * STEPS_PER_OCTAVE + (cost >> shift)
 
 
 class Owner(Protocol):
@@ -20,104 +38,199 @@ class Owner(Protocol):
 
 @dataclass(eq=False, slots=True)
 class PendingItem:
-    """A prepared item waiting in a batcher."""
+    """A prepared item waiting in a batcher; `queued` turns False once it leaves."""
 
     item: PreparedItem
     owner: Owner
     group: Hashable
     arrival: float
     seq: int
+    queued: bool = True
+
+
+@dataclass(eq=False)
+class Batch:
+    """Items that will run in one forward: one LoRA, one parameter group.
+
+    `full` is True once it reached a limit (items, or padded tokens with an item
+    left out): waiting for more arrivals cannot add to it.
+    """
+
+    lora: str | None
+    group: Hashable
+    items: list[PendingItem] = field(default_factory=list)
+    widest: int = 0
+    full: bool = False
+
+    def fits(self, cost: int, max_tokens: int, max_items: int) -> bool:
+        """Whether one more item of `cost` keeps the batch within both limits (R5)."""
+        count = len(self.items)
+        if count >= max_items:
+            return False
+        return count == 0 or (count + 1) * max(self.widest, cost) <= max_tokens
+
+    def add(self, pending: PendingItem) -> None:
+        pending.queued = False
+        self.items.append(pending)
+        self.widest = max(self.widest, pending.item.cost)
+
+    @property
+    def padded_tokens(self) -> int:
+        return len(self.items) * self.widest
+
+
+class _Group:
+    """The queued items of one parameter group, bucketed by cost."""
+
+    __slots__ = ("buckets", "keys", "live")
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, deque[PendingItem]] = {}
+        self.live: dict[int, int] = {}  # queued items per bucket (the deques keep tombstones)
+        self.keys: list[int] = []  # buckets with a queued item, ascending
+
+    def add(self, pending: PendingItem) -> None:
+        key = cost_bucket(pending.item.cost)
+        count = self.live.get(key, 0)
+        if count == 0:
+            self.buckets[key] = deque()
+            bisect.insort(self.keys, key)
+        self.buckets[key].append(pending)
+        self.live[key] = count + 1
+
+    def forget(self, pending: PendingItem) -> None:
+        """Bookkeeping for an item that left its bucket (taken or dropped)."""
+        key = cost_bucket(pending.item.cost)
+        count = self.live[key] - 1
+        if count:
+            self.live[key] = count
+            return
+        del self.live[key], self.buckets[key]
+        del self.keys[bisect.bisect_left(self.keys, key)]
+
+    def head(self, key: int) -> PendingItem | None:
+        """The oldest queued item of bucket `key`."""
+        bucket = self.buckets[key]
+        while bucket and not bucket[0].queued:
+            bucket.popleft()
+        return bucket[0] if bucket else None
 
 
 class BatchFormer:
     """Pending items of one LoRA, and the rule that turns them into batches.
 
-    Items are kept in arrival order. A batch takes the parameter group of the
-    oldest eligible item (R6), starved items first, then the rest by cost
-    ascending, while `items x longest <= max_batch_tokens` and the count stays
-    within `max_batch_items`; it always takes at least one item (R5).
+    A batch takes the parameter group of the oldest pending item (R6). If that item
+    has waited `starvation_s`, it leads the batch and the rest packs by cost around
+    its length; otherwise the batch packs from the cheapest item up. Items are added
+    while `items x longest <= max_batch_tokens` and the count stays within
+    `max_batch_items`; a batch always has at least one item (R5).
     """
 
     def __init__(self, max_batch_tokens: int, max_batch_items: int, starvation_s: float) -> None:
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_items = max_batch_items
         self.starvation_s = starvation_s
-        self._pending: list[PendingItem] = []
+        self._groups: dict[Hashable, _Group] = {}
+        self._arrivals: deque[PendingItem] = deque()  # arrival order; tombstones skipped lazily
         self._per_owner: dict[Owner, int] = {}
-        self.last_arrival: float | None = None
+        self._count = 0
 
     @property
     def pending_items(self) -> int:
-        return len(self._pending)
+        return self._count
 
     @property
     def pending_requests(self) -> int:
-        """Distinct requests that still have an undispatched item here."""
+        """Distinct requests that still have a queued item here."""
         return len(self._per_owner)
 
-    @property
-    def oldest_arrival(self) -> float | None:
-        return self._pending[0].arrival if self._pending else None
+    def holds(self, owner: Owner) -> bool:
+        return owner in self._per_owner
 
-    @property
-    def newest_seq(self) -> int:
-        return self._pending[-1].seq if self._pending else -1
+    def oldest(self) -> PendingItem | None:
+        while self._arrivals and not self._arrivals[0].queued:
+            self._arrivals.popleft()
+        return self._arrivals[0] if self._arrivals else None
 
     def add(self, items: list[PendingItem]) -> None:
-        self._pending.extend(items)
         for pending in items:
+            group = self._groups.get(pending.group)
+            if group is None:
+                group = self._groups[pending.group] = _Group()
+            group.add(pending)
+            self._arrivals.append(pending)
             self._per_owner[pending.owner] = self._per_owner.get(pending.owner, 0) + 1
-        if items:
-            self.last_arrival = items[-1].arrival
+        self._count += len(items)
 
-    def drop_dead(self) -> int:
-        """Remove the items of cancelled or failed requests (R9); return how many."""
-        if all(owner.live for owner in self._per_owner):
-            return 0
-        kept = [p for p in self._pending if p.owner.live]
-        dropped = len(self._pending) - len(kept)
-        self._pending = kept
-        self._per_owner = {o: n for o, n in self._per_owner.items() if o.live}
-        return dropped
+    def discard(self, pending: PendingItem) -> bool:
+        """Take a queued item out without running it (its request is gone, R9)."""
+        if not pending.queued:
+            return False
+        pending.queued = False
+        self._left(pending)
+        return True
 
-    def is_full(self, now: float) -> bool:
-        """True when a batch formed now would be at a limit: waiting adds nothing."""
-        batch, group_size = self._plan(now, upto_seq=None)
-        return len(batch) >= self.max_batch_items or len(batch) < group_size
-
-    def form(self, now: float, upto_seq: int | None = None) -> list[PendingItem]:
-        """Take the next batch out of the queue (only items up to `upto_seq`, if set)."""
-        batch, _ = self._plan(now, upto_seq)
-        if not batch:
-            return []
-        taken = {id(p) for p in batch}
-        self._pending = [p for p in self._pending if id(p) not in taken]
-        for pending in batch:
-            left = self._per_owner[pending.owner] - 1
-            if left:
-                self._per_owner[pending.owner] = left
-            else:
-                del self._per_owner[pending.owner]
+    def form(self, now: float, lora: str | None = None) -> Batch | None:
+        """Take the next batch out of the queue (None when it is empty)."""
+        head = self.oldest()
+        if head is None:
+            return None
+        group = self._groups[head.group]
+        batch = Batch(lora, head.group)
+        keys = group.keys
+        if now - head.arrival >= self.starvation_s:  # it leads; the rest packs near its length
+            group.head(cost_bucket(head.item.cost))  # drop tombstones ahead of it
+            group.buckets[cost_bucket(head.item.cost)].popleft()
+            batch.add(head)
+            low = bisect.bisect_left(keys, cost_bucket(head.item.cost))
+            high = low + 1
+        else:  # cheapest first
+            low, high = -1, 0
+        self._pack(batch, group, low, high)
+        for pending in batch.items:
+            self._left(pending)
         return batch
 
-    def _plan(self, now: float, upto_seq: int | None) -> tuple[list[PendingItem], int]:
-        eligible = [
-            p for p in self._pending if p.owner.live and (upto_seq is None or p.seq <= upto_seq)
-        ]
-        if not eligible:
-            return [], 0
-        head_group = eligible[0].group
-        group = [p for p in eligible if p.group == head_group]
-        starved = [p for p in group if now - p.arrival >= self.starvation_s]
-        fresh = sorted((p for p in group if now - p.arrival < self.starvation_s),
-                       key=lambda p: (p.item.cost, p.seq))
-        batch: list[PendingItem] = []
-        longest = 0
-        for pending in starved + fresh:
-            widest = max(longest, pending.item.cost)
-            over_tokens = (len(batch) + 1) * widest > self.max_batch_tokens
-            if batch and (over_tokens or len(batch) >= self.max_batch_items):
-                break
-            batch.append(pending)
-            longest = widest
-        return batch, len(group)
+    def _pack(self, batch: Batch, group: _Group, low: int, high: int) -> None:
+        """Grow `batch` from the buckets around it: at each step the candidate (next
+        shorter or next longer) that adds the fewest padded tokens, while it fits."""
+        keys, max_tokens, max_items = group.keys, self.max_batch_tokens, self.max_batch_items
+        shorter = longer = None
+        while len(batch.items) < max_items:
+            while low >= 0 and (shorter := group.head(keys[low])) is None:
+                low -= 1
+            while high < len(keys) and (longer := group.head(keys[high])) is None:
+                high += 1
+            if low < 0:
+                shorter = None
+            if high >= len(keys):
+                longer = None
+            if shorter is None and longer is None:
+                return  # nothing eligible is left: the batch holds all of it
+            first, second = (shorter, longer) if longer is None or (
+                shorter is not None and self._added_padding(batch, shorter.item.cost)
+                <= self._added_padding(batch, longer.item.cost)) else (longer, shorter)
+            for chosen in (first, second):
+                if chosen is not None and batch.fits(chosen.item.cost, max_tokens, max_items):
+                    group.buckets[keys[low] if chosen is shorter else keys[high]].popleft()
+                    batch.add(chosen)
+                    break
+            else:
+                batch.full = True
+                return
+        batch.full = True
+
+    @staticmethod
+    def _added_padding(batch: Batch, cost: int) -> int:
+        widest = max(batch.widest, cost)
+        return (widest - cost) + len(batch.items) * (widest - batch.widest)
+
+    def _left(self, pending: PendingItem) -> None:
+        """Counters for an item that left the queue (taken into a batch or dropped)."""
+        self._groups[pending.group].forget(pending)
+        left = self._per_owner[pending.owner] - 1
+        if left:
+            self._per_owner[pending.owner] = left
+        else:
+            del self._per_owner[pending.owner]
+        self._count -= 1

@@ -19,6 +19,9 @@ class BatchRecord:
     lora: str | None
     duration_ms: float
     failed: bool
+    started: float = 0.0  # perf_counter seconds, for gaps between forwards
+    ended: float = 0.0
+    real_tokens: int = 0  # the items' own costs, before padding
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,11 @@ class RequestRecord:
     queue_ms: float
     inference_ms: float
     failed: bool
+    cancelled: bool = False  # the caller went away while its forward ran
+
+    @property
+    def succeeded(self) -> bool:
+        return not (self.failed or self.cancelled)
 
 
 BatchListener = Callable[[BatchRecord], None]

@@ -1,23 +1,33 @@
-"""ModelWorker: one per loaded model; its loop applies the dispatch rules R1-R10.
+"""ModelWorker: one per loaded model; per-LoRA queues, the dispatch loop, the forward thread.
 
-The policy reads top to bottom in `_run`; each step names its rule in DESIGN.md.
+The loop (on the event loop) keeps the next batch formed in a slot while the
+current forward runs (prefetch) and releases it when the policy says; the forward
+thread takes a released batch the moment its forward ends, so the device never
+waits for Python. Results come back to the loop, which resolves the futures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
-from ember.engine.batcher import BatchFormer, PendingItem
+from ember.engine.batcher import Batch, BatchFormer, PendingItem
 from ember.engine.config import WorkerConfig
-from ember.engine.errors import QueueFull, ShuttingDown
+from ember.engine.errors import QueueFull, RequestTooLarge, ShuttingDown, WorkerFailed
+from ember.engine.policy import DispatchPolicy, LastForward, QueueView
 from ember.engine.stats import BatchRecord, RequestRecord, WorkerStats
 from ember.engine.types import Adapter, PreparedItem, RequestResult
+
+log = logging.getLogger("ember.engine")
 
 
 @dataclass(eq=False)
@@ -25,50 +35,90 @@ class _Request:
     """A submitted request while it is in the worker."""
 
     future: asyncio.Future[RequestResult]
-    size: int
+    lora: str | None
     submitted_at: float
+    items: list[PendingItem] = field(default_factory=list)
     results: list[Any] = field(default_factory=list)
     remaining: int = 0
     first_dispatch_at: float | None = None
     inference_s: float = 0.0
     forwards: int = 0
+    recorded: bool = False
 
     @property
     def live(self) -> bool:
         return not self.future.done()
 
 
+@dataclass(eq=False)
+class _Forward:
+    """A released batch on its way through the forward thread."""
+
+    batch: Batch
+    started: float = 0.0
+    ended: float = 0.0
+    requests: int = 0
+    values: Sequence[Any] = ()
+    error: BaseException | None = None
+
+
+@dataclass
+class _Lane:
+    """Per-LoRA state: its queue and what the policy needs to know about it."""
+
+    former: BatchFormer
+    arrived: int = 0  # requests submitted so far
+    arrived_at_last_end: int = 0
+    last_arrival: float = 0.0
+    last_forward: LastForward | None = None
+    # Whether senders come back: after each forward of several requests, did all of them
+    # return within its hold window? Closed-loop clients do; open-loop arrivals and
+    # one-off bursts do not. A forward of one request leaves the answer as it was.
+    senders_return: bool = False
+    probe_target: int = 0  # `arrived` that means they are all back
+    probe_end: float = -1.0  # < 0: no probe running
+
+
 class ModelWorker:
     """Queues prepared items per LoRA and runs them through one adapter in batches."""
 
     def __init__(self, adapter: Adapter, config: WorkerConfig | None = None,
-                 *, name: str = "model") -> None:
+                 *, name: str = "model", policy: DispatchPolicy | None = None) -> None:
         self.adapter = adapter
         self.config = config or WorkerConfig()
+        self.policy = policy or DispatchPolicy(self.config)
         self.name = name
         self.stats = WorkerStats()
-        self._batchers: dict[str | None, BatchFormer] = {}
-        self._wake = asyncio.Event()  # R1: set by submit(), resume() and stop()
-        self._arrival = asyncio.Event()  # set on every arrival, ends a window's wait early
+        self._lanes: dict[str | None, _Lane] = {}
+        self._requests: set[_Request] = set()  # accepted and not yet resolved
         self._seq = itertools.count()
-        self._pending_total = 0
+        self._queued = 0  # items in the lanes' formers
+        self._wake = asyncio.Event()  # R1: set by submit, a forward's end, resume, stop
+        self._cond = threading.Condition()  # guards the slot and the forward in flight
+        self._slot: Batch | None = None  # the next batch, formed ahead (prefetch)
+        self._released = False  # the slot may go as soon as the thread is free
+        self._in_flight: _Forward | None = None
+        self._finished: deque[_Forward] = deque()  # appended by the thread, read by the loop
+        self._thread_exit = False
+        self._thread: threading.Thread | None = None
+        self._active_lora: str | None = None
         self._paused = False
         self._stopping = False
+        self._failure: WorkerFailed | None = None
         self._task: asyncio.Task[None] | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._active_lora: str | None = None
-        # Per LoRA: when its last forward ended and how many requests it carried.
-        self._last_forward: dict[str | None, tuple[float, int]] = {}
+        self._restart_lock = asyncio.Lock()
 
     # -- public API ---------------------------------------------------------------
 
     @property
     def pending_items(self) -> int:
-        return self._pending_total
+        """Items accepted and not yet in a forward (the next batch included)."""
+        slot = self._slot
+        return self._queued + (len(slot.items) if slot is not None else 0)
 
     @property
     def pending_requests(self) -> int:
-        return sum(b.pending_requests for b in self._batchers.values())
+        return sum(self._lane_requests(lora) for lora in self._lanes)
 
     @property
     def running(self) -> bool:
@@ -78,26 +128,49 @@ class ModelWorker:
     def stopping(self) -> bool:
         return self._stopping
 
+    @property
+    def failure(self) -> WorkerFailed | None:
+        """The error the loop failed with (then call restart()), or None."""
+        return self._failure
+
     async def start(self) -> None:
         if self._task is not None:
             return
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"ember-forward-{self.name}")
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"worker-{self.name}")
+        loop = asyncio.get_running_loop()
+        self._thread_exit = False
+        self._thread = threading.Thread(target=self._forward_thread, args=(loop,),
+                                        name=f"ember-forward-{self.name}", daemon=True)
+        self._thread.start()
+        self._task = loop.create_task(self._run(), name=f"ember-worker-{self.name}")
 
     async def stop(self) -> None:
         """R8: refuse new work, dispatch all that is pending at once, resolve every future."""
         self._stopping = True
         self._paused = False
         self._wake.set()
-        self._arrival.set()
-        if self._task is not None:
-            await asyncio.shield(self._task)
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        task = self._task
+        if task is not None and not task.done():
+            await asyncio.wait({task})  # never raises the loop's failure: _fail handled it
+        await self._join_thread()
+
+    async def restart(self) -> None:
+        """Start a fresh loop and forward thread after a failure (or a stop); the
+        stats and their listeners are kept."""
+        async with self._restart_lock:
+            if self.running and self._failure is None and not self._stopping:
+                return
+            await self.stop()
+            self._lanes.clear()
+            self._requests.clear()
+            self._queued = 0
+            self._slot, self._released, self._in_flight = None, False, None
+            self._finished.clear()
+            self._failure, self._stopping, self._paused = None, False, False
+            self._task = None
+            await self.start()
 
     def pause(self) -> None:
-        """Hold dispatch: requests queue but no new batch is selected until resume()."""
+        """Hold dispatch: requests queue but no batch is released until resume()."""
         self._paused = True
 
     def resume(self) -> None:
@@ -106,7 +179,10 @@ class ModelWorker:
 
     async def submit(self, items: Sequence[PreparedItem], params: Hashable,
                      *, lora: str | None = None) -> asyncio.Future[RequestResult]:
-        """Queue one request; its future resolves when all of its items have results."""
+        """Queue one request. Its future resolves when all of its items have results;
+        cancelling it drops the items not yet dispatched (R9)."""
+        if self._failure is not None:
+            raise self._failure
         if self._stopping:
             raise ShuttingDown()
         if self._task is None:
@@ -116,201 +192,296 @@ class ModelWorker:
         indices = {item.index for item in items}
         if len(indices) != len(items) or min(indices) != 0 or max(indices) != len(items) - 1:
             raise ValueError("item indices must be 0..n-1, one each")
-        if self._pending_total + len(items) > self.config.max_queue_items:  # R7
-            raise QueueFull(self._pending_total, len(items), self.config.max_queue_items)
-        loop = asyncio.get_running_loop()
+        limit = self.config.max_queue_items
+        if len(items) > limit:  # R7: it could never fit
+            raise RequestTooLarge(len(items), limit)
+        if self.pending_items + len(items) > limit:  # R7
+            raise QueueFull(self.pending_items, len(items), limit)
         now = self._now()
-        request = _Request(loop.create_future(), len(items), now, [None] * len(items), len(items))
-        batcher = self._batchers.get(lora)
-        if batcher is None:
-            cfg = self.config
-            batcher = BatchFormer(cfg.max_batch_tokens, cfg.max_batch_items,
-                                  cfg.starvation_ms / 1000)
-            self._batchers[lora] = batcher
-        batcher.add([PendingItem(item, request, params, now, next(self._seq)) for item in items])
-        self._pending_total += len(items)
+        request = _Request(asyncio.get_running_loop().create_future(), lora, now,
+                           results=[None] * len(items), remaining=len(items))
+        request.items = [PendingItem(item, request, params, now, next(self._seq))
+                         for item in items]
+        lane = self._lane(lora)
+        lane.arrived += 1
+        lane.last_arrival = now
+        if lane.probe_end >= now and lane.arrived >= lane.probe_target:
+            lane.senders_return, lane.probe_end = True, -1.0
+        queued = self._revise_slot(lora, request.items)
+        lane.former.add(queued)
+        self._queued += len(queued)
+        self._requests.add(request)
+        request.future.add_done_callback(partial(self._on_resolved, request))
         self._wake.set()
-        self._arrival.set()
         return request.future
 
     # -- the loop: the dispatch policy in one place ---------------------------------
 
     async def _run(self) -> None:
-        idle = True
         try:
             while True:
-                self._drop_dead()  # R9: cancelled requests never reach a forward
-                if not self._has_work():
-                    if self._stopping and self._pending_total == 0:
-                        return
-                    self._wake.clear()
-                    await self._wake.wait()  # R1: sleep until submit/resume/stop
-                    idle = True
-                    continue
-                lora, batcher = self._select()  # R2
-                if not self._stopping:
-                    if idle:
-                        await self._idle_window(lora, batcher)  # R3
-                    else:
-                        await self._coalesce(batcher, self.config.coalesce_ms)  # R4, while busy
-                    if self._paused:
-                        continue
-                await self._dispatch(lora, batcher.form(self._now()))  # R5, R6
-                idle = False
-                await self._drain(lora, batcher)  # R4: the backlog, without waiting
+                self._wake.clear()
+                while self._finished:
+                    self._deliver(self._finished.popleft())  # R9, R10
+                if self._stopping and self._drained():
+                    return
+                if self._slot is None and not self._paused:
+                    self._fill_slot()  # R2, R5, R6: formed while the forward runs
+                deadline = self._review_slot()  # R3, R4
+                if deadline is None:
+                    await self._wake.wait()  # R1: until submit, a forward's end, stop
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), deadline - self._now())
+        except BaseException as exc:
+            self._fail(exc)
+            if not isinstance(exc, Exception):
+                raise  # a cancellation (or an interpreter exit) goes on up
         finally:
-            self._fail_leftovers()
+            with self._cond:
+                self._thread_exit = True
+                self._cond.notify_all()
 
-    def _has_work(self) -> bool:
-        return self._pending_total > 0 and (not self._paused or self._stopping)
-
-    def _select(self) -> tuple[str | None, BatchFormer]:
-        """R2: the batcher whose oldest pending item arrived first (FCFS across LoRAs)."""
-        waiting = [(lora, b) for lora, b in self._batchers.items() if b.pending_items]
-        return min(waiting, key=lambda entry: cast(float, entry[1].oldest_arrival))
-
-    async def _idle_window(self, lora: str | None, batcher: BatchFormer) -> None:
-        """R3: a lone request goes at once; a burst already queued coalesces."""
-        cfg = self.config
-        if cfg.idle_coalesce_ms == 0:
+    def _fill_slot(self) -> None:
+        """R2: every batch comes from the lane whose oldest item arrived first, so an
+        older request on another LoRA waits for at most one forward (FCFS across LoRAs)."""
+        heads = [(head.seq, lora) for lora, lane in self._lanes.items()
+                 if (head := lane.former.oldest()) is not None]
+        if not heads:
             return
-        if batcher.pending_requests == 1 and not cfg.hold_lone_idle_requests:
-            expected = self._returning_senders(lora)
-            if expected > 1:  # R3d: the senders of a fused forward are on their way back
-                await self._coalesce(batcher, cfg.idle_coalesce_ms, expected)
+        lora = min(heads, key=lambda entry: entry[0])[1]
+        batch = self._lanes[lora].former.form(self._now(), lora)
+        if batch is None:
             return
-        await self._coalesce(batcher, cfg.idle_coalesce_ms)
+        self._queued -= len(batch.items)
+        with self._cond:
+            self._slot, self._released = batch, False
 
-    def _returning_senders(self, lora: str | None) -> int:
-        """How many requests the last forward on `lora` carried, if it ended within
-        `returning_window_ms` (0 when the rule is off or the forward is not recent)."""
-        cfg = self.config
-        if not cfg.hold_for_returning_senders or lora not in self._last_forward:
-            return 0
-        ended, requests = self._last_forward[lora]
-        return requests if self._now() - ended <= cfg.returning_window_ms / 1000 else 0
+    def _review_slot(self) -> float | None:
+        """Release the slot when the policy says; else return when to look again."""
+        with self._cond:
+            slot = self._slot
+            if slot is None or self._released or (self._paused and not self._stopping):
+                return None
+            running = self._in_flight
+            running_requests = (running.requests if running is not None
+                                and running.batch.lora == slot.lora else None)
+        now = self._now()
+        at: float | None = now
+        if not self._stopping:
+            at = self.policy.release_at(self._view(slot), self._lanes[slot.lora].last_forward,
+                                        running_requests, now)
+        if at is not None and at <= now:
+            with self._cond:
+                if self._slot is slot:
+                    self._released = True
+                    self._cond.notify_all()
+            return None
+        return at
 
-    async def _coalesce(self, batcher: BatchFormer, quiet_ms: float,
-                        expected_requests: int | None = None,
-                        since: float | None = None) -> None:
-        """Take arrivals until none came for `quiet_ms`, the batch is full, the
-        `expected_requests` are all there, or the oldest pending item has waited
-        `max_batch_wait_ms`; with `since`, both clocks start no earlier than it."""
-        max_wait = self.config.max_batch_wait_ms / 1000
-        while not self._stopping and not self._paused:
-            self._drop_dead(batcher)
-            oldest, last = batcher.oldest_arrival, batcher.last_arrival
-            if oldest is None or last is None or batcher.is_full(self._now()):
-                return
-            if since is not None:  # a hold after a forward: its own clock, not the backlog's
-                last, oldest = max(last, since), max(oldest, since)
-            if expected_requests is not None and batcher.pending_requests >= expected_requests:
-                return
-            timeout = min(last + quiet_ms / 1000, oldest + max_wait) - self._now()
-            if timeout <= 0:
-                return
-            self._arrival.clear()
+    def _view(self, slot: Batch) -> QueueView:
+        lane = self._lanes[slot.lora]
+        head = lane.former.oldest()
+        oldest = min(p.arrival for p in slot.items)
+        return QueueView(
+            pending_requests=self._lane_requests(slot.lora),
+            full=slot.full,
+            oldest_arrival=min(oldest, head.arrival) if head is not None else oldest,
+            last_arrival=lane.last_arrival,
+            arrived_since_forward=lane.arrived - lane.arrived_at_last_end,
+            senders_return=lane.senders_return or self._now() <= lane.probe_end,
+        )
+
+    def _revise_slot(self, lora: str | None, items: list[PendingItem]) -> list[PendingItem]:
+        """Add arrivals to the next batch while they fit; return those that stay queued."""
+        with self._cond:
+            slot = self._slot
+            if slot is None or slot.lora != lora or slot.group != items[0].group:
+                return items
+            cfg = self.config
+            taken = 0
+            for pending in items:
+                if not slot.fits(pending.item.cost, cfg.max_batch_tokens, cfg.max_batch_items):
+                    slot.full = True
+                    break
+                slot.add(pending)
+                taken += 1
+            if len(slot.items) >= cfg.max_batch_items:
+                slot.full = True
+        return items[taken:]
+
+    # -- the forward thread ----------------------------------------------------------
+
+    def _forward_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Take each released batch as soon as the previous forward ends; run it."""
+        while True:
+            with self._cond:
+                while not (self._released or self._thread_exit):
+                    self._cond.wait()
+                if not self._released:
+                    return
+                batch = cast(Batch, self._slot)
+                self._slot, self._released = None, False
+                forward = _Forward(batch, self._now(),
+                                   requests=len({id(p.owner) for p in batch.items}))
+                self._in_flight = forward
+            self._tell_loop(loop)  # so it forms the next batch while this one runs
             try:
-                await asyncio.wait_for(self._arrival.wait(), timeout)
-            except TimeoutError:
+                if batch.lora != self._active_lora:
+                    self.adapter.set_lora(batch.lora)
+                    self._active_lora = batch.lora
+                forward.values = self.adapter.forward([p.item for p in batch.items],
+                                                      batch.group)
+                if len(forward.values) != len(batch.items):
+                    raise RuntimeError(f"adapter returned {len(forward.values)} results "
+                                       f"for {len(batch.items)} items")
+            except BaseException as exc:  # R9: the error belongs to this forward's requests
+                forward.error = exc
+            forward.ended = self._now()
+            with self._cond:
+                self._in_flight = None
+                self._finished.append(forward)
+            if not self._tell_loop(loop):
                 return
 
-    async def _drain(self, lora: str | None, batcher: BatchFormer) -> None:
-        """R4: dispatch what accumulated during the forward, bounded by that backlog;
-        later arrivals wait for the next selection so other batchers get a turn."""
-        self._drop_dead(batcher)
-        carried = self._last_forward.get(lora, (0.0, 0))[1]
-        hold_ms = self.config.drain_hold_ms
-        if hold_ms > 0 and carried >= 2 and batcher.pending_items and not self._stopping:
-            # R4b (opt-in): the senders just answered are on their way back; let them
-            # join the backlog instead of alternating with it in half-full forwards.
-            await self._coalesce(batcher, hold_ms, batcher.pending_requests + carried,
-                                 since=self._now())
-        cutoff = batcher.newest_seq
-        while not self._paused or self._stopping:
-            batch = batcher.form(self._now(), upto_seq=cutoff)
-            if not batch:
-                return
-            await self._dispatch(lora, batch)
-
-    async def _dispatch(self, lora: str | None, batch: list[PendingItem]) -> None:
-        """Run one forward in the worker thread and deliver its results (R9, R10)."""
-        if not batch:
-            return
-        loop = asyncio.get_running_loop()
-        started = self._now()
-        self._pending_total -= len(batch)
-        requests = list(dict.fromkeys(cast(_Request, p.owner) for p in batch))
-        for request in requests:
-            if request.first_dispatch_at is None:
-                request.first_dispatch_at = started
-        items = [p.item for p in batch]
-        padded = len(items) * max(item.cost for item in items)
-        assert self._executor is not None
-        error: Exception | None = None
-        values: Sequence[Any] = ()
+    def _tell_loop(self, loop: asyncio.AbstractEventLoop) -> bool:
         try:
-            values = await loop.run_in_executor(self._executor, self._forward, lora, items,
-                                                batch[0].group)
-            if len(values) != len(items):
-                raise RuntimeError(f"adapter returned {len(values)} results for "
-                                   f"{len(items)} items")
-        except Exception as exc:  # R9: the error belongs to this forward's requests only
-            error = exc
-        ended = self._now()
-        elapsed = ended - started
-        self._last_forward[lora] = (ended, len(requests))
-        self.stats.record_batch(BatchRecord(len(items), len(requests), padded, lora,
-                                            elapsed * 1000, error is not None))
-        if error is None:
-            for pending, value in zip(batch, values, strict=True):
+            loop.call_soon_threadsafe(self._wake.set)
+        except RuntimeError:  # the event loop is gone: nobody is left to tell
+            return False
+        return True
+
+    # -- results and accounting --------------------------------------------------------
+
+    def _deliver(self, forward: _Forward) -> None:
+        """R9, R10: results into their requests; a failed forward fails exactly its
+        requests; a request cancelled meanwhile is recorded as cancelled."""
+        batch = forward.batch
+        lane = self._lanes[batch.lora]
+        elapsed = forward.ended - forward.started
+        requests = list(dict.fromkeys(cast(_Request, p.owner) for p in batch.items))
+        if 0 <= lane.probe_end < self._now():  # the last probe ran out: they did not
+            lane.senders_return, lane.probe_end = False, -1.0
+        lane.last_forward = LastForward(forward.ended, len(requests), elapsed,
+                                        lane.senders_return)
+        lane.arrived_at_last_end = lane.arrived
+        if len(requests) >= 2:
+            lane.probe_target = lane.arrived + len(requests)
+            lane.probe_end = forward.ended + self.policy.hold_s(len(requests), elapsed)
+        self.stats.record_batch(BatchRecord(len(batch.items), len(requests),
+                                            batch.padded_tokens, batch.lora, elapsed * 1000,
+                                            forward.error is not None, forward.started,
+                                            forward.ended, sum(p.item.cost for p in batch.items)))
+        if forward.error is None:
+            for pending, value in zip(batch.items, forward.values, strict=True):
                 owner = cast(_Request, pending.owner)
                 owner.results[pending.item.index] = value
                 owner.remaining -= 1
         for request in requests:
+            if request.first_dispatch_at is None:
+                request.first_dispatch_at = forward.started
             request.inference_s += elapsed
             request.forwards += 1
-            if error is not None:
-                self._finish(request, error)
-            elif request.remaining == 0:
+            if forward.error is not None:
+                self._finish(request, forward.error)
+            elif request.remaining == 0 or request.future.cancelled():
                 self._finish(request, None)
 
-    def _forward(self, lora: str | None, items: list[PreparedItem],
-                 params: Hashable) -> Sequence[Any]:
-        """Runs in the worker thread: switch LoRA if needed, then one forward."""
-        if lora != self._active_lora:
-            self.adapter.set_lora(lora)
-            self._active_lora = lora
-        return self.adapter.forward(items, params)
-
     def _finish(self, request: _Request, error: BaseException | None) -> None:
+        if request.recorded:
+            return
+        request.recorded = True
         dispatched = request.first_dispatch_at or self._now()
         queue_ms = (dispatched - request.submitted_at) * 1000
         inference_ms = request.inference_s * 1000
+        cancelled = request.future.cancelled()
         if not request.future.done():
             if error is None:
                 request.future.set_result(RequestResult(request.results, queue_ms,
                                                         inference_ms, request.forwards))
             else:
                 request.future.set_exception(error)
-        self.stats.record_request(RequestRecord(request.size, queue_ms, inference_ms,
-                                                error is not None))
+        self.stats.record_request(RequestRecord(len(request.results), queue_ms, inference_ms,
+                                                error is not None, cancelled))
 
-    def _drop_dead(self, only: BatchFormer | None = None) -> None:
-        for batcher in [only] if only else self._batchers.values():
-            dropped = batcher.drop_dead()
-            if dropped:
-                self._pending_total -= dropped
-                self.stats.record_dropped(dropped)
+    def _on_resolved(self, request: _Request, future: asyncio.Future[RequestResult]) -> None:
+        """A request's future is done (result, error or cancellation): drop its items
+        that no forward took yet (R9)."""
+        self._requests.discard(request)
+        lane = self._lanes.get(request.lora)
+        if lane is None or not (future.cancelled() or future.exception()):
+            return  # a result: every item already ran
+        dropped = 0
+        if lane.former.holds(request):
+            for pending in request.items:
+                dropped += lane.former.discard(pending)
+            self._queued -= dropped
+        with self._cond:
+            slot = self._slot
+            if slot is not None and any(p.owner is request for p in slot.items):
+                kept = [p for p in slot.items if p.owner is not request]
+                dropped += len(slot.items) - len(kept)
+                if kept:
+                    slot.items = kept
+                    slot.widest = max(p.item.cost for p in kept)
+                else:
+                    self._slot, self._released = None, False
+        if dropped:
+            self.stats.record_dropped(dropped)
+            self._wake.set()
 
-    def _fail_leftovers(self) -> None:
-        """Should the loop ever end with work queued, no accepted future is left hanging."""
-        error = ShuttingDown() if self._stopping else RuntimeError(
-            f"worker {self.name!r} loop ended unexpectedly")
-        for batcher in self._batchers.values():
-            while batch := batcher.form(self._now()):
-                for request in dict.fromkeys(cast(_Request, p.owner) for p in batch):
-                    self._finish(request, error)
+    def _fail(self, exc: BaseException) -> None:
+        """The loop failed: every accepted request ends with an error, none is lost,
+        and submit refuses new work until restart()."""
+        failure = WorkerFailed(self.name, exc)
+        self._failure = failure
+        log.error("%s", failure, exc_info=exc if isinstance(exc, Exception) else None)
+        with self._cond:
+            self._slot, self._released = None, False
+        for request in list(self._requests):
+            try:
+                self._finish(request, failure)
+            except Exception:  # a failing listener must not leave the rest unresolved
+                if not request.future.done():
+                    request.future.set_exception(failure)
+        self._requests.clear()
+        self._lanes.clear()
+        self._queued = 0
+
+    # -- small helpers ------------------------------------------------------------------
+
+    def _lane(self, lora: str | None) -> _Lane:
+        lane = self._lanes.get(lora)
+        if lane is None:
+            cfg = self.config
+            lane = _Lane(BatchFormer(cfg.max_batch_tokens, cfg.max_batch_items,
+                                     cfg.starvation_s))
+            self._lanes[lora] = lane
+        return lane
+
+    def _lane_requests(self, lora: str | None) -> int:
+        """Distinct requests of `lora` not yet dispatched: queued or in the slot."""
+        former = self._lanes[lora].former
+        slot = self._slot
+        if slot is None or slot.lora != lora:
+            return former.pending_requests
+        in_slot = {id(p.owner): p.owner for p in slot.items}
+        return former.pending_requests + sum(not former.holds(o) for o in in_slot.values())
+
+    def _drained(self) -> bool:
+        with self._cond:
+            busy = self._slot is not None or self._in_flight is not None
+        return not busy and not self._finished and self._queued == 0
+
+    async def _join_thread(self) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        with self._cond:
+            self._thread_exit = True
+            self._cond.notify_all()
+        await asyncio.to_thread(thread.join)
+        self._thread = None
 
     @staticmethod
     def _now() -> float:
