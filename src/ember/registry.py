@@ -13,7 +13,14 @@ from typing import Protocol, cast
 
 from ember.adapters.base import ModelAdapter, ModelInfo, Runtime
 from ember.config import ADAPTERS, ModelSpec, ServerSettings, resolve_source
-from ember.engine import ModelWorker, PreparedItem, QueueFull, RequestResult, WorkerConfig
+from ember.engine import (
+    ModelWorker,
+    PreparedItem,
+    QueueFull,
+    RequestResult,
+    RequestTooLarge,
+    WorkerConfig,
+)
 from ember.errors import ModelLoadError, ModelNotFound
 
 log = logging.getLogger("ember.registry")
@@ -58,7 +65,9 @@ class LoadedModel:
         worker checks again, exactly, on submit)."""
         worker = self.worker
         limit = worker.config.max_queue_items
-        if worker.pending_items + items > limit and items <= limit:
+        if items > limit:
+            raise RequestTooLarge(items, limit)
+        if worker.pending_items + items > limit:
             raise QueueFull(worker.pending_items, items, limit)
 
     async def submit(self, items: Sequence[PreparedItem], params: Hashable,

@@ -12,7 +12,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ember.engine import EngineError, QueueFull, ShuttingDown
+from ember.engine import (
+    EngineError,
+    QueueFull,
+    RequestTooLarge,
+    ShuttingDown,
+    WorkerFailed,
+)
 from ember.errors import EmberError, InvalidInput, ModelLoadError, ModelNotFound, UnsupportedTask
 from ember.ipc.wire import RemoteFault
 
@@ -90,6 +96,10 @@ def as_api_error(exc: Exception) -> ApiError:
         return ApiError(503, "model_unavailable", scrub(str(exc)), "model")
     if isinstance(exc, QueueFull):
         return ApiError(429, "queue_full", str(exc), headers={"Retry-After": "1"})
+    if isinstance(exc, RequestTooLarge):
+        return ApiError(413, "payload_too_large", str(exc), "items")
+    if isinstance(exc, WorkerFailed):
+        return ApiError(503, "unavailable", scrub(str(exc)), headers={"Retry-After": "1"})
     if isinstance(exc, ShuttingDown):
         return ApiError(503, "unavailable", "the server is shutting down; retry on another "
                         "instance", headers={"Retry-After": "5"})

@@ -42,6 +42,7 @@ class WorkerFailed(EngineError):
     refuses new work until it is restarted (R8)."""
 
     def __init__(self, name: str, cause: BaseException) -> None:
+        self.name = name
         self.cause = cause
         super().__init__(f"the worker of model {name!r} failed ({type(cause).__name__}: "
                          f"{cause}) and must be restarted; retry shortly")

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from ember.adapters.base import ModelInfo, Runtime, TaskModel
 from ember.config import ADAPTERS, ModelSpec
-from ember.engine import PreparedItem, QueueFull, RequestResult, ShuttingDown
+from ember.engine import PreparedItem, QueueFull, RequestResult, RequestTooLarge, ShuttingDown
 from ember.errors import ModelLoadError, ModelNotFound
 from ember.ipc.wire import error_from_wire, pack, unpack
 
@@ -102,7 +102,9 @@ class RemoteModel:
     def check_room(self, items: int) -> None:
         """The engine's last known queue depth decides: no round trip before tokenizing."""
         limit = self.max_queue_items
-        if self.pending + items > limit >= items:
+        if items > limit:
+            raise RequestTooLarge(items, limit)
+        if self.pending + items > limit:
             raise QueueFull(self.pending, items, limit)
 
     async def submit(self, items: Sequence[PreparedItem], params: Hashable,

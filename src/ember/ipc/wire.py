@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ember.engine import QueueFull, ShuttingDown
+from ember.engine import QueueFull, RequestTooLarge, ShuttingDown, WorkerFailed
 from ember.errors import InvalidInput, ModelLoadError, ModelNotFound, UnsupportedTask
 
 EXT_ARRAY = 1
@@ -92,6 +92,10 @@ def error_to_wire(exc: BaseException) -> dict[str, Any]:
         body["args"] = [exc.model, exc.task, list(exc.tasks)]
     elif isinstance(exc, QueueFull):
         body["args"] = [exc.pending, exc.requested, exc.limit]
+    elif isinstance(exc, RequestTooLarge):
+        body["args"] = [exc.requested, exc.limit]
+    elif isinstance(exc, WorkerFailed):
+        body["args"] = [exc.name, type(exc.cause).__name__, str(exc.cause)]
     elif isinstance(exc, ShuttingDown | TimeoutError):
         body["args"] = []
     return body
@@ -101,7 +105,12 @@ def error_from_wire(body: dict[str, Any]) -> Exception:
     kinds: dict[str, type[Exception]] = {
         "InvalidInput": InvalidInput, "ModelNotFound": ModelNotFound,
         "ModelLoadError": ModelLoadError, "UnsupportedTask": UnsupportedTask,
-        "QueueFull": QueueFull, "ShuttingDown": ShuttingDown, "TimeoutError": TimeoutError}
+        "QueueFull": QueueFull, "RequestTooLarge": RequestTooLarge,
+        "ShuttingDown": ShuttingDown, "TimeoutError": TimeoutError}
+    if body["type"] == "WorkerFailed":
+        name, cause_kind, cause_message = body["args"]
+        # The cause keeps its own type's name, as the engine process saw it.
+        return WorkerFailed(name, type(cause_kind, (Exception,), {})(cause_message))
     kind = kinds.get(body["type"])
     if kind is not None and "args" in body:
         return kind(*body["args"])
