@@ -7,7 +7,9 @@ a forward sleeps, so the samples are the front end's work). py-spy records witho
 pausing the server (`--nonblocking`), idle threads left out, so the samples are CPU
 work; frames are grouped as `function (module path)`, the path relative to
 site-packages, the standard library or src/, line numbers dropped. "self" counts the
-innermost frame of each sample, "inclusive" every frame on the stack (once a sample).
+innermost frame of each sample, "inclusive" every frame on the stack (once a sample)
+below the thread's trunk. A frame that calls into C code (uvloop, httptools, a lock)
+holds that C work as "self": `Runner.run` is the event loop itself.
 
     python bench/profile_server.py                                   # the code here
     python bench/profile_server.py --landed-src ../wt-landed/src     # another tree
@@ -65,29 +67,44 @@ def frame_name(frame: str) -> str:
     return f"{m.group('func')} ({short_path(m.group('path'))})"
 
 
+def trunks(stacks: Sequence[tuple[list[str], int]]) -> dict[str, int]:
+    """Per root frame, how many leading frames every stack under that root shares (the
+    entry frames a thread always passes through: runpy, cli.main, Runner.run ...)."""
+    common: dict[str, list[str]] = {}
+    for names, _ in stacks:
+        prefix = common.setdefault(names[0], names[:-1])
+        n = 0
+        while n < len(prefix) and n < len(names) - 1 and prefix[n] == names[n]:
+            n += 1
+        del prefix[n:]
+    return {root: len(prefix) for root, prefix in common.items()}
+
+
 def parse_raw(lines: Iterable[str]) -> Profile:
     """py-spy's raw (collapsed stacks) output: `frame;frame;... count` per line, root
-    first; with --subprocesses the first frame names the process."""
-    self_counts: Counter[str] = Counter()
-    inclusive: Counter[str] = Counter()
+    first; with --subprocesses the first frame names the process. Inclusive counts leave
+    out each thread's trunk (the frames all of its samples share), which would top the
+    table at 100 % of that thread and say nothing."""
     processes: Counter[str] = Counter()
-    total = 0
+    stacks: list[tuple[list[str], int]] = []
     for line in lines:
         stack, _, count_text = line.rstrip("\n").rpartition(" ")
         if not stack or not count_text.isdigit():
             continue
-        count = int(count_text)
         frames = stack.split(";")
         if frames[0].startswith("process "):
-            processes[frames.pop(0)] += count
+            processes[frames.pop(0)] += int(count_text)
         names = [frame_name(f) for f in frames if f]
-        if not names:
-            continue
-        total += count
+        if names:
+            stacks.append((names, int(count_text)))
+    trunk = trunks(stacks)
+    self_counts: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    for names, count in stacks:
         self_counts[names[-1]] += count
-        for name in set(names):
+        for name in set(names[trunk[names[0]]:]):
             inclusive[name] += count
-    return Profile(total, self_counts, inclusive, processes)
+    return Profile(sum(c for _, c in stacks), self_counts, inclusive, processes)
 
 
 def top_rows(counts: Counter[str], samples: int, requests: float, rate: int,
