@@ -1,4 +1,5 @@
-"""What the benchmarks share: percentiles, the machine they ran on, and ratio tables.
+"""What the benchmarks share: percentiles, the machine they ran on, per-repetition
+summaries, ratio tables and the common command-line flags. (HTTP load: loadgen.py.)
 
 Benchmarks report ratios measured side by side in one run (DESIGN.md, Tests and
 benchmarks): each repetition runs every variant back to back, and a ratio's
@@ -7,6 +8,7 @@ spread is the min-max of its per-repetition values.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import math
@@ -143,3 +145,59 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
              "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
     lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def summarize(reps: Mapping[str, Sequence[Json]], base: str = "default", *,
+              deltas: bool = False) -> Json:
+    """Per variant: the median of every numeric field over the repetitions, and its
+    per-repetition ratio (and, with `deltas`, difference) to the `base` variant's run of
+    the same repetition, as median and min-max."""
+    base_runs = reps[base]
+    out: Json = {}
+    for variant, runs in reps.items():
+        keys = [k for k, v in runs[0].items() if isinstance(v, int | float)
+                and not isinstance(v, bool)]
+        pairs = list(zip(runs, base_runs, strict=True))
+        entry: Json = {
+            "median": {k: median(r[k] for r in runs) for k in keys},
+            f"ratio_to_{base}": {k: spread([ratio(r[k], b[k]) for r, b in pairs])
+                                 for k in keys},
+        }
+        if deltas:
+            entry[f"delta_to_{base}"] = {k: spread([r[k] - b[k] for r, b in pairs])
+                                         for k in keys}
+        out[variant] = entry
+    return out
+
+
+def summary_row(entry: Mapping[str, Any], label: str, metrics: Sequence[str],
+                ratios: Sequence[str], base: str = "default") -> list[Any]:
+    """A table row: the label, medians of `metrics`, then ratios to the base (spread)."""
+    return ([label] + [entry["median"].get(m) for m in metrics]
+            + [fmt_spread(entry[f"ratio_to_{base}"].get(m)) for m in ratios])
+
+
+def add_common_args(parser: argparse.ArgumentParser, out: Path, full_reps: int,
+                    quick_help: str) -> None:
+    """--quick, --reps, --out and --report, as every benchmark takes them."""
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--reps", type=int, default=None,
+                        help=f"repetitions (default {full_reps}; 1 with --quick)")
+    parser.add_argument("--out", type=Path, default=out, help="the JSON result")
+    parser.add_argument("--report", type=Path, default=None,
+                        help="print the markdown tables of an earlier JSON result and exit")
+
+
+def resolve_reps(args: argparse.Namespace, full_reps: int) -> None:
+    if args.reps is None:
+        args.reps = 1 if args.quick else full_reps
+
+
+def int_list(text: str) -> list[int]:
+    """`"1,8,32"` -> [1, 8, 32]."""
+    return [int(x) for x in str(text).split(",") if x.strip()]
+
+
+def read_json(path: Path) -> Json:
+    data: Json = json.loads(path.read_text(encoding="utf-8"))
+    return data

