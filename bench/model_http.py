@@ -6,8 +6,7 @@ The script starts `ember serve` itself on 127.0.0.1 (a free port) with the real
 default model, unless `--url` names a running server. The same model is also
 served under two more names that differ only in their batching settings (the
 catalog's `batching:` field), so the dispatch policies run against one server,
-interleaved: `default`, `earlier` (hold_lone_idle_requests) and `idle0`
-(idle_coalesce_ms=0).
+interleaved: `default`, `idle0` (idle_coalesce_ms=0) and `nohold` (hold_fraction=0).
 
 Phases run one after another, never at once (they would share the cores):
 1. the in-process limit, in a child process: the model loaded through
@@ -393,7 +392,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "torch's choice (on 2 shared cores that collapses whenever a "
                         "neighbour takes a core; see docs/benchmarks.md)")
     parser.add_argument("--concurrency", default="8,32", help="closed-loop in-flight counts")
-    parser.add_argument("--policies", default="default,earlier,idle0",
+    parser.add_argument("--policies", default="default,idle0,nohold",
                         help="dispatch policies to serve side by side, of "
                         + ",".join(POLICY_BATCHING))
     parser.add_argument("--limit-batch-sizes", default="1,8,32")
