@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import logging
 
+import setproctitle
+
 from ember.config import ServerSettings
+
+
+def name_process(role: str) -> None:
+    """`ember: <role>` in ps and top, so an operator (or a benchmark) tells the processes
+    of one server apart."""
+    setproctitle.setproctitle(f"ember: {role}")
 
 
 def configure_logging(settings: ServerSettings) -> None:

@@ -11,6 +11,7 @@ all processes at once.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing
 import os
@@ -31,7 +32,7 @@ import zmq
 from ember.config import ServerSettings
 from ember.ipc.client import peer_name
 from ember.ipc.wire import pack
-from ember.logs import configure_logging
+from ember.logs import configure_logging, name_process
 
 log = logging.getLogger("ember.supervisor")
 ENGINE_START_S = 120.0  # the engine imports torch before it answers
@@ -39,7 +40,7 @@ QUICK_DEATH_S = 5.0  # an API process that dies this soon after its start ...
 QUICK_DEATHS = 5  # ... this many times in a row means it cannot start: give up
 
 
-def run_api(settings: ServerSettings, sock: socket.socket, address: str) -> None:
+def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: int) -> None:
     """An API process's main: the HTTP routes on the shared socket, the models remote."""
     from ember.adapters.base import Runtime
     from ember.config import load_catalog
@@ -50,6 +51,7 @@ def run_api(settings: ServerSettings, sock: socket.socket, address: str) -> None
     # nothing to finish; a Ctrl-C is the supervisor's to handle.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    name_process(f"api {index}")
     configure_logging(settings)
     models = RemoteModels(load_catalog(settings.model_dirs, settings.model_paths),
                           Runtime.from_settings(settings),
@@ -72,6 +74,7 @@ class Supervisor:
         self.apis: list[ApiProcess] = []
         self.signals = 0
         self.quick_deaths = 0
+        self._api_index = itertools.count()
         self._wake_read, self._wake_write = socket.socketpair()
 
     def run(self, sock: socket.socket) -> int:
@@ -82,6 +85,7 @@ class Supervisor:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # the children inherit it
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
+        name_process("supervisor")
         try:
             ready, ready_send = self.context.Pipe(duplex=False)
             engine = self.context.Process(target=run_engine, name="ember-engine",
@@ -115,9 +119,11 @@ class Supervisor:
         return False
 
     def _start_api(self, sock: socket.socket) -> None:
-        process = self.context.Process(target=run_api, name=f"ember-api-{len(self.apis)}",
-                                       args=(self.settings, sock, self.address))
+        index = next(self._api_index)
+        process = self.context.Process(target=run_api, name=f"ember-api-{index}",
+                                       args=(self.settings, sock, self.address, index))
         process.start()
+        log.info("started API process %d (pid %s)", index, process.pid)
         self.apis.append(ApiProcess(process, time.monotonic()))
 
     def _watch(self, engine: BaseProcess, sock: socket.socket) -> int:

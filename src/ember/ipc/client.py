@@ -36,10 +36,11 @@ def front_loader(family: str) -> FrontLoader:
 class EngineClient:
     """One DEALER socket to the engine process; replies find their caller by id."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, identity: str | None = None) -> None:
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.IDENTITY, peer_name(os.getpid()).encode())
+        self.identity = identity or peer_name(os.getpid())
+        self._socket.setsockopt(zmq.IDENTITY, self.identity.encode())
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address)
         self._ids = itertools.count()
@@ -65,6 +66,10 @@ class EngineClient:
             raise
         finally:
             self._waiting.pop(call_id, None)
+
+    async def notify(self, op: str, **fields: Any) -> None:
+        """Send a message that has no answer."""
+        await self._socket.send(pack({"op": op, **fields}))
 
     async def _read(self) -> None:
         while True:

@@ -9,7 +9,7 @@ one msgpack frame (see `wire`):
         -> result {id, values, queue_ms, inference_ms, forwards, pending} | error {id, error}
     cancel {id}                      the caller went away: its queued items are dropped (R9)
     load {id, model}                 -> result {id} | error: load the model now
-    status {id}                      -> result {id, states, pending, info}
+    status {id}                      -> result {id, states, pending, info, forwards}
     forget {peer}                    (the supervisor) an API process died: drop its work
 """
 
@@ -32,7 +32,7 @@ from ember.api.metrics import Metrics
 from ember.config import ServerSettings, load_catalog
 from ember.engine import PreparedItem
 from ember.ipc.wire import error_to_wire, pack, unpack
-from ember.logs import configure_logging
+from ember.logs import configure_logging, name_process
 from ember.registry import Registry, preload_models
 
 log = logging.getLogger("ember.engine")
@@ -122,7 +122,9 @@ class EngineServer:
         loaded = registry.loaded
         return {"states": {name: registry.state(name) for name in registry.names},
                 "pending": {name: m.worker.pending_items for name, m in loaded.items()},
-                "info": {name: m.adapter.info for name, m in loaded.items()}}
+                "info": {name: m.adapter.info for name, m in loaded.items()},
+                "forwards": {name: [m.worker.stats.batches, m.worker.stats.items]
+                             for name, m in loaded.items()}}
 
 
 
@@ -133,6 +135,7 @@ def run_engine(settings: ServerSettings, address: str, ready: Connection) -> Non
     import uvloop
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    name_process("engine")
     configure_logging(settings)
     uvloop.run(_engine(settings, address, ready))
 

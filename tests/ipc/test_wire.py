@@ -1,0 +1,90 @@
+"""What crosses the process boundary comes back as it went: arrays, Ember's dataclasses,
+hashable parameter groups, and errors with their HTTP meaning."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+
+from ember.adapters.base import Entity, ModelInfo, SparseVector
+from ember.adapters.cross_encoder import Pair, ScoreParams
+from ember.adapters.transformer import EncodeParams
+from ember.api.errors import as_api_error
+from ember.engine import QueueFull, RequestTooLarge, ShuttingDown, WorkerFailed
+from ember.errors import InvalidInput, ModelLoadError, ModelNotFound, UnsupportedTask
+from ember.ipc.wire import RemoteFault, error_from_wire, error_to_wire, pack, unpack
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8", "uint8", "int64"])
+def test_arrays_keep_dtype_shape_and_values(dtype: str) -> None:
+    array = (np.arange(24).reshape(2, 3, 4) - 7).astype(dtype)
+    back = unpack(pack({"v": array}))["v"]
+    assert back.dtype == array.dtype and back.shape == array.shape
+    np.testing.assert_array_equal(back, array)
+
+
+def test_a_non_contiguous_array_goes_as_its_values() -> None:
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)[:, 1]
+    np.testing.assert_array_equal(unpack(pack(array)), array)
+
+
+def test_embers_dataclasses_are_rebuilt_and_parameter_groups_stay_hashable() -> None:
+    params = EncodeParams("query: ", True, ("dense",))
+    values = [params, ScoreParams("sigmoid"), Pair([101, 7, 102], None),
+              Entity("Paris", "GPE", 0, 5, 1.0),
+              SparseVector(np.array([3, 9], np.int32), np.array([0.5, 0.25], np.float32), 30),
+              ModelInfo("m", ("encode",), 8, extra={"prompts": {"query": "q: "}})]
+    back = unpack(pack(values))
+    assert back[0] == params and hash(back[0]) == hash(params)
+    assert back[1] == ScoreParams("sigmoid")
+    assert list(back[2].input_ids) == [101, 7, 102] and back[2].token_type_ids is None
+    assert back[3] == values[3]
+    np.testing.assert_array_equal(back[4].indices, values[4].indices)
+    assert back[4].dims == 30
+    assert back[5].extra == {"prompts": {"query": "q: "}}
+
+
+def test_only_embers_own_classes_are_rebuilt() -> None:
+    @dataclasses.dataclass
+    class Foreign:
+        x: int
+
+    with pytest.raises(TypeError, match="not one of Ember's wire types"):
+        pack(Foreign(1))
+    forged = msgpack.ExtType(2, pack(["os:system", ["true"]]))
+    with pytest.raises(ValueError, match="not one of Ember's classes"):
+        unpack(msgpack.packb(forged))
+
+
+ERRORS: list[tuple[Exception, int, str]] = [
+    (InvalidInput("too long; shorten it", "items[2].text"), 422, "invalid_request"),
+    (ModelNotFound("nope", ["a", "b"]), 404, "model_not_found"),
+    (ModelLoadError("m", "weights missing"), 503, "model_unavailable"),
+    (UnsupportedTask("m", "extract", ("encode",)), 422, "unsupported_task"),
+    (QueueFull(4000, 200, 4096), 429, "queue_full"),
+    (RequestTooLarge(5000, 4096), 413, "payload_too_large"),
+    (ShuttingDown(), 503, "unavailable"),
+    (TimeoutError(), 504, "timeout"),
+    (WorkerFailed("m", KeyError("boom")), 503, "unavailable"),
+    (ZeroDivisionError("division by zero"), 500, "inference_error"),
+]
+
+
+@pytest.mark.parametrize(("error", "status", "kind"), ERRORS,
+                         ids=[type(e).__name__ for e, *_ in ERRORS])
+def test_errors_keep_their_meaning_across_the_boundary(error: Exception, status: int,
+                                                       kind: str) -> None:
+    back = error_from_wire(unpack(pack(error_to_wire(error))))
+    local, remote = as_api_error(error), as_api_error(back)
+    assert (remote.status, remote.kind, remote.param) == (status, kind, local.param)
+    assert remote.message == local.message
+
+
+def test_an_unexpected_fault_is_named_by_its_original_type() -> None:
+    back: Any = error_from_wire(error_to_wire(RuntimeError("CUDA out of memory")))
+    assert isinstance(back, RemoteFault)
+    assert as_api_error(back).message == "inference failed: RuntimeError: CUDA out of memory"
