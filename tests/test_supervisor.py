@@ -143,3 +143,13 @@ def test_the_server_suites_pass_against_api_processes() -> None:
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
+
+
+def test_a_dead_engine_stops_the_server_with_exit_1(two_api_processes: ServerProcess) -> None:
+    server = two_api_processes
+    engine = [c for c in psutil.Process(server.pid).children()
+              if c.cmdline()[:1] == ["ember: engine"]]
+    assert len(engine) == 1
+    engine[0].kill()
+    assert server.process.wait(60) == 1, server.log_tail()
+    assert "the engine process died" in server.log_text()

@@ -38,6 +38,7 @@ log = logging.getLogger("ember.supervisor")
 ENGINE_START_S = 120.0  # the engine imports torch before it answers
 QUICK_DEATH_S = 5.0  # an API process that dies this soon after its start ...
 QUICK_DEATHS = 5  # ... this many times in a row means it cannot start: give up
+ENGINE_GONE_GRACE_S = 5.0  # API processes answer what they can once the engine died
 
 
 def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: int) -> None:
@@ -135,7 +136,7 @@ class Supervisor:
                 break
             if not engine.is_alive():
                 log.error("the engine process died (exit code %s); stopping", engine.exitcode)
-                self._stop_apis()
+                self._stop_apis(ENGINE_GONE_GRACE_S)  # what they hold can never finish
                 return 1
             for api in [a for a in self.apis if not a.process.is_alive()]:
                 if not self._replace(api, sock):
@@ -163,13 +164,18 @@ class Supervisor:
         self._start_api(sock)
         return True
 
-    def _stop_apis(self) -> list[int]:
-        """SIGTERM each API process (it drains what it accepted) and wait for all."""
+    def _stop_apis(self, grace_s: float | None = None) -> list[int]:
+        """SIGTERM each API process (it drains what it accepted) and wait for all; after
+        `grace_s`, if given, end the ones still running."""
         for api in self.apis:
             if api.process.is_alive() and api.process.pid is not None:
                 os.kill(api.process.pid, signal.SIGTERM)
+        deadline = None if grace_s is None else time.monotonic() + grace_s
         for api in self.apis:
-            api.process.join()
+            api.process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if api.process.is_alive():
+                api.process.kill()
+                api.process.join()
         return [api.process.exitcode or 0 for api in self.apis]
 
     def _stop_engine(self, engine: BaseProcess) -> int:
