@@ -395,10 +395,9 @@ def markdown(data: Json) -> str:
     if parity:
         out.append(f"\nint8 against fp32 on the fixed retrieval set ({parity['queries']} "
                    f"queries, {parity['documents']} documents, bench/retrieval.py):\n")
-        out.append(table(["cosine mean", "cosine min", "top-10 overlap mean",
-                          "top-10 overlap min"],
-                         [[parity["cosine_mean"], parity["cosine_min"],
-                           parity["top10_overlap_mean"], parity["top10_overlap_min"]]]))
+        keys = ("cosine_mean", "cosine_min", "top10_overlap_mean", "top10_overlap_min")
+        out.append(table([k.replace("_", " ").replace("top10", "top-10") for k in keys],
+                         [[f"{parity[k]:.4f}" for k in keys]]))
     return "\n".join(out) + "\n"
 
 
@@ -427,14 +426,18 @@ LIMIT_BATCH_SIZES = (8, 32)
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     plan = QUICK if args.quick else FULL
-    if args.report is not None:
+    if args.report is not None:  # the tables of an earlier run
         print(markdown(json.loads(args.report.read_text(encoding="utf-8"))))
-        return 0
-    if args.limit_only is not None:
-        result = limit_measure(args.variants, plan, LIMIT_BATCH_SIZES)
-        args.limit_only.write_text(json.dumps(result), encoding="utf-8")
-        return 0
+    elif args.limit_only is not None:  # the child process of run_limit
+        measured = limit_measure(args.variants, plan, LIMIT_BATCH_SIZES)
+        args.limit_only.write_text(json.dumps(measured), encoding="utf-8")
+    else:
+        run(args, plan)
+    return 0
 
+
+def run(args: argparse.Namespace, plan: Plan) -> None:
+    """The whole benchmark: servers, load, limits and parity; JSON and tables out."""
     import uvloop
 
     began = time.perf_counter()
@@ -457,12 +460,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "onnx-int8" in args.variants:
         data["int8_parity"] = int8_parity()
     data["summary"] = summarize(data)
-    data["meta"]["duration_s"] = round(time.perf_counter() - began, 1)
-    data["meta"]["loadavg_at_end"] = benchlib.loadavg()
+    data["meta"].update(duration_s=round(time.perf_counter() - began, 1),
+                        loadavg_at_end=benchlib.loadavg())
     benchlib.write_json(args.out, data)
-    print(markdown(data))
-    print(f"[backends] wrote {args.out} in {data['meta']['duration_s']} s", file=sys.stderr)
-    return 0
+    print(f"{markdown(data)}\n[backends] wrote {args.out} in {data['meta']['duration_s']} s")
 
 
 if __name__ == "__main__":
