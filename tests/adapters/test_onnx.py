@@ -85,6 +85,15 @@ async def test_mixed_batches_match_sentence_transformers(minilm_onnx: Transforme
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
 
 
+def test_the_torch_backend_still_matches(reference: SentenceTransformer) -> None:
+    torch_minilm = transformer.load(load_catalog()[DEFAULT_MODEL], TORCH)
+    assert torch_minilm.info.extra["backend"] == "torch"
+    texts = corpus(count=12, seed=9)
+    want = reference.encode(texts, batch_size=12, convert_to_numpy=True)
+    assert cosines(embed(torch_minilm, texts), want).min() >= 0.9999
+    torch_minilm.close()
+
+
 def test_padding_does_not_change_an_onnx_embedding(minilm_onnx: TransformerAdapter) -> None:
     short, long = "Cats sleep in the sun.", corpus(count=8, seed=1)[5]  # 400 words
     batched = embed(minilm_onnx, [short, long, short])

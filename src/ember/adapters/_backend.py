@@ -47,22 +47,22 @@ class Forward(Protocol):
 
 
 def choose_backend(spec: ModelSpec, runtime: Runtime) -> Backend:
-    """The backend a model runs on (see the module's docstring)."""
-    if spec.backend == "onnx":
-        if spec.loras:
-            raise ModelLoadError(spec.name, "LoRA adapters need backend: torch (the onnx "
-                                            "backend runs the base model only)")
-        return "onnx"
-    if spec.quantize and spec.backend == "torch":
+    """The backend a model runs on (see the module's docstring); `quantize` asks for
+    onnx as `backend: onnx` does."""
+    wanted = spec.backend or ("onnx" if spec.quantize else None)
+    if wanted == "torch" and spec.quantize:
         raise ModelLoadError(spec.name, "quantize applies to the onnx backend; remove it "
                                         "or set backend: onnx")
-    if spec.backend == "torch" or runtime.backend == "torch":
+    if wanted == "onnx":
+        if spec.loras:
+            raise ModelLoadError(spec.name, "LoRA adapters need backend: torch (the onnx "
+                                            "backend, which quantize implies, runs the "
+                                            "base model only)")
+        return "onnx"
+    if wanted == "torch" or runtime.backend == "torch":
         return "torch"
     if spec.loras or not runtime.device.startswith("cpu"):
         why = "it has LoRA adapters" if spec.loras else f"device {runtime.device}"
-        if spec.quantize:
-            raise ModelLoadError(spec.name, f"quantize needs the onnx backend, which this "
-                                            f"model cannot use ({why})")
         log.info("%s: torch backend (%s; onnx runs base models on CPU)", spec.name, why)
         return "torch"
     return "onnx"

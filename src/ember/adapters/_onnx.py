@@ -99,7 +99,7 @@ class OnnxForward:
         self.output = output
         self.session: ort.InferenceSession | None = session(path, runtime)
         wanted = {i.name for i in self.session.get_inputs()}
-        self.inputs = tuple(name for name in wanted)
+        self.inputs = tuple(wanted)
         # A shipped graph may take token_type_ids a family does not pass: zeros, as torch.
         self.zero_inputs = tuple(name for name in wanted if name not in inputs)
 

@@ -1,0 +1,82 @@
+"""The backend settings: the YAML fields, the flags and variables, the Runtime they
+make, and which backend each kind of model gets."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ember.adapters._backend import choose_backend
+from ember.adapters.base import Runtime, default_threads, usable_cores
+from ember.cli import build_parser, settings_from
+from ember.config import CatalogError, ModelSpec, Source, parse_spec
+from ember.errors import ModelLoadError
+
+BASE = {"name": "me/model", "adapter": "transformer", "source": {"path": "/m"},
+        "tasks": ["encode"]}
+PLAIN = ModelSpec("me/model", "transformer", Source(path=Path("/m")), ("encode",))
+WITH_LORA = dataclasses.replace(PLAIN, loras={"a": Path("/lora")})
+
+
+def test_the_yaml_fields() -> None:
+    spec = parse_spec({**BASE, "backend": "onnx", "quantize": "int8"}, "x.yaml")
+    assert spec.backend == "onnx" and spec.quantize == "int8"
+    assert parse_spec(BASE, "x.yaml").backend is None
+    with pytest.raises(CatalogError, match="backend 'tensorrt' is unknown"):
+        parse_spec({**BASE, "backend": "tensorrt"}, "x.yaml")
+    with pytest.raises(CatalogError, match="quantize 'int4' is unknown"):
+        parse_spec({**BASE, "quantize": "int4"}, "x.yaml")
+
+
+def test_flags_and_variables_make_the_runtime(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    for name in ("EMBER_BACKEND", "EMBER_CACHE_DIR", "EMBER_ONNX_THREADS",
+                 "EMBER_ONNX_SPINNING", "EMBER_TORCH_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    default = Runtime.from_settings(settings_from(build_parser().parse_args(["serve"])))
+    assert default == Runtime()
+    assert default.backend == "onnx" and not default.onnx_spinning
+    flags = ["serve", "--backend", "torch", "--cache-dir", str(tmp_path), "--onnx-threads",
+             "3", "--onnx-spinning", "--torch-threads", "2"]
+    runtime = Runtime.from_settings(settings_from(build_parser().parse_args(flags)))
+    assert runtime == Runtime("cpu", 2, "torch", tmp_path, 3, True)
+    monkeypatch.setenv("EMBER_BACKEND", "torch")
+    monkeypatch.setenv("EMBER_ONNX_SPINNING", "1")
+    from_env = settings_from(build_parser().parse_args(["serve"]))
+    assert from_env.backend == "torch" and from_env.onnx_spinning
+
+
+def test_a_bad_backend_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--backend", "tensorrt"])
+    assert "invalid choice: 'tensorrt'" in capsys.readouterr().err
+
+
+def test_threads_default_to_all_cores_but_one() -> None:
+    assert default_threads() == max(1, usable_cores() - 1)
+
+
+@pytest.mark.parametrize(("spec", "runtime", "backend"), [
+    (PLAIN, Runtime(), "onnx"),
+    (PLAIN, Runtime(backend="torch"), "torch"),
+    (PLAIN, Runtime(device="cuda"), "torch"),  # the server's preference, off CPU
+    (WITH_LORA, Runtime(), "torch"),  # LoRAs fall back to torch
+    (dataclasses.replace(PLAIN, backend="torch"), Runtime(), "torch"),
+    (dataclasses.replace(PLAIN, backend="onnx"), Runtime(backend="torch"), "onnx"),
+    (dataclasses.replace(PLAIN, quantize="int8"), Runtime(backend="torch"), "onnx"),
+])
+def test_which_backend_a_model_gets(spec: ModelSpec, runtime: Runtime, backend: str) -> None:
+    assert choose_backend(spec, runtime) == backend
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    (dataclasses.replace(WITH_LORA, backend="onnx"), "LoRA adapters need backend: torch"),
+    (dataclasses.replace(WITH_LORA, quantize="int8"), "LoRA adapters need backend: torch"),
+    (dataclasses.replace(PLAIN, backend="torch", quantize="int8"),
+     "quantize applies to the onnx backend"),
+])
+def test_contradictions_are_refused(spec: ModelSpec, message: str) -> None:
+    with pytest.raises(ModelLoadError, match=message):
+        choose_backend(spec, Runtime())
