@@ -202,6 +202,28 @@ async def test_r5_mixed_lengths_form_batches_of_similar_cost_within_limits() -> 
         assert len(batch) == 1 or len(batch) * max(batch) <= 400
 
 
+async def test_r5_padding_bound_keeps_far_lengths_out_of_one_forward() -> None:
+    async with running(WorkerConfig(idle_coalesce_ms=0.0)) as (worker, adapter):
+        worker.pause()
+        costs = [10, 100, 11, 98, 12, 99]
+        futures = [await worker.submit(items(cost), "p") for cost in costs]
+        worker.resume()
+        await asyncio.gather(*futures)
+    batches = sorted(sorted(int(p.rsplit(":", 1)[1]) for p in call) for call in payloads(adapter))
+    assert batches == [[10, 11, 12], [98, 99, 100]]  # not six items padded to 100
+
+
+async def test_r5_close_lengths_share_a_forward_and_the_bound_can_be_off() -> None:
+    for config, expected in ((WorkerConfig(idle_coalesce_ms=0.0), [4, 2]),
+                             (WorkerConfig(idle_coalesce_ms=0.0, max_padding=0.0), [6])):
+        async with running(config) as (worker, adapter):
+            worker.pause()
+            futures = [await worker.submit(items(cost), "p") for cost in (12, 14, 16, 13, 90, 95)]
+            worker.resume()
+            await asyncio.gather(*futures)
+        assert sorted(forward_sizes(adapter), reverse=True) == expected
+
+
 async def test_r5_a_single_item_over_the_token_limit_still_runs_alone() -> None:
     config = WorkerConfig(idle_coalesce_ms=0.0, max_batch_tokens=100)
     async with running(config) as (worker, adapter):

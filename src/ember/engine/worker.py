@@ -298,15 +298,15 @@ class ModelWorker:
             slot = self._slot
             if slot is None or slot.lora != lora or slot.group != items[0].group:
                 return items
-            cfg = self.config
+            limits = self._lanes[lora].former.limits
             taken = 0
             for pending in items:
-                if not slot.fits(pending.item.cost, cfg.max_batch_tokens, cfg.max_batch_items):
+                if not slot.fits(pending.item.cost, limits):
                     slot.full = True
                     break
                 slot.add(pending)
                 taken += 1
-            if len(slot.items) >= cfg.max_batch_items:
+            if len(slot.items) >= limits.max_items:
                 slot.full = True
         return items[taken:]
 
@@ -419,12 +419,8 @@ class ModelWorker:
         with self._cond:
             slot = self._slot
             if slot is not None and any(p.owner is request for p in slot.items):
-                kept = [p for p in slot.items if p.owner is not request]
-                dropped += len(slot.items) - len(kept)
-                if kept:
-                    slot.items = kept
-                    slot.widest = max(p.item.cost for p in kept)
-                else:
+                dropped += slot.remove(request)
+                if not slot.items:
                     self._slot, self._released = None, False
         if dropped:
             self.stats.record_dropped(dropped)
@@ -455,7 +451,7 @@ class ModelWorker:
         if lane is None:
             cfg = self.config
             lane = _Lane(BatchFormer(cfg.max_batch_tokens, cfg.max_batch_items,
-                                     cfg.starvation_s))
+                                     cfg.starvation_s, cfg.max_padding))
             self._lanes[lora] = lane
         return lane
 
