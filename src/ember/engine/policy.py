@@ -60,8 +60,7 @@ class DispatchPolicy:
             if last.senders_return:  # R4: closed-loop clients: they come back at once
                 hold_end += self.hold_s(last.requests, last.duration)
             if now < hold_end and queue.arrived_since_forward < last.requests:
-                quiet_end = max(last.ended, queue.last_arrival) + cfg.coalesce_ms / 1000
-                return min(hold_end, quiet_end)  # unless they stop coming
+                return hold_end  # over HTTP returns come ms apart: no quiet window here
             if queue.oldest_arrival <= hold_end:
                 return now  # R4: work that came during a forward or its hold goes at once
             if (queue.arrived_since_forward >= last.requests >= 2

@@ -205,6 +205,8 @@ class ModelWorker:
         lane = self._lane(lora)
         lane.arrived += 1
         lane.last_arrival = now
+        if log.isEnabledFor(logging.DEBUG):  # the dispatch trace: arrivals and forwards
+            log.debug("%s: submit at=%.6f items=%d lora=%s", self.name, now, len(items), lora)
         if lane.probe_end >= now and lane.arrived >= lane.probe_target:
             lane.senders_return, lane.probe_end = True, -1.0
         queued = self._revise_slot(lora, request.items)
@@ -367,7 +369,11 @@ class ModelWorker:
         lane.arrived_at_last_end = lane.arrived
         if len(requests) >= 2:
             lane.probe_target = lane.arrived + len(requests)
-            lane.probe_end = forward.ended + self.policy.hold_s(len(requests), elapsed)
+            lane.probe_end = forward.ended + self.config.max_batch_wait_ms / 1000
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: forward started=%.6f ended=%.6f items=%d requests=%d padded=%d "
+                      "senders_return=%s", self.name, forward.started, forward.ended,
+                      len(batch.items), len(requests), batch.padded_tokens, lane.senders_return)
         self.stats.record_batch(BatchRecord(len(batch.items), len(requests),
                                             batch.padded_tokens, batch.lora, elapsed * 1000,
                                             forward.error is not None, forward.started,
