@@ -20,6 +20,9 @@ class WorkerConfig:
     this many per real token (plus a few per item, so close lengths still share a
     forward); the item waits for a batch of its own length. 0 turns it off (for a
     device whose fixed cost per forward dwarfs its cost per padded token).
+
+    `coalesce_ms` is accepted (server flag, YAML) but no longer read: a hold ends
+    when its senders are back or at its bound, not after a quiet time.
     """
 
     max_batch_tokens: int = 16384
