@@ -15,7 +15,7 @@ from ember.engine.config import WorkerConfig
 @dataclass(frozen=True, slots=True)
 class LastForward:
     """The last forward that ended on a LoRA; `senders_return` tells whether the
-    senders of the forward before it all came back within its hold window."""
+    senders of the forward before it all came back within `max_batch_wait_ms`."""
 
     ended: float
     requests: int
@@ -67,6 +67,7 @@ class DispatchPolicy:
                     and queue.oldest_arrival <= last.ended + cfg.max_batch_wait_ms / 1000):
                 return now  # R3c ends: the senders of the last forward are all back
         return self.idle_release_at(queue)
+
     def idle_release_at(self, queue: QueueView) -> float:
         """R3: work that reached an idle worker."""
         cfg = self.config

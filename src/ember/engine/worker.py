@@ -72,7 +72,7 @@ class _Lane:
     last_arrival: float = 0.0
     last_forward: LastForward | None = None
     # Whether senders come back: after each forward of several requests, did all of them
-    # return within its hold window? Closed-loop clients do; open-loop arrivals and
+    # return within max_batch_wait_ms? Closed-loop clients do; open-loop arrivals and
     # one-off bursts do not. A forward of one request leaves the answer as it was.
     senders_return: bool = False
     probe_target: int = 0  # `arrived` that means they are all back
