@@ -80,7 +80,7 @@ QUICK = ModelPlan(sequential=5, warmup_s=0.1, closed_s=0.4, mixed_s=0.4, limit_s
 # -- the in-process limit (a child process, so the bench never holds torch) ---------------
 
 def limit_measure(device: str, torch_threads: int | None, plan: ModelPlan,
-                  batch_sizes: Sequence[int]) -> Json:
+                  batch_sizes: Sequence[int], backend: str = "onnx") -> Json:
     """The model called directly: tokenize + forward, the adapter's own code. Each
     measure stops at its text count or its time budget, whichever comes first, so a
     machine slowed down by its neighbours cannot stretch the run."""
@@ -93,7 +93,8 @@ def limit_measure(device: str, torch_threads: int | None, plan: ModelPlan,
     torch_default = torch.get_num_threads()
     started = time.perf_counter()
     spec = load_catalog()[MODEL]
-    adapter: Any = adapter_loader(spec.adapter)(spec, Runtime(device, torch_threads))
+    runtime = Runtime(device, torch_threads, backend)  # type: ignore[arg-type]
+    adapter: Any = adapter_loader(spec.adapter)(spec, runtime)
     load_s = time.perf_counter() - started
     options = EncodeOptions()
 
@@ -169,6 +170,7 @@ def run_limit(args: argparse.Namespace) -> Json:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "limit.json"
         command = [sys.executable, __file__, "--limit-only", str(out), "--device", args.device,
+                   "--backend", args.backend,
                    "--limit-batch-sizes", ",".join(map(str, args.limit_batch_sizes))]
         if args.torch_threads:
             command += ["--torch-threads", str(args.torch_threads)]
@@ -209,7 +211,7 @@ def policy_models(folder: Path, policies: Sequence[str]) -> dict[str, str]:
 
 def serve_args(args: argparse.Namespace, folder: Path, names: dict[str, str]) -> list[str]:
     """`ember serve` flags: the device, the policy catalog folder, every policy preloaded."""
-    out = ["--device", args.device, "--model-dir", str(folder)]
+    out = ["--device", args.device, "--backend", args.backend, "--model-dir", str(folder)]
     for name in names.values():
         if name != MODEL:
             out += ["--preload", name]
@@ -391,6 +393,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="torch intra-op threads of the server and the limit alike; 0: "
                         "torch's choice (on 2 shared cores that collapses whenever a "
                         "neighbour takes a core; see docs/benchmarks.md)")
+    parser.add_argument("--backend", default="onnx", choices=("onnx", "torch"),
+                        help="forward backend of the server and the limit alike")
     parser.add_argument("--concurrency", default="8,32", help="closed-loop in-flight counts")
     parser.add_argument("--policies", default="default,idle0,nohold",
                         help="dispatch policies to serve side by side, of "
@@ -417,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.limit_only is not None:
         result = limit_measure(args.device, args.torch_threads or None, plan,
-                               args.limit_batch_sizes)
+                               args.limit_batch_sizes, args.backend)
         args.limit_only.write_text(json.dumps(result), encoding="utf-8")
         return 0
 
@@ -425,7 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     began = time.perf_counter()
     data: Json = {"meta": benchlib.meta(sys.argv), "settings": {
-        "model": MODEL, "device": args.device, "reps": args.reps, "quick": args.quick,
+        "model": MODEL, "device": args.device, "backend": args.backend, "reps": args.reps,
+        "quick": args.quick,
         "concurrency": args.concurrency, "policies": {p: POLICY_BATCHING[p]
                                                       for p in args.policies},
         "plan": asdict(plan), "limit_batch_sizes": args.limit_batch_sizes,

@@ -90,6 +90,8 @@ POLICIES: dict[str, WorkerConfig] = {
     "nohold": WorkerConfig(hold_fraction=0.0),
     "earlier": WorkerConfig(),
 }
+# Run only where lengths differ (the mixed open loop): the padding bound off.
+MIXED_ONLY: dict[str, WorkerConfig] = {"nopad": WorkerConfig(max_padding=0.0)}
 POLICY_CLASSES: dict[str, type[DispatchPolicy]] = {"earlier": EarlierIdleRule}
 CONTROL = "default-again"  # the A/A control: the default policy run a second time
 POLICY_LABELS = {
@@ -98,6 +100,7 @@ POLICY_LABELS = {
     "nohold": "hold_fraction=0 (no hold for senders)",
     "earlier": "earlier idle rule (lone requests wait)",
     CONTROL: "default again (A/A control)",
+    "nopad": "max_padding=0 (no padding bound)",
 }
 PLOT_LABELS = {"default": "default", "idle0": "idle_coalesce_ms=0", "nohold": "no hold",
                "earlier": "earlier idle rule"}
@@ -161,6 +164,8 @@ class Scenario:
     @property
     def policies(self) -> list[str]:
         names = list(POLICIES)
+        if self.kind == "open_mixed":
+            return [*names, *MIXED_ONLY]
         return [*names, CONTROL] if self.kind == "closed" else names
 
 
@@ -485,7 +490,7 @@ def body_of(scenario: Scenario) -> Body:
 
 
 def config_of(policy: str) -> WorkerConfig:
-    return POLICIES["default" if policy == CONTROL else policy]
+    return {**POLICIES, **MIXED_ONLY}["default" if policy == CONTROL else policy]
 
 
 def summarize(reps: dict[str, list[Json]]) -> Json:

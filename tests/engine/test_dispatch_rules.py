@@ -202,6 +202,28 @@ async def test_r5_mixed_lengths_form_batches_of_similar_cost_within_limits() -> 
         assert len(batch) == 1 or len(batch) * max(batch) <= 400
 
 
+async def test_r5_padding_bound_keeps_far_lengths_out_of_one_forward() -> None:
+    async with running(WorkerConfig(idle_coalesce_ms=0.0)) as (worker, adapter):
+        worker.pause()
+        costs = [10, 100, 11, 98, 12, 99]
+        futures = [await worker.submit(items(cost), "p") for cost in costs]
+        worker.resume()
+        await asyncio.gather(*futures)
+    batches = sorted(sorted(int(p.rsplit(":", 1)[1]) for p in call) for call in payloads(adapter))
+    assert batches == [[10, 11, 12], [98, 99, 100]]  # not six items padded to 100
+
+
+async def test_r5_close_lengths_share_a_forward_and_the_bound_can_be_off() -> None:
+    for config, expected in ((WorkerConfig(idle_coalesce_ms=0.0), [4, 2]),
+                             (WorkerConfig(idle_coalesce_ms=0.0, max_padding=0.0), [6])):
+        async with running(config) as (worker, adapter):
+            worker.pause()
+            futures = [await worker.submit(items(cost), "p") for cost in (12, 14, 16, 13, 90, 95)]
+            worker.resume()
+            await asyncio.gather(*futures)
+        assert sorted(forward_sizes(adapter), reverse=True) == expected
+
+
 async def test_r5_a_single_item_over_the_token_limit_still_runs_alone() -> None:
     config = WorkerConfig(idle_coalesce_ms=0.0, max_batch_tokens=100)
     async with running(config) as (worker, adapter):
@@ -376,9 +398,10 @@ async def staggered_clients(config: WorkerConfig, rounds: int = 4) -> list[int]:
 
 
 async def test_r4_returning_senders_are_awaited_once_seen_to_return() -> None:
-    # Two rounds show the senders come back within the hold (25 % of an 80 ms forward,
-    # and 15 ms of quiet: generous against a loaded machine); then one forward a round.
-    config = WorkerConfig(idle_coalesce_ms=0.0, coalesce_ms=15.0, max_batch_wait_ms=100.0)
+    # Two rounds show the senders come back within max_batch_wait_ms; then the hold
+    # (25 % of an 80 ms forward) awaits them and one forward a round follows. Returns
+    # come 1 ms apart, more than coalesce_ms: as over HTTP, no quiet window ends it.
+    config = WorkerConfig(idle_coalesce_ms=0.0, coalesce_ms=0.5, max_batch_wait_ms=100.0)
     sizes = await staggered_clients(config)
     assert sizes[:2] == [1, 3] and sum(sizes) == 16  # not yet seen to come back: split
     assert len(sizes) <= 6  # later rounds fuse (on a quiet machine: [1, 3, 1, 3, 4, 4])
@@ -405,13 +428,12 @@ async def burst_then_back(worker: ModelWorker) -> list[asyncio.Future[RequestRes
     return list(await asyncio.gather(*(again(f) for f in burst)))
 
 
-async def test_r4_a_hold_ends_when_the_senders_stop_coming() -> None:
-    config = WorkerConfig(idle_coalesce_ms=0.0, coalesce_ms=20.0, max_batch_wait_ms=400.0,
-                          hold_fraction=10.0)
+async def test_r4_a_hold_ends_at_its_bound_when_the_senders_stop_coming() -> None:
+    config = WorkerConfig(idle_coalesce_ms=0.0, max_batch_wait_ms=30.0, hold_fraction=10.0)
     async with running(config, overhead_ms=5.0) as (worker, _):
         await asyncio.gather(*await burst_then_back(worker))  # all four came back
         result = await (await worker.submit(items(2), "p"))  # now only one returns
-        assert 10.0 <= result.queue_ms < 20.0 + 100.0  # held for the quiet time, no more
+        assert 20.0 <= result.queue_ms < 30.0 + 100.0  # held to max_batch_wait_ms, no more
 
 
 async def test_r3c_ends_as_soon_as_the_senders_of_the_last_forward_are_back() -> None:

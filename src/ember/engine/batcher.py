@@ -17,6 +17,19 @@ from ember.engine.types import PreparedItem
 
 EXACT_COSTS = 64  # costs below this get a bucket each
 STEPS_PER_OCTAVE = 32  # above it, buckets at most 1/32 (~3 %) apart
+# Padding every item may carry besides `max_padding`: short texts of a few tokens'
+# difference still share a forward (their padding costs next to nothing).
+PADDING_SLACK = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """A batch's limits (R5): items, padded tokens, and padded tokens per real token
+    (`max_padding`, plus PADDING_SLACK per item; 0 turns it off)."""
+
+    max_tokens: int
+    max_items: int
+    max_padding: float = 0.0
 
 
 def cost_bucket(cost: int) -> int:
@@ -52,27 +65,44 @@ class PendingItem:
 class Batch:
     """Items that will run in one forward: one LoRA, one parameter group.
 
-    `full` is True once it reached a limit (items, or padded tokens with an item
-    left out): waiting for more arrivals cannot add to it.
+    `full` is True once it reached a limit (items, padded tokens or padding with an
+    item left out): waiting for more arrivals cannot add to it.
     """
 
     lora: str | None
     group: Hashable
     items: list[PendingItem] = field(default_factory=list)
     widest: int = 0
+    real_tokens: int = 0
     full: bool = False
 
-    def fits(self, cost: int, max_tokens: int, max_items: int) -> bool:
-        """Whether one more item of `cost` keeps the batch within both limits (R5)."""
+    def fits(self, cost: int, limits: Limits) -> bool:
+        """Whether one more item of `cost` keeps the batch within its limits (R5)."""
         count = len(self.items)
-        if count >= max_items:
+        if count >= limits.max_items:
             return False
-        return count == 0 or (count + 1) * max(self.widest, cost) <= max_tokens
+        if count == 0:
+            return True
+        padded = (count + 1) * max(self.widest, cost)
+        return padded <= limits.max_tokens and (
+            not limits.max_padding
+            or padded <= limits.max_padding * (self.real_tokens + cost)
+            + PADDING_SLACK * (count + 1))
 
     def add(self, pending: PendingItem) -> None:
         pending.queued = False
         self.items.append(pending)
         self.widest = max(self.widest, pending.item.cost)
+        self.real_tokens += pending.item.cost
+
+    def remove(self, owner: Owner) -> int:
+        """Drop the items of `owner`; return how many left."""
+        kept = [p for p in self.items if p.owner is not owner]
+        dropped = len(self.items) - len(kept)
+        self.items = kept
+        self.widest = max((p.item.cost for p in kept), default=0)
+        self.real_tokens = sum(p.item.cost for p in kept)
+        return dropped
 
     @property
     def padded_tokens(self) -> int:
@@ -122,13 +152,15 @@ class BatchFormer:
     A batch takes the parameter group of the oldest pending item (R6). If that item
     has waited `starvation_s`, it leads the batch and the rest packs by cost around
     its length; otherwise the batch packs from the cheapest item up. Items are added
-    while `items x longest <= max_batch_tokens` and the count stays within
-    `max_batch_items`; a batch always has at least one item (R5).
+    while `items x longest <= max_batch_tokens`, the count stays within
+    `max_batch_items` and, with `max_padding`, the padded tokens stay within
+    `max_padding` x the real ones (+ PADDING_SLACK per item); a batch always has at
+    least one item (R5).
     """
 
-    def __init__(self, max_batch_tokens: int, max_batch_items: int, starvation_s: float) -> None:
-        self.max_batch_tokens = max_batch_tokens
-        self.max_batch_items = max_batch_items
+    def __init__(self, max_batch_tokens: int, max_batch_items: int, starvation_s: float,
+                 max_padding: float = 0.0) -> None:
+        self.limits = Limits(max_batch_tokens, max_batch_items, max_padding)
         self.starvation_s = starvation_s
         self._groups: dict[Hashable, _Group] = {}
         self._arrivals: deque[PendingItem] = deque()  # arrival order; tombstones skipped lazily
@@ -194,9 +226,9 @@ class BatchFormer:
     def _pack(self, batch: Batch, group: _Group, low: int, high: int) -> None:
         """Grow `batch` from the buckets around it: at each step the candidate (next
         shorter or next longer) that adds the fewest padded tokens, while it fits."""
-        keys, max_tokens, max_items = group.keys, self.max_batch_tokens, self.max_batch_items
+        keys, limits = group.keys, self.limits
         shorter = longer = None
-        while len(batch.items) < max_items:
+        while len(batch.items) < limits.max_items:
             while low >= 0 and (shorter := group.head(keys[low])) is None:
                 low -= 1
             while high < len(keys) and (longer := group.head(keys[high])) is None:
@@ -211,7 +243,7 @@ class BatchFormer:
                 shorter is not None and self._added_padding(batch, shorter.item.cost)
                 <= self._added_padding(batch, longer.item.cost)) else (longer, shorter)
             for chosen in (first, second):
-                if chosen is not None and batch.fits(chosen.item.cost, max_tokens, max_items):
+                if chosen is not None and batch.fits(chosen.item.cost, limits):
                     group.buckets[keys[low] if chosen is shorter else keys[high]].popleft()
                     batch.add(chosen)
                     break

@@ -15,6 +15,14 @@ class WorkerConfig:
     `hold_fraction`: after a forward that carried several requests, the next batch
     of that LoRA waits for those senders to come back, at most this fraction of that
     forward's duration (and at most `max_batch_wait_ms`; 0 turns the hold off).
+
+    `max_padding`: a batch takes no item that would raise its padded tokens past
+    this many per real token (plus a few per item, so close lengths still share a
+    forward); the item waits for a batch of its own length. 0 turns it off (for a
+    device whose fixed cost per forward dwarfs its cost per padded token).
+
+    `coalesce_ms` is accepted (server flag, YAML) but no longer read: a hold ends
+    when its senders are back or at its bound, not after a quiet time.
     """
 
     max_batch_tokens: int = 16384
@@ -25,20 +33,26 @@ class WorkerConfig:
     max_queue_items: int = 4096
     starvation_ms: float | None = None
     hold_fraction: float = 0.25
+    max_padding: float = 1.05
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_batch_items", "max_queue_items"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_batch_wait_ms", "coalesce_ms", "idle_coalesce_ms", "hold_fraction"):
+        for name in ("max_batch_wait_ms", "coalesce_ms", "idle_coalesce_ms", "hold_fraction",
+                     "max_padding"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if 0 < self.max_padding < 1:
+            raise ValueError(f"max_padding must be 0 (off) or >= 1, got {self.max_padding}")
         if self.starvation_ms is not None and self.starvation_ms < 0:
             raise ValueError(f"starvation_ms must be >= 0 or None, got {self.starvation_ms}")
 
     @property
     def starvation_s(self) -> float:
         """How long an item may wait before it leads the next batch (R5)."""
+        if 0 < self.max_padding < 1:
+            raise ValueError(f"max_padding must be 0 (off) or >= 1, got {self.max_padding}")
         if self.starvation_ms is not None:
             return self.starvation_ms / 1000
         # A few batch windows: long enough to batch, short enough to bound waiting.

@@ -15,7 +15,7 @@ from ember.engine.config import WorkerConfig
 @dataclass(frozen=True, slots=True)
 class LastForward:
     """The last forward that ended on a LoRA; `senders_return` tells whether the
-    senders of the forward before it all came back within its hold window."""
+    senders of the forward before it all came back within `max_batch_wait_ms`."""
 
     ended: float
     requests: int
@@ -60,14 +60,14 @@ class DispatchPolicy:
             if last.senders_return:  # R4: closed-loop clients: they come back at once
                 hold_end += self.hold_s(last.requests, last.duration)
             if now < hold_end and queue.arrived_since_forward < last.requests:
-                quiet_end = max(last.ended, queue.last_arrival) + cfg.coalesce_ms / 1000
-                return min(hold_end, quiet_end)  # unless they stop coming
+                return hold_end  # over HTTP returns come ms apart: no quiet window here
             if queue.oldest_arrival <= hold_end:
                 return now  # R4: work that came during a forward or its hold goes at once
             if (queue.arrived_since_forward >= last.requests >= 2
                     and queue.oldest_arrival <= last.ended + cfg.max_batch_wait_ms / 1000):
                 return now  # R3c ends: the senders of the last forward are all back
         return self.idle_release_at(queue)
+
     def idle_release_at(self, queue: QueueView) -> float:
         """R3: work that reached an idle worker."""
         cfg = self.config

@@ -72,7 +72,7 @@ class _Lane:
     last_arrival: float = 0.0
     last_forward: LastForward | None = None
     # Whether senders come back: after each forward of several requests, did all of them
-    # return within its hold window? Closed-loop clients do; open-loop arrivals and
+    # return within max_batch_wait_ms? Closed-loop clients do; open-loop arrivals and
     # one-off bursts do not. A forward of one request leaves the answer as it was.
     senders_return: bool = False
     probe_target: int = 0  # `arrived` that means they are all back
@@ -205,6 +205,8 @@ class ModelWorker:
         lane = self._lane(lora)
         lane.arrived += 1
         lane.last_arrival = now
+        if log.isEnabledFor(logging.DEBUG):  # the dispatch trace: arrivals and forwards
+            log.debug("%s: submit at=%.6f items=%d lora=%s", self.name, now, len(items), lora)
         if lane.probe_end >= now and lane.arrived >= lane.probe_target:
             lane.senders_return, lane.probe_end = True, -1.0
         queued = self._revise_slot(lora, request.items)
@@ -298,15 +300,15 @@ class ModelWorker:
             slot = self._slot
             if slot is None or slot.lora != lora or slot.group != items[0].group:
                 return items
-            cfg = self.config
+            limits = self._lanes[lora].former.limits
             taken = 0
             for pending in items:
-                if not slot.fits(pending.item.cost, cfg.max_batch_tokens, cfg.max_batch_items):
+                if not slot.fits(pending.item.cost, limits):
                     slot.full = True
                     break
                 slot.add(pending)
                 taken += 1
-            if len(slot.items) >= cfg.max_batch_items:
+            if len(slot.items) >= limits.max_items:
                 slot.full = True
         return items[taken:]
 
@@ -367,7 +369,11 @@ class ModelWorker:
         lane.arrived_at_last_end = lane.arrived
         if len(requests) >= 2:
             lane.probe_target = lane.arrived + len(requests)
-            lane.probe_end = forward.ended + self.policy.hold_s(len(requests), elapsed)
+            lane.probe_end = forward.ended + self.config.max_batch_wait_ms / 1000
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: forward started=%.6f ended=%.6f items=%d requests=%d padded=%d "
+                      "senders_return=%s", self.name, forward.started, forward.ended,
+                      len(batch.items), len(requests), batch.padded_tokens, lane.senders_return)
         self.stats.record_batch(BatchRecord(len(batch.items), len(requests),
                                             batch.padded_tokens, batch.lora, elapsed * 1000,
                                             forward.error is not None, forward.started,
@@ -419,12 +425,8 @@ class ModelWorker:
         with self._cond:
             slot = self._slot
             if slot is not None and any(p.owner is request for p in slot.items):
-                kept = [p for p in slot.items if p.owner is not request]
-                dropped += len(slot.items) - len(kept)
-                if kept:
-                    slot.items = kept
-                    slot.widest = max(p.item.cost for p in kept)
-                else:
+                dropped += slot.remove(request)
+                if not slot.items:
                     self._slot, self._released = None, False
         if dropped:
             self.stats.record_dropped(dropped)
@@ -455,7 +457,7 @@ class ModelWorker:
         if lane is None:
             cfg = self.config
             lane = _Lane(BatchFormer(cfg.max_batch_tokens, cfg.max_batch_items,
-                                     cfg.starvation_s))
+                                     cfg.starvation_s, cfg.max_padding))
             self._lanes[lora] = lane
         return lane
 
