@@ -138,5 +138,6 @@ async def test_models_report_outputs_dims_and_dtypes(tiny: Served) -> None:
     models = {m["id"]: m for m in (await tiny.client.get("/v1/models")).json()["data"]}
     assert models[SPARSE]["output_types"] == ["sparse"] and models[SPARSE]["dims"] > 0
     assert models[COLBERT]["output_types"] == ["multivector"]
-    assert models[COLBERT]["output_dtypes"] == ["float32", "float16", "int8", "binary"]
+    assert models[COLBERT]["output_dtypes"] == ["float32", "float16", "int8", "uint8",
+                                                "binary", "ubinary"]
     assert models["spacy/en_core_web_sm"]["output_types"] == []

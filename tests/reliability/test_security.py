@@ -285,7 +285,7 @@ def test_pickled_weights_do_not_load_by_default(sources: Sources, figures: Recor
     leaks = [str(sources.root), "/tmp/"]
     with httpx.Client(base_url=sources.server.url, timeout=120) as client:
         refused = client.post("/v1/encode/test/pickle-only", json=encode_body("hello"))
-        error = assert_error(refused, 503, "model_unavailable", "model", leaks)
+        error = assert_error(refused, 502, "model_load_failed", "model", leaks)
         allowed = client.post("/v1/encode/test/pickle-allowed", json=encode_body("hello"))
     assert "test/pickle-only" in error["message"] and "safetensors" in error["message"], error
     assert not sources.markers["pickle"].exists(), "the pickle was unpickled"
@@ -307,7 +307,7 @@ def test_remote_code_does_not_run_unless_trusted(sources: Sources, figures: Reco
         results["remote-bert"] = {"status": plain.status_code}
         # an architecture only the shipped code knows: refused, nothing runs
         unknown = client.post("/v1/encode/test/remote-unknown", json=encode_body("hello"))
-        error = assert_error(unknown, 503, "model_unavailable", "model", leaks)
+        error = assert_error(unknown, 502, "model_load_failed", "model", leaks)
         assert "trust_remote_code" in error["message"] or "custom code" in error["message"]
         results["remote-unknown"] = {"status": unknown.status_code,
                                      "message": error["message"]}

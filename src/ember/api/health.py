@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ember.api.errors import error_response
-from ember.api.state import server_state
+from ember.api.errors import as_api_error, error_response
+from ember.api.state import Models, server_state
 from ember.config import FAMILY_OUTPUTS
+from ember.errors import ModelNotFound
 from ember.outputs import DTYPES
 
 router = APIRouter(tags=["operations"])
@@ -34,30 +36,61 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ready", "default_model": default})
 
 
-@router.get("/v1/models", summary="The catalog: every model, its tasks, outputs and state")
+STARTED = int(time.time())  # OpenAI's model objects carry a `created` time
+
+
+def model_entry(registry: Models, name: str) -> dict[str, Any]:
+    """One model in both dialects at once: OpenAI's model object (`id`, `object`,
+    `created`, `owned_by`), SIE's ModelInfo (`name`, `loaded`, `state`, `inputs`,
+    `outputs`, `dims` by output type, `max_sequence_length`) and Ember's own fields."""
+    spec = registry.catalog[name]
+    state = registry.state(name)
+    entry: dict[str, Any] = {
+        "id": name, "object": "model", "created": STARTED, "owned_by": "ember",
+        "name": name, "loaded": state == "loaded", "state": state, "inputs": ["text"],
+        "adapter": spec.adapter, "tasks": list(spec.tasks), "description": spec.description,
+        "loras": sorted(spec.loras), "max_seq_length": spec.max_seq_length, "dims": None,
+        "output_types": list(FAMILY_OUTPUTS.get(spec.adapter, ())),
+    }
+    info = registry.info(name)
+    if info is not None:
+        entry.update(dims=info.dims, max_seq_length=info.max_seq_length,
+                     output_types=list(info.output_types) if "encode" in info.tasks else [])
+        if info.labels:
+            entry["labels"] = list(info.labels)
+    entry["output_dtypes"] = list(DTYPES) if entry["output_types"] else []
+    entry["outputs"] = entry["output_types"]
+    entry["max_sequence_length"] = entry["max_seq_length"]
+    return entry
+
+
+def sie_shape(entry: dict[str, Any]) -> dict[str, Any]:
+    """`dims` as SIE gives it, by output type (`{"dense": 384}`); Ember's plain number
+    stays as `dimensions`."""
+    dims = entry["dims"]
+    by_type = {kind: dims for kind in entry["output_types"]} if dims is not None else {}
+    return {**entry, "dims": by_type, "dimensions": dims}
+
+
+@router.get("/v1/models", summary="The catalog: every model, its tasks, outputs and state "
+            "(OpenAI's list under `data`, SIE's under `models`)")
 async def models(request: Request) -> dict[str, Any]:
     registry = server_state(request).registry
     await registry.refresh()
-    data = []
-    for name in registry.names:
-        spec = registry.catalog[name]
-        entry: dict[str, Any] = {
-            "id": name, "object": "model", "owned_by": "ember", "adapter": spec.adapter,
-            "tasks": list(spec.tasks), "state": registry.state(name),
-            "description": spec.description, "loras": sorted(spec.loras),
-            "max_seq_length": spec.max_seq_length, "dims": None,
-            "output_types": list(FAMILY_OUTPUTS.get(spec.adapter, ())),
-        }
-        info = registry.info(name)
-        if info is not None:
-            entry.update(dims=info.dims, max_seq_length=info.max_seq_length,
-                         output_types=list(info.output_types) if "encode" in info.tasks
-                         else [])
-            if info.labels:
-                entry["labels"] = list(info.labels)
-        entry["output_dtypes"] = list(DTYPES) if entry["output_types"] else []
-        data.append(entry)
-    return {"object": "list", "data": data}
+    entries = [model_entry(registry, name) for name in registry.names]
+    return {"object": "list", "data": entries,
+            "models": [sie_shape(e) for e in entries]}
+
+
+@router.get("/v1/models/{model:path}", summary="One model (OpenAI's model object and SIE's "
+            "ModelInfo in one)")
+async def model(model: str, request: Request) -> JSONResponse:
+    registry = server_state(request).registry
+    if model not in registry.catalog:
+        error = as_api_error(ModelNotFound(model, registry.names))
+        return error_response(error.status, error.kind, error.message, error.param)
+    await registry.refresh()
+    return JSONResponse(sie_shape(model_entry(registry, model)))
 
 
 @router.get("/metrics", summary="Prometheus metrics")

@@ -40,7 +40,7 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     check_inputs(request, texts, "inputs")
     options = EncodeOptions(normalize=body.normalize, truncate=body.truncate,
                             is_query=body.prompt_name == "query")
-    output = await run_task(request, "tei.embed", model, "encode",
+    output = await run_task(request, model, "encode",
                             lambda m, a: a.encode(m.submit, texts, options), len(texts),
                             "inputs")
     return render(request.headers, [encoded.dense for encoded in output.values])
@@ -52,7 +52,7 @@ async def tei_rerank(body: TeiRerankRequest, request: Request) -> Response:
     check_inputs(request, body.texts, "texts")
     check_inputs(request, [body.query], "query")
     options = ScoreOptions(truncate=body.truncate)
-    output = await run_task(request, "tei.rerank", model, "score",
+    output = await run_task(request, model, "score",
                             lambda m, a: a.score(m.submit, body.query, body.texts, options),
                             len(body.texts) + 1, "texts")
     results = []
