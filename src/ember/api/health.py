@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ember import __version__
 from ember.api.errors import as_api_error, error_response
 from ember.api.state import Models, server_state
 from ember.config import FAMILY_OUTPUTS
@@ -24,6 +25,7 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", summary="The default model is loaded and the server is not draining")
+@router.get("/health", summary="TEI's health check: /readyz by TEI's name")
 async def readyz(request: Request) -> JSONResponse:
     state = server_state(request)
     default = state.settings.default_model
@@ -100,3 +102,23 @@ async def metrics(request: Request) -> Response:
         await gather()
     return Response(generate_latest(state.metrics.exposition()),
                     media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/info", summary="TEI's /info: the default model and the server's limits")
+async def info(request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    settings, name = state.settings, state.settings.default_model
+    await state.registry.refresh()
+    spec, loaded = state.registry.catalog[name], state.registry.info(name)
+    kind = "embedding" if "encode" in spec.tasks else "reranker"
+    return {
+        "model_id": name, "model_sha": None, "model_dtype": "float32",
+        "model_type": {kind: {"pooling": spec.pooling} if kind == "embedding" else {}},
+        "max_input_length": loaded.max_seq_length if loaded else spec.max_seq_length,
+        "max_concurrent_requests": settings.worker.max_queue_items,
+        "max_batch_tokens": settings.worker.max_batch_tokens,
+        "max_batch_requests": settings.worker.max_batch_items,
+        "max_client_batch_size": settings.max_items_per_request,
+        "auto_truncate": True, "tokenization_workers": max(settings.workers, 1),
+        "version": __version__, "sha": None, "docker_label": None,
+    }

@@ -16,7 +16,7 @@ from ember.api.errors import BodyTooLarge, error_response
 from ember.api.state import ServerState
 from ember.logs import access_log
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
 
 
 class HttpMiddleware:
