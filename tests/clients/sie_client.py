@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 from sie_sdk import SIEClient
-from sie_sdk.client.errors import InputTooLongError, RequestError
+from sie_sdk.client.errors import RequestError
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 PROMPTED = "test/minilm-prompts"

@@ -104,7 +104,8 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
 
     output = await run_task(request, body.model, "encode", encode, len(texts), "texts")
     vectors = [encoded.dense for encoded in output.values if encoded.dense is not None]
-    embeddings = {kind: by_type(vectors, kind) for kind in dict.fromkeys(body.embedding_types or ["float"])}
+    kinds = dict.fromkeys(body.embedding_types or ["float"])
+    embeddings = {kind: by_type(vectors, kind) for kind in kinds}
     return render(request.headers, {
         "id": os.urandom(16).hex(), "response_type": "embeddings_by_type",
         "embeddings": embeddings, "texts": texts, "meta": meta(input_tokens=output.tokens)})
