@@ -4,7 +4,11 @@ query and document prompts (so the query side is observable), and spaCy for extr
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -12,12 +16,14 @@ import numpy.typing as npt
 import pytest
 
 from ember.config import DEFAULT_MODEL
-from tests.live_server import ServerProcess, start_server
+from tests.live_server import REPO, ServerProcess, start_server
 
 MINILM = DEFAULT_MODEL
 SPACY = "spacy/en_core_web_sm"
 PROMPTED = "test/minilm-prompts"
 QUERY_PROMPT = "query: "
+SDK = "sie-sdk==0.10.1"
+VENV = REPO / ".venv-sie"  # built once for sie-sdk, rebuilt when SDK changes
 PROMPTED_YAML = f"""
 name: {PROMPTED}
 description: all-MiniLM-L6-v2 with query and document prompts (a test model)
@@ -29,6 +35,33 @@ pooling: mean
 normalize: true
 prompts: {{query: "{QUERY_PROMPT}", document: "passage: "}}
 """
+
+
+def python312() -> str | None:
+    """A working Python 3.12: $EMBER_TEST_PYTHON312, python3.12 on PATH, or pyenv's."""
+    candidates = [os.environ.get("EMBER_TEST_PYTHON312"), shutil.which("python3.12"),
+                  *map(str, sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12")))]
+    for candidate in candidates:
+        if candidate and subprocess.run([candidate, "-c", "import sys; assert sys.version_info"
+                                         "[:2] == (3, 12)"], capture_output=True).returncode == 0:
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="session")
+def sie_python() -> Path:
+    stamp = VENV / "ember-stamp"
+    python = VENV / "bin" / "python"
+    if not (stamp.exists() and stamp.read_text() == SDK and python.exists()):
+        interpreter = python312()
+        if interpreter is None:
+            pytest.skip("sie-sdk 0.10.1 needs Python 3.12 and none was found (set "
+                        "EMBER_TEST_PYTHON312 to one)")
+        shutil.rmtree(VENV, ignore_errors=True)
+        subprocess.run([interpreter, "-m", "venv", str(VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", SDK], check=True)
+        stamp.write_text(SDK)
+    return python
 
 
 @pytest.fixture(scope="package")

@@ -1,15 +1,13 @@
 """sie-sdk 0.10.1, unchanged, against a live Ember: is_query, score options, extract,
 list_models and get_model, output dtypes, request ids and the SDK's typed errors.
 
-The SDK needs Python 3.12; the test builds a virtual environment for it once
-(`.venv-sie/` in the repository, rebuilt when the pinned version changes) and runs
-tests/clients/sie_client.py there. Without a Python 3.12 it skips and says why."""
+The SDK needs Python 3.12: tests/clients/sie_client.py runs in the environment the
+`sie_python` fixture builds (conftest.py); without a Python 3.12 the test skips and
+says why."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -25,40 +23,11 @@ from tests.clients.conftest import (
     cosine,
     native_vectors,
 )
-from tests.live_server import REPO, ServerProcess
+from tests.live_server import ServerProcess
 
-SDK = "sie-sdk==0.10.1"
-VENV = REPO / ".venv-sie"
 SCRIPT = Path(__file__).with_name("sie_client.py")
 QUERY = "how do plants make food"
 DOCS = ["Photosynthesis turns light into sugar.", "The stock market fell today."]
-
-
-def python312() -> str | None:
-    """A working Python 3.12: $EMBER_TEST_PYTHON312, python3.12 on PATH, or pyenv's."""
-    candidates = [os.environ.get("EMBER_TEST_PYTHON312"), shutil.which("python3.12"),
-                  *map(str, sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12")))]
-    for candidate in candidates:
-        if candidate and subprocess.run([candidate, "-c", "import sys; assert sys.version_info"
-                                         "[:2] == (3, 12)"], capture_output=True).returncode == 0:
-            return candidate
-    return None
-
-
-@pytest.fixture(scope="module")
-def sie_python() -> Path:
-    stamp = VENV / "ember-stamp"
-    python = VENV / "bin" / "python"
-    if not (stamp.exists() and stamp.read_text() == SDK and python.exists()):
-        interpreter = python312()
-        if interpreter is None:
-            pytest.skip("sie-sdk 0.10.1 needs Python 3.12 and none was found (set "
-                        "EMBER_TEST_PYTHON312 to one)")
-        shutil.rmtree(VENV, ignore_errors=True)
-        subprocess.run([interpreter, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", SDK], check=True)
-        stamp.write_text(SDK)
-    return python
 
 
 @pytest.fixture(scope="module")
