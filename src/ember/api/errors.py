@@ -51,10 +51,6 @@ class ApiError(Exception):
         self.headers = headers or {}
         super().__init__(message)
 
-    @property
-    def code(self) -> str:
-        return error_code(self.kind)
-
 
 class BodyTooLarge(StarletteHTTPException):
     """A streamed request body passed the byte limit. An HTTPException, so FastAPI's body
