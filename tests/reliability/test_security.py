@@ -38,7 +38,7 @@ from tests.reliability.support import (
 
 # -- the API key -------------------------------------------------------------------------------
 
-OPEN = {"/healthz", "/readyz"}
+OPEN = {"/healthz", "/readyz", "/health"}
 BODIES: dict[str, dict[str, Any]] = {
     "/v1/encode/{model}": encode_body("hello"),
     "/v1/score/{model}": {"query": {"text": "q"}, "items": [{"text": "a"}]},
@@ -48,6 +48,9 @@ BODIES: dict[str, dict[str, Any]] = {
     "/embed": {"inputs": "hello"},
     "/": {"inputs": "hello"},
     "/rerank": {"query": "q", "texts": ["a"]},
+    "/similarity": {"inputs": {"source_sentence": "a", "sentences": ["b"]}},
+    "/v2/embed": {"model": SYNTH, "texts": ["a"]},
+    "/v2/rerank": {"model": SYNTH, "query": "q", "documents": ["a"]},
 }
 # Not operations of the schema, but served (or 404) all the same: guarded too.
 EXTRA_PATHS = [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc"),
@@ -404,9 +407,9 @@ def test_no_stack_trace_or_internal_path_in_error_bodies(sources: Sources,
         "413 body": ("POST", f"/v1/encode/{SYNTH}", encode_body("x" * 200_000), None, {}),
         "500 inference fault": ("POST", "/v1/encode/test/fault", encode_body("__fail__"),
                                 None, {}),
-        "503 load failure": ("POST", "/v1/encode/test/pickle-only", encode_body("a"), None,
+        "502 load failure": ("POST", "/v1/encode/test/pickle-only", encode_body("a"), None,
                              {}),
-        "503 remote code": ("POST", "/v1/encode/test/remote-unknown", encode_body("a"), None,
+        "502 remote code": ("POST", "/v1/encode/test/remote-unknown", encode_body("a"), None,
                             {}),
         "422 unsupported task": ("POST", f"/v1/extract/{SYNTH}", encode_body("a"), None, {}),
     }
