@@ -42,5 +42,5 @@ def test_binary_packs_sign_bits_and_hamming_finds_the_neighbour() -> None:
 
 
 def test_an_unknown_dtype_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="float32, float16, int8, binary"):
+    with pytest.raises(ValueError, match="float32, float16, int8, uint8, binary, ubinary"):
         quantize(unit(0), "int4")

@@ -1,4 +1,6 @@
-"""`ember serve` and `ember models`. Every flag has an EMBER_* environment variable."""
+"""`ember serve` and `ember models`. Every flag has an EMBER_* environment variable.
+Flags are matched exactly (`allow_abbrev=False`): `--model` is never read as
+`--model-dir`."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ember import __version__
 from ember.config import DEFAULT_MODEL, CatalogError, ServerSettings, load_catalog
 from ember.engine import WorkerConfig
+from ember.logs import FORMATS, LEVELS
 
 log = logging.getLogger("ember")
 
@@ -52,9 +56,11 @@ class AppendOverEnv(argparse.Action):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="Ember: embeddings, "
-                                     "reranking and entity extraction, batched.")
+                                     "reranking and entity extraction, batched.",
+                                     allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"ember {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="serve models over HTTP",
+    serve = commands.add_parser("serve", help="serve models over HTTP", allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 description="Serve the catalog over HTTP. Each flag can also "
                                 "be set by the EMBER_* variable named in its help.")
@@ -98,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
          "forwards (off: spinning takes the core the front end needs)")
     for name, kind, default, text in WORKER_FLAGS:
         flag(name, kind, default, text)
-    flag("max-items-per-request", int, 512, "items in one request before 413")
+    flag("max-items-per-request", int, 2048, "items in one request before 413 (OpenAI's "
+         "2,048; the engine splits a request into forwards of --max-batch-items)")
     flag("max-body-bytes", int, 16 * 1024 * 1024, "request body size before 413")
     flag("request-timeout-s", float, None, "end a request with 504 after this long; its "
          "queued work is dropped")
@@ -107,10 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
     flag("api-key", str, None, "require 'Authorization: Bearer <key>' (all but /healthz, "
          "/readyz)")
     flag("log-level", str, "info", "debug, info, warning or error")
+    flag("log-format", str, "text", "text, or json: one JSON object a line for log shippers")
 
-    models = commands.add_parser("models", help="list the model catalog")
+    models = commands.add_parser("models", help="list the model catalog: name, tasks, "
+                                 "state and dims", allow_abbrev=False)
     models.add_argument("--model-dir", action="append", default=None,
                         help="folder of extra model YAML files (repeatable)")
+    models.add_argument("--url", default=None, help="a running server (http://host:port) "
+                        "to ask for each model's live state and dims; without it, the "
+                        "catalog alone (dims when its YAML gives them)")
+    models.add_argument("--api-key", default=os.environ.get("EMBER_API_KEY"),
+                        help="the server's API key, with --url [EMBER_API_KEY]")
     return parser
 
 
@@ -136,7 +150,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         max_items_per_request=args.max_items_per_request, max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout_s, max_loaded_models=args.max_loaded_models,
         memory_budget_mb=args.memory_budget_mb, api_key=args.api_key or None,
-        log_level=args.log_level,
+        log_level=args.log_level.lower(), log_format=args.log_format.lower(),
     )
 
 
@@ -158,19 +172,42 @@ def serve(settings: ServerSettings) -> int:
         return serve_processes(settings)
     from ember.registry import Registry
     from ember.server import run_http
+    from ember.supervisor import bind
 
-    log.info("Ember listening on http://%s:%d (default model %s; /docs for the API)",
-             settings.host, settings.port, settings.default_model)
-    run_http(settings, Registry.serving(settings, catalog))
+    try:  # bound before anything loads, so a taken port is one line and exit code 1
+        sock = bind(settings.host, settings.port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror)
+        return 1
+    with sock:
+        run_http(settings, Registry.serving(settings, catalog), sockets=[sock])
     return 0
 
 
-def list_models(model_dirs: Sequence[str] | None) -> int:
+def list_models(model_dirs: Sequence[str] | None, url: str | None = None,
+                api_key: str | None = None) -> int:
+    """A table of the catalog: name, tasks, state and dims; live from a server with `url`."""
     catalog = load_catalog(Path(p) for p in _list(model_dirs, ":"))
-    width = max(len(name) for name in catalog)
-    for name, spec in sorted(catalog.items()):
-        print(f"{name:<{width}}  {spec.adapter:<13} {','.join(spec.tasks):<14} "
-              f"{spec.description}")
+    rows = [(name, ",".join(spec.tasks), "-", str(spec.options.get("dims", "-")))
+            for name, spec in sorted(catalog.items())]
+    if url is not None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        try:
+            response = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=10)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            print(f"ember: cannot list the models of {url}: {exc}", file=sys.stderr)
+            return 1
+        rows = [(m["id"], ",".join(m["tasks"]), m["state"],
+                 "-" if m["dims"] is None else str(m["dims"]))
+                for m in response.json()["data"]]
+    header = ("NAME", "TASKS", "STATE", "DIMS")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
+    for row in [header, *rows]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
+              + "  " + row[3])
     return 0
 
 
@@ -178,7 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "models":
-            return list_models(args.model_dir)
+            return list_models(args.model_dir, args.url, args.api_key)
+        for name, value, allowed in (("--log-level", args.log_level, LEVELS),
+                                     ("--log-format", args.log_format, FORMATS)):
+            if value.lower() not in allowed:
+                print(f"ember: {name} must be one of {', '.join(allowed)}, not {value!r}",
+                      file=sys.stderr)
+                return 2
         return serve(settings_from(args))
     except CatalogError as exc:
         print(f"ember: {exc}", file=sys.stderr)

@@ -244,7 +244,7 @@ class ServerSettings:
     onnx_threads: int | None = None  # None: all cores but one
     onnx_spinning: bool = False
     worker: WorkerConfig = field(default_factory=WorkerConfig)
-    max_items_per_request: int = 512
+    max_items_per_request: int = 2048  # OpenAI's own limit; the engine splits into forwards
     max_body_bytes: int = 16 * 1024 * 1024
     max_text_chars: int = 200_000
     request_timeout_s: float | None = None
@@ -252,3 +252,4 @@ class ServerSettings:
     memory_budget_mb: int | None = None
     api_key: str | None = None
     log_level: str = "info"
+    log_format: str = "text"  # text | json (one JSON object a line, for log shippers)

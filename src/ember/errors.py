@@ -18,6 +18,10 @@ class InvalidInput(EmberError):
         super().__init__(message)
 
 
+class InputTooLong(InvalidInput):
+    """An input over the model's token limit with truncation off (HTTP 400 INPUT_TOO_LONG)."""
+
+
 class ModelNotFound(EmberError):
     """No catalog entry by that name (HTTP 404)."""
 

@@ -1,4 +1,4 @@
-"""Output dtypes of encode vectors: float32, float16, int8 and binary.
+"""Output dtypes of encode vectors: float32, float16, int8, uint8, binary and ubinary.
 
 int8 is symmetric scalar quantization calibrated per vector: the largest
 absolute component maps to 127, `q = round(127 * x / max|x|)`, and the wire
@@ -6,6 +6,9 @@ carries that `scale` (`x ~= q * scale`). Cosine similarity is unchanged by the
 per-vector scale, so int8 vectors compare directly. binary keeps the sign bit
 of each component (1 for > 0), packed eight to a byte, most significant bit
 first (`numpy.packbits`); `dims` still reports the original dimension.
+uint8 and ubinary are the names sie-sdk (after sentence-transformers) also
+documents: uint8 is int8 shifted by 128 (`x ~= (q - 128) * scale`), ubinary the
+same packed bits as binary.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-DTYPES = ("float32", "float16", "int8", "binary")
+DTYPES = ("float32", "float16", "int8", "uint8", "binary", "ubinary")
+PACKED_BITS = ("binary", "ubinary")  # sign bits, eight to a byte
+UINT8_ZERO = 128  # uint8 is int8 shifted by this
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,11 @@ def quantize(vector: npt.NDArray[np.float32], dtype: str) -> Quantized:
         scale = peak / 127.0 if peak > 0 else 1.0
         q = np.clip(np.rint(vector / scale), -127, 127).astype(np.int8)
         return Quantized(q, dtype, scale)
-    if dtype == "binary":
+    if dtype == "uint8":
+        signed = quantize(vector, "int8")
+        return Quantized((signed.values.astype(np.int16) + UINT8_ZERO).astype(np.uint8),
+                         dtype, signed.scale)
+    if dtype in PACKED_BITS:
         return Quantized(np.packbits(vector > 0, axis=-1), dtype)
     raise ValueError(f"unknown output dtype {dtype!r}; use one of {', '.join(DTYPES)}")
 

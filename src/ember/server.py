@@ -34,6 +34,10 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if not self.managed and not self.should_exit:  # a supervisor says it for all
+            settings = self.state.settings
+            log.info("Ember listening on http://%s:%d (default model %s; /docs for the API)",
+                     settings.host, settings.port, settings.default_model)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.managed and sig == signal.SIGINT:
@@ -67,5 +71,6 @@ def run_http(settings: ServerSettings, registry: Models,
     app = create_app(settings, registry)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
                             http="httptools", log_level=settings.log_level, access_log=False,
+                            log_config=None,  # uvicorn's lines go through Ember's format
                             proxy_headers=False, timeout_graceful_shutdown=None)
     DrainingServer(config, app.state.ember, managed).run(sockets=sockets)

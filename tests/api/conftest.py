@@ -86,7 +86,8 @@ def assert_error(response: httpx.Response, status: int, kind: str | None = None,
     body = response.json()
     assert set(body) == {"error"}, body
     error = body["error"]
-    assert set(error) <= {"type", "message", "param"}, error
+    assert set(error) <= {"type", "message", "param", "code"}, error
+    assert error["code"] == error["type"].upper(), error  # SIE's dialect of the type
     assert isinstance(error["type"], str) and error["type"]
     assert isinstance(error["message"], str) and error["message"]
     if kind is not None:

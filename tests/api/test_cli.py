@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from ember import __version__
 from ember.cli import WORKER_FLAGS, build_parser, env_name, main, settings_from
 from ember.config import DEFAULT_MODEL, ServerSettings
 from ember.engine import WorkerConfig
 from tests.api.conftest import BUSY, SLOW, SPACY, SYNTH
-from tests.live_server import REPO, server_env
+from tests.live_server import REPO, ServerProcess, free_port, server_env
 
 # The flags issue 4 asks for, at least.
 REQUIRED_FLAGS = ["host", "port", "model-dir", "preload", "default-model", "device",
@@ -136,12 +138,23 @@ def test_help_names_every_flag_its_variable_and_default(
 
 def test_models_lists_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["models"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    header, *lines = capsys.readouterr().out.splitlines()
+    assert header.split() == ["NAME", "TASKS", "STATE", "DIMS"]
     names = [line.split()[0] for line in lines]
     assert names == sorted(names)
     assert {DEFAULT_MODEL, SPACY, SYNTH} <= set(names)
     minilm = next(line for line in lines if line.startswith(DEFAULT_MODEL))
-    assert "transformer" in minilm and "encode,score" in minilm
+    assert minilm.split()[1:] == ["encode,score", "-", "-"]  # state and dims need a server
+    synthetic = next(line for line in lines if line.startswith(SYNTH))
+    assert synthetic.split()[-1] == "64"  # its YAML gives its dims
+
+
+def test_models_asks_a_running_server(live_server: ServerProcess,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models", "--url", live_server.url]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
+    assert rows[DEFAULT_MODEL] == [DEFAULT_MODEL, "encode,score", "loaded", "384"]
+    assert rows[SPACY][2] in ("available", "loaded")
 
 
 def test_models_with_an_extra_folder(model_dir: Path,
@@ -191,3 +204,38 @@ def test_model_names_local_directories(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EMBER_MODEL", "/m/c:/m/d")
     assert parse().model_paths == (Path("/m/c"), Path("/m/d"))
 
+
+
+def test_version() -> None:
+    result = run_ember("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"ember {__version__}"
+
+
+def test_flags_are_never_abbreviated(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model-d", "/x"])
+    assert "unrecognized arguments: --model-d" in capsys.readouterr().err
+
+
+def test_a_bad_log_level_is_one_line() -> None:
+    result = run_ember("serve", "--log-level", "loud", "--port", "1")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "ember: --log-level must be one of debug, info, warning, error, not 'loud'"]
+
+
+def test_a_taken_port_is_one_line_and_exit_1() -> None:
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        result = run_ember("serve", "--port", str(port), "--default-model", SYNTH)
+    assert result.returncode == 1, result
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0]
+    assert "Traceback" not in result.stderr and "listening" not in result.stderr
+
+
+def test_listening_is_said_once_the_port_is_bound(live_server: ServerProcess) -> None:
+    lines = [line for line in live_server.log_text().splitlines() if "listening on" in line]
+    assert len(lines) == 1 and f"http://127.0.0.1:{live_server.port}" in lines[0]

@@ -138,5 +138,40 @@ async def test_models_report_outputs_dims_and_dtypes(tiny: Served) -> None:
     models = {m["id"]: m for m in (await tiny.client.get("/v1/models")).json()["data"]}
     assert models[SPARSE]["output_types"] == ["sparse"] and models[SPARSE]["dims"] > 0
     assert models[COLBERT]["output_types"] == ["multivector"]
-    assert models[COLBERT]["output_dtypes"] == ["float32", "float16", "int8", "binary"]
+    assert models[COLBERT]["output_dtypes"] == ["float32", "float16", "int8", "uint8",
+                                                "binary", "ubinary"]
     assert models["spacy/en_core_web_sm"]["output_types"] == []
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/embeddings", {"model": SPARSE, "input": ["x"]}),
+    ("/v2/embed", {"model": SPARSE, "texts": ["x"], "input_type": "search_document"}),
+    ("/v1/embeddings", {"model": COLBERT, "input": "x"}),
+])
+async def test_dense_only_routes_refuse_other_outputs_clearly(tiny: Served, route: str,
+                                                              body: dict[str, Any]) -> None:
+    error = assert_error(await tiny.client.post(route, json=body), 422, "unsupported_output",
+                         "model")
+    assert f"/v1/encode/{body['model']}" in error["message"]
+
+
+async def test_uint8_is_int8_shifted(tiny: Served) -> None:
+    signed = (await encode(tiny, PROMPTED, ["x"], output_dtype="int8")).json()["items"][0]
+    unsigned = (await encode(tiny, PROMPTED, ["x"], output_dtype="uint8")).json()["items"][0]
+    assert unsigned["dense"]["scale"] == signed["dense"]["scale"]
+    np.testing.assert_array_equal(np.array(unsigned["dense"]["values"]) - 128,
+                                  signed["dense"]["values"])
+    packed = (await encode(tiny, PROMPTED, ["x"], output_dtype="ubinary")).json()["items"][0]
+    binary = (await encode(tiny, PROMPTED, ["x"], output_dtype="binary")).json()["items"][0]
+    assert packed["dense"]["values"] == binary["dense"]["values"]
+
+
+async def test_is_query_under_options_is_the_query_side(tiny: Served) -> None:
+    under_options = await encode(tiny, PROMPTED, ["x"], options={"is_query": True})
+    under_params = await encode(tiny, PROMPTED, ["x"], is_query=True)
+    document = await encode(tiny, PROMPTED, ["x"])
+    got = under_options.json()["items"][0]["dense"]["values"]
+    assert got == under_params.json()["items"][0]["dense"]["values"]
+    assert got != document.json()["items"][0]["dense"]["values"]
+    clash = await encode(tiny, PROMPTED, ["x"], is_query=True, options={"is_query": False})
+    assert_error(clash, 422, "invalid_request", "params.options.is_query")

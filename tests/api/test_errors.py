@@ -51,7 +51,7 @@ async def test_body_that_is_not_json_is_422(shared: Served) -> None:
 async def test_text_over_the_token_limit_with_truncate_false(shared: Served) -> None:
     body = encode_body("fine", "word " * 600, options={"truncate": False})
     response = await shared.client.post(f"/v1/encode/{MINILM}", json=body)
-    error = assert_error(response, 422, "invalid_request", "items[1].text")
+    error = assert_error(response, 400, "input_too_long", "items[1].text")
     assert "256" in error["message"] and "truncate" in error["message"]
 
 
@@ -59,7 +59,7 @@ async def test_score_query_over_the_limit_with_truncate_false(shared: Served) ->
     body = {"query": {"text": "long " * 600}, "items": [{"text": "a"}],
             "params": {"options": {"truncate": False}}}
     response = await shared.client.post(f"/v1/score/{MINILM}", json=body)
-    assert_error(response, 422, "invalid_request", "query.text")
+    assert_error(response, 400, "input_too_long", "query.text")
 
 
 async def test_text_over_the_character_limit(apps: AppFactory) -> None:

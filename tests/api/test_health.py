@@ -49,7 +49,7 @@ async def test_readyz_is_503_until_the_default_model_is_loaded(apps: AppFactory)
 async def test_readyz_is_503_when_the_default_model_failed_to_load(apps: AppFactory) -> None:
     async with apps.serve(wait=False, default_model=BROKEN) as served:
         response = await served.client.post(f"/v1/encode/{BROKEN}", json=encode_body("x"))
-        error = assert_error(response, 503, "model_unavailable", "model")
+        error = assert_error(response, 502, "model_load_failed", "model")
         assert BROKEN in error["message"]
         assert BROKEN_DIR not in error["message"]  # no file paths reach a client
         assert "secret-weights" not in error["message"]
@@ -138,13 +138,23 @@ async def test_metrics_after_traffic(apps: AppFactory) -> None:
         assert response.headers["content-type"].startswith("text/plain")
         found = samples(response.text)
         total = "ember_requests_total"
-        assert value(found, total, route="encode", model=SYNTH, status="200") == 3
-        assert value(found, total, route="openai.embeddings", model=SYNTH, status="200") == 1
-        assert value(found, total, route="encode", model="unknown", status="404") == 1
-        assert value(found, total, route="encode", model=SYNTH, status="500") == 1
+        encode = "/v1/encode/{model:path}"
+        assert value(found, total, route=encode, model=SYNTH, status="200") == 3
+        assert value(found, total, route="/v1/embeddings", model=SYNTH, status="200") == 1
+        assert value(found, total, route=encode, model="unknown", status="404") == 1
+        assert value(found, total, route=encode, model=SYNTH, status="500") == 1
+        # a refusal before routing is counted too, with its status
+        assert value(found, total, route="unrouted", status="503") == 1
+        assert value(found, "ember_request_duration_seconds_count", route=encode) == 5
         requests = 3 + 1 + 1  # the failed forward is a request too
-        assert value(found, "ember_queue_time_ms_count", model=SYNTH) == requests
-        assert value(found, "ember_inference_time_ms_count", model=SYNTH) == requests
+        assert value(found, "ember_queue_duration_seconds_count", model=SYNTH) == requests
+        assert value(found, "ember_inference_duration_seconds_count", model=SYNTH) == requests
+        assert value(found, "ember_batch_inference_duration_seconds_count",
+                     model=SYNTH) == requests
+        assert value(found, "ember_request_input_tokens_count", route=encode,
+                     model=SYNTH) == 3
+        assert value(found, "ember_request_input_tokens_sum", route=encode, model=SYNTH) > 0
+        assert value(found, "ember_batch_tokens_count", model=SYNTH) == requests
         assert value(found, "ember_batch_items_count", model=SYNTH) == requests
         assert value(found, "ember_batch_items_sum", model=SYNTH) == 3 * 2 + 1 + 1
         assert value(found, "ember_batch_padded_tokens_count", model=SYNTH) == requests
@@ -153,7 +163,7 @@ async def test_metrics_after_traffic(apps: AppFactory) -> None:
         assert value(found, "ember_pending_items", model=SYNTH) == 0
         assert value(found, "ember_model_loaded", model=SYNTH) == 1
         assert value(found, "ember_model_loads_total", model=SYNTH) == 1
-        assert value(found, "ember_model_load_seconds_count", model=SYNTH) == 1
+        assert value(found, "ember_model_load_duration_seconds_count", model=SYNTH) == 1
         assert value(found, "ember_rejections_total", reason="draining") == 1
         assert "ember_model_evictions_total" in response.text or \
             "ember_model_evictions" in response.text

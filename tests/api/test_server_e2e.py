@@ -186,8 +186,8 @@ def test_concurrent_requests_each_get_their_own_vectors(live_server: ServerProce
 def test_metrics_over_the_wire(live_server: ServerProcess) -> None:
     native(live_server, ["counted"])
     assert metric(live_server, r'ember_requests_total\{model="sentence-transformers/all-MiniLM'
-                               r'-L6-v2",route="encode",status="200"\}') >= 1
-    assert metric(live_server, r'ember_inference_time_ms_count\{model="sentence-') >= 1
+                               r'-L6-v2",route="/v1/encode/\{model:path\}",status="200"\}') >= 1
+    assert metric(live_server, r'ember_inference_duration_seconds_count\{model="sentence-') >= 1
     assert metric(live_server, r'ember_model_loads_total\{model="sentence-') == 1
 
 

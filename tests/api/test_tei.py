@@ -58,7 +58,7 @@ async def test_embed_normalize_false(real_default: Served) -> None:
 async def test_embed_truncate_false_refuses_text_over_the_limit(real_default: Served) -> None:
     response = await real_default.client.post("/embed", json={"inputs": ["ok", "word " * 600],
                                                               "truncate": False})
-    error = assert_error(response, 422, "invalid_request", "inputs[1]")  # this route's field
+    error = assert_error(response, 400, "input_too_long", "inputs[1]")  # this route's field
     assert "max_seq_length" in error["message"]
 
 
@@ -71,7 +71,7 @@ async def test_rerank_truncate_false_names_the_long_field(real_default: Served, 
                                                           param: str) -> None:
     response = await real_default.client.post("/rerank", json={
         "query": query, "texts": texts, "truncate": False})
-    assert_error(response, 422, "invalid_request", param)
+    assert_error(response, 400, "input_too_long", param)
 
 
 async def test_tei_rerank(shared: Served) -> None:

@@ -28,7 +28,7 @@ MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 SPACY = "spacy/en_core_web_sm"
 # What must never reach a client: a stack trace or a path inside the installation.
 LEAKS = ("Traceback", 'File "', "site-packages", "/work/", ".py\"", "/usr/lib", "/root/")
-ERROR_KEYS = {"type", "message", "param"}
+ERROR_KEYS = {"type", "message", "param", "code"}  # code: SIE's name of the type
 Record = Callable[[str, dict[str, Any]], Path]  # the `figures` fixture: (name, data) -> file
 
 

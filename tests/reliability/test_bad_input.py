@@ -159,7 +159,7 @@ CASES = [
         param="model"),
     Bad("too-long-without-truncation", ENC_MINILM,
         {"items": [{"text": "word " * 400}], "params": {"options": {"truncate": False}}},
-        param="items[0].text"),
+        status=(400,), kind="input_too_long", param="items[0].text"),  # SIE's INPUT_TOO_LONG
     Bad("text-over-char-limit", ENC, {"items": [{"text": "x" * 200_001}]},
         param="items[0]"),
 ]

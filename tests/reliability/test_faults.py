@@ -283,7 +283,7 @@ async def test_client_disconnect_while_queued_drops_its_items(fault_server: Serv
 
     dropped = delta("ember_dropped_items_total", model=SLOW)
     forwards = delta("ember_batch_items_count", model=SLOW)
-    gone = delta("ember_requests_total", route="encode", model=SLOW, status="499")
+    gone = delta("ember_requests_total", route="/v1/encode/{model:path}", model=SLOW, status="499")
     figures("fault_client_disconnect", {
         "model": f"{SLOW} (synthetic test model, 800 ms forwards of one item)",
         "requests": 3, "disconnected_while_queued": 1, "dropped_items": dropped,
@@ -314,7 +314,7 @@ def test_model_that_fails_to_load_says_why_and_others_serve(fault_server: Server
                                 ("/v1/embeddings", {"model": name, "input": "hello"}),
                                 (f"/v1/encode/{name}", encode_body("again"))):
                 response = client.post(route, json=body)
-                error = assert_error(response, 503, "model_unavailable", "model", leaks)
+                error = assert_error(response, 502, "model_load_failed", "model", leaks)
                 assert name in error["message"] and "failed to load" in error["message"]
                 assert cause in error["message"], error
                 found[name] = error["message"]

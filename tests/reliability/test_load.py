@@ -82,6 +82,7 @@ class Tally:
             self.retry_after.add(response.headers.get("retry-after", "<missing>"))
         else:
             self.errors.append(f"{response.status_code}: {response.text[:200]}")
+ENCODE_ROUTE = "/v1/encode/{model:path}"  # the route label of the metrics
 
 
 async def post_texts(client: httpx.AsyncClient, model: str, texts: Sequence[str],
@@ -254,8 +255,8 @@ async def test_overload_gets_429_then_full_service(servers: ServerPool,
         after = scrape(sync, server.url)
     rejected = (metric(after, "ember_rejections_total", reason="queue_full")
                 - metric(before, "ember_rejections_total", reason="queue_full"))
-    served = (metric(after, "ember_requests_total", route="encode", status="200")
-              - metric(before, "ember_requests_total", route="encode", status="200"))
+    served = (metric(after, "ember_requests_total", route=ENCODE_ROUTE, status="200")
+              - metric(before, "ember_requests_total", route=ENCODE_ROUTE, status="200"))
     accepted = burst_size - burst.statuses[429]
     data = {
         "model": f"{model} (synthetic test model, 40 ms forwards, 8 items per forward)",

@@ -38,8 +38,11 @@ OPERATIONS = [
     ("POST", "/embed"), ("POST", "/"), ("POST", "/rerank"), ("GET", "/healthz"),
     ("GET", "/readyz"),
     ("GET", "/v1/models"), ("GET", "/metrics"),
+    ("POST", "/v2/embed"), ("POST", "/v2/rerank"), ("POST", "/similarity"),
+    ("GET", "/health"), ("GET", "/info"), ("GET", "/v1/models/{model}"),
 ]
 MODEL_FOR = {"/v1/encode/{model}": SYNTH, "/v1/score/{model}": SYNTH,
+             "/v1/models/{model}": SYNTH,
              "/v1/extract/{model}": SPACY}
 
 

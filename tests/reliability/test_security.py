@@ -38,7 +38,7 @@ from tests.reliability.support import (
 
 # -- the API key -------------------------------------------------------------------------------
 
-OPEN = {"/healthz", "/readyz"}
+OPEN = {"/healthz", "/readyz", "/health"}
 BODIES: dict[str, dict[str, Any]] = {
     "/v1/encode/{model}": encode_body("hello"),
     "/v1/score/{model}": {"query": {"text": "q"}, "items": [{"text": "a"}]},
@@ -48,6 +48,9 @@ BODIES: dict[str, dict[str, Any]] = {
     "/embed": {"inputs": "hello"},
     "/": {"inputs": "hello"},
     "/rerank": {"query": "q", "texts": ["a"]},
+    "/similarity": {"inputs": {"source_sentence": "a", "sentences": ["b"]}},
+    "/v2/embed": {"model": SYNTH, "texts": ["a"]},
+    "/v2/rerank": {"model": SYNTH, "query": "q", "documents": ["a"]},
 }
 # Not operations of the schema, but served (or 404) all the same: guarded too.
 EXTRA_PATHS = [("GET", "/openapi.json"), ("GET", "/docs"), ("GET", "/redoc"),
@@ -285,7 +288,7 @@ def test_pickled_weights_do_not_load_by_default(sources: Sources, figures: Recor
     leaks = [str(sources.root), "/tmp/"]
     with httpx.Client(base_url=sources.server.url, timeout=120) as client:
         refused = client.post("/v1/encode/test/pickle-only", json=encode_body("hello"))
-        error = assert_error(refused, 503, "model_unavailable", "model", leaks)
+        error = assert_error(refused, 502, "model_load_failed", "model", leaks)
         allowed = client.post("/v1/encode/test/pickle-allowed", json=encode_body("hello"))
     assert "test/pickle-only" in error["message"] and "safetensors" in error["message"], error
     assert not sources.markers["pickle"].exists(), "the pickle was unpickled"
@@ -307,7 +310,7 @@ def test_remote_code_does_not_run_unless_trusted(sources: Sources, figures: Reco
         results["remote-bert"] = {"status": plain.status_code}
         # an architecture only the shipped code knows: refused, nothing runs
         unknown = client.post("/v1/encode/test/remote-unknown", json=encode_body("hello"))
-        error = assert_error(unknown, 503, "model_unavailable", "model", leaks)
+        error = assert_error(unknown, 502, "model_load_failed", "model", leaks)
         assert "trust_remote_code" in error["message"] or "custom code" in error["message"]
         results["remote-unknown"] = {"status": unknown.status_code,
                                      "message": error["message"]}
@@ -404,9 +407,9 @@ def test_no_stack_trace_or_internal_path_in_error_bodies(sources: Sources,
         "413 body": ("POST", f"/v1/encode/{SYNTH}", encode_body("x" * 200_000), None, {}),
         "500 inference fault": ("POST", "/v1/encode/test/fault", encode_body("__fail__"),
                                 None, {}),
-        "503 load failure": ("POST", "/v1/encode/test/pickle-only", encode_body("a"), None,
+        "502 load failure": ("POST", "/v1/encode/test/pickle-only", encode_body("a"), None,
                              {}),
-        "503 remote code": ("POST", "/v1/encode/test/remote-unknown", encode_body("a"), None,
+        "502 remote code": ("POST", "/v1/encode/test/remote-unknown", encode_body("a"), None,
                             {}),
         "422 unsupported task": ("POST", f"/v1/extract/{SYNTH}", encode_body("a"), None, {}),
     }

@@ -13,7 +13,7 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp
 
 from ember import __version__
-from ember.api import errors, health, native, openai, rerank, tei
+from ember.api import cohere, errors, health, native, openai, rerank, tei
 from ember.api.metrics import Metrics
 from ember.api.middleware import (
     ApiKeyMiddleware,
@@ -78,7 +78,7 @@ def create_app(settings: ServerSettings, registry: Models) -> EmberAPI:
                    description="Embeddings, reranking and entity extraction with dynamic "
                    "batching.")
     errors.install(app)
-    for family in (native, openai, rerank, tei):
+    for family in (native, openai, rerank, cohere, tei):
         app.include_inference_router(family.router)
     app.include_router(health.router)
     return app

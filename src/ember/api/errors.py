@@ -1,4 +1,7 @@
-"""The error body of DESIGN.md, `{"error": {"type", "message", "param"?}}`, and its statuses."""
+"""The error body of DESIGN.md, `{"error": {"type", "message", "param"?, "code"}}`, and its
+statuses. `code` is SIE's dialect: the upper-case codes sie-sdk maps to its typed errors
+(`INPUT_TOO_LONG` -> InputTooLongError, `MODEL_LOAD_FAILED` -> ModelLoadFailedError, a 429
+-> RateLimitError after its retries)."""
 
 from __future__ import annotations
 
@@ -19,10 +22,20 @@ from ember.engine import (
     ShuttingDown,
     WorkerFailed,
 )
-from ember.errors import EmberError, InvalidInput, ModelLoadError, ModelNotFound, UnsupportedTask
+from ember.errors import (
+    EmberError,
+    InputTooLong,
+    InvalidInput,
+    ModelLoadError,
+    ModelNotFound,
+    UnsupportedTask,
+)
 from ember.ipc.wire import RemoteFault
 
 log = logging.getLogger("ember.api")
+# What the adapters' token-limit refusal says (`_torch.over_limit`), until it raises
+# InputTooLong itself.
+_TOO_LONG = "tokens exceeds max_seq_length"
 _PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*")
 
 
@@ -56,10 +69,16 @@ def scrub(message: str) -> str:
     return _PATH.sub("<path>", message)
 
 
+def error_code(kind: str) -> str:
+    """SIE's code for an error type: the type in upper case (`queue_full` -> QUEUE_FULL)."""
+    return kind.upper()
+
+
 def error_body(kind: str, message: str, param: str | None = None) -> dict[str, Any]:
     error: dict[str, Any] = {"type": kind, "message": message}
     if param is not None:
         error["param"] = param
+    error["code"] = error_code(kind)
     return {"error": error}
 
 
@@ -86,6 +105,10 @@ def as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, BodyTooLarge):
         return ApiError(413, "payload_too_large", f"{exc.detail}; send fewer or shorter items "
                         "per request", "body")
+    if isinstance(exc, InputTooLong) or (isinstance(exc, InvalidInput)
+                                         and _TOO_LONG in exc.message):
+        # 400 with INPUT_TOO_LONG is what sie-sdk turns into its InputTooLongError.
+        return ApiError(400, "input_too_long", exc.message, exc.param)
     if isinstance(exc, InvalidInput):
         return ApiError(422, "invalid_request", exc.message, exc.param)
     if isinstance(exc, UnsupportedTask):
@@ -93,7 +116,9 @@ def as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, ModelNotFound):
         return ApiError(404, "model_not_found", str(exc), "model")
     if isinstance(exc, ModelLoadError):
-        return ApiError(503, "model_unavailable", scrub(str(exc)), "model")
+        # 502 MODEL_LOAD_FAILED without Retry-After: sie-sdk fails at once instead of
+        # retrying for minutes (a load that failed stays failed until the server restarts).
+        return ApiError(502, "model_load_failed", scrub(str(exc)), "model")
     if isinstance(exc, QueueFull):
         return ApiError(429, "queue_full", str(exc), headers={"Retry-After": "1"})
     if isinstance(exc, RequestTooLarge):
@@ -114,6 +139,15 @@ def as_api_error(exc: Exception) -> ApiError:
 
 def validation_error(errors: Sequence[Any]) -> ApiError:
     """A 422 naming the first field pydantic refused (`items[3].text`, or `body`)."""
+    unknown = [field_path(tuple(e.get("loc", ()))) for e in errors
+               if e.get("type") == "extra_forbidden"]
+    if unknown:
+        many = len(unknown) > 1
+        return ApiError(422, "invalid_request",
+                        f"unknown field{'s' if many else ''} {', '.join(unknown)}: remove "
+                        f"{'them' if many else 'it'}; the server refuses what it does not "
+                        "know rather than ignore it (/docs lists each route's fields)",
+                        unknown[0])
     first = errors[0] if errors else {"loc": (), "msg": "invalid body"}
     if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
         context = first.get("ctx")

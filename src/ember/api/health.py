@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ember.api.errors import error_response
-from ember.api.state import server_state
+from ember import __version__
+from ember.api.errors import as_api_error, error_response
+from ember.api.state import Models, server_state
 from ember.config import FAMILY_OUTPUTS
+from ember.errors import ModelNotFound
 from ember.outputs import DTYPES
 
 router = APIRouter(tags=["operations"])
@@ -22,6 +25,7 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz", summary="The default model is loaded and the server is not draining")
+@router.get("/health", summary="TEI's health check: /readyz by TEI's name")
 async def readyz(request: Request) -> JSONResponse:
     state = server_state(request)
     default = state.settings.default_model
@@ -34,30 +38,61 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ready", "default_model": default})
 
 
-@router.get("/v1/models", summary="The catalog: every model, its tasks, outputs and state")
+STARTED = int(time.time())  # OpenAI's model objects carry a `created` time
+
+
+def model_entry(registry: Models, name: str) -> dict[str, Any]:
+    """One model in both dialects at once: OpenAI's model object (`id`, `object`,
+    `created`, `owned_by`), SIE's ModelInfo (`name`, `loaded`, `state`, `inputs`,
+    `outputs`, `dims` by output type, `max_sequence_length`) and Ember's own fields."""
+    spec = registry.catalog[name]
+    state = registry.state(name)
+    entry: dict[str, Any] = {
+        "id": name, "object": "model", "created": STARTED, "owned_by": "ember",
+        "name": name, "loaded": state == "loaded", "state": state, "inputs": ["text"],
+        "adapter": spec.adapter, "tasks": list(spec.tasks), "description": spec.description,
+        "loras": sorted(spec.loras), "max_seq_length": spec.max_seq_length, "dims": None,
+        "output_types": list(FAMILY_OUTPUTS.get(spec.adapter, ())),
+    }
+    info = registry.info(name)
+    if info is not None:
+        entry.update(dims=info.dims, max_seq_length=info.max_seq_length,
+                     output_types=list(info.output_types) if "encode" in info.tasks else [])
+        if info.labels:
+            entry["labels"] = list(info.labels)
+    entry["output_dtypes"] = list(DTYPES) if entry["output_types"] else []
+    entry["outputs"] = entry["output_types"]
+    entry["max_sequence_length"] = entry["max_seq_length"]
+    return entry
+
+
+def sie_shape(entry: dict[str, Any]) -> dict[str, Any]:
+    """`dims` as SIE gives it, by output type (`{"dense": 384}`); Ember's plain number
+    stays as `dimensions`."""
+    dims = entry["dims"]
+    by_type = {kind: dims for kind in entry["output_types"]} if dims is not None else {}
+    return {**entry, "dims": by_type, "dimensions": dims}
+
+
+@router.get("/v1/models", summary="The catalog: every model, its tasks, outputs and state "
+            "(OpenAI's list under `data`, SIE's under `models`)")
 async def models(request: Request) -> dict[str, Any]:
     registry = server_state(request).registry
     await registry.refresh()
-    data = []
-    for name in registry.names:
-        spec = registry.catalog[name]
-        entry: dict[str, Any] = {
-            "id": name, "object": "model", "owned_by": "ember", "adapter": spec.adapter,
-            "tasks": list(spec.tasks), "state": registry.state(name),
-            "description": spec.description, "loras": sorted(spec.loras),
-            "max_seq_length": spec.max_seq_length, "dims": None,
-            "output_types": list(FAMILY_OUTPUTS.get(spec.adapter, ())),
-        }
-        info = registry.info(name)
-        if info is not None:
-            entry.update(dims=info.dims, max_seq_length=info.max_seq_length,
-                         output_types=list(info.output_types) if "encode" in info.tasks
-                         else [])
-            if info.labels:
-                entry["labels"] = list(info.labels)
-        entry["output_dtypes"] = list(DTYPES) if entry["output_types"] else []
-        data.append(entry)
-    return {"object": "list", "data": data}
+    entries = [model_entry(registry, name) for name in registry.names]
+    return {"object": "list", "data": entries,
+            "models": [sie_shape(e) for e in entries]}
+
+
+@router.get("/v1/models/{model:path}", summary="One model (OpenAI's model object and SIE's "
+            "ModelInfo in one)")
+async def model(model: str, request: Request) -> JSONResponse:
+    registry = server_state(request).registry
+    if model not in registry.catalog:
+        error = as_api_error(ModelNotFound(model, registry.names))
+        return error_response(error.status, error.kind, error.message, error.param)
+    await registry.refresh()
+    return JSONResponse(sie_shape(model_entry(registry, model)))
 
 
 @router.get("/metrics", summary="Prometheus metrics")
@@ -67,3 +102,23 @@ async def metrics(request: Request) -> Response:
         await gather()
     return Response(generate_latest(state.metrics.exposition()),
                     media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/info", summary="TEI's /info: the default model and the server's limits")
+async def info(request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    settings, name = state.settings, state.settings.default_model
+    await state.registry.refresh()
+    spec, loaded = state.registry.catalog[name], state.registry.info(name)
+    kind = "embedding" if "encode" in spec.tasks else "reranker"
+    return {
+        "model_id": name, "model_sha": None, "model_dtype": "float32",
+        "model_type": {kind: {"pooling": spec.pooling} if kind == "embedding" else {}},
+        "max_input_length": loaded.max_seq_length if loaded else spec.max_seq_length,
+        "max_concurrent_requests": settings.worker.max_queue_items,
+        "max_batch_tokens": settings.worker.max_batch_tokens,
+        "max_batch_requests": settings.worker.max_batch_items,
+        "max_client_batch_size": settings.max_items_per_request,
+        "auto_truncate": True, "tokenization_workers": max(settings.workers, 1),
+        "version": __version__, "sha": None, "docker_label": None,
+    }

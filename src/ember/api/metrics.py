@@ -1,4 +1,8 @@
-"""Prometheus metrics: requests, timings, batch shapes, queue depth, rejections, models."""
+"""Prometheus metrics: requests, timings, batch shapes, queue depth, rejections, models.
+
+Durations are in seconds under `_seconds` names; counters end in `_total`. Each of TEI's
+metrics has one counterpart here, so a TEI dashboard maps onto them one to one (the table
+is in docs/architecture.md, "Metrics")."""
 
 from __future__ import annotations
 
@@ -13,8 +17,10 @@ from prometheus_client.registry import Collector
 from ember.engine import BatchRecord, RequestRecord
 from ember.registry import LoadedModel, Registry
 
-MS_BUCKETS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
-SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10,
+                   30, 60)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+INPUT_TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -51,16 +57,34 @@ class Metrics:
         if not self.multiprocess:
             self.registry.register(_PendingCollector(lambda: self.pending))
         reg = self.registry
-        self.requests = Counter("ember_requests", "HTTP requests by route, model and status",
-                                ["route", "model", "status"], registry=reg)
-        self.queue_ms = Histogram("ember_queue_time_ms", "Submit to first dispatch, per "
-                                  "request", ["model"], buckets=MS_BUCKETS, registry=reg)
-        self.inference_ms = Histogram("ember_inference_time_ms", "Forward time, per request",
-                                      ["model"], buckets=MS_BUCKETS, registry=reg)
+        self.requests = Counter("ember_requests", "HTTP requests by route, model and status, "
+                                "refusals included", ["route", "model", "status"],
+                                registry=reg)
+        self.request_seconds = Histogram("ember_request_duration_seconds", "End-to-end "
+                                         "request duration, from the first byte read to "
+                                         "the response's start", ["route"],
+                                         buckets=SECONDS_BUCKETS, registry=reg)
+        self.input_tokens = Histogram("ember_request_input_tokens", "Input tokens (after "
+                                      "truncation) per request; _sum counts them all",
+                                      ["route", "model"], buckets=INPUT_TOKEN_BUCKETS,
+                                      registry=reg)
+        self.queue_seconds = Histogram("ember_queue_duration_seconds", "Submit to first "
+                                       "dispatch, per request", ["model"],
+                                       buckets=SECONDS_BUCKETS, registry=reg)
+        self.inference_seconds = Histogram("ember_inference_duration_seconds", "Forward time, "
+                                           "per request", ["model"], buckets=SECONDS_BUCKETS,
+                                           registry=reg)
+        self.batch_seconds = Histogram("ember_batch_inference_duration_seconds", "Duration "
+                                       "of one forward", ["model"], buckets=SECONDS_BUCKETS,
+                                       registry=reg)
         self.batch_items = Histogram("ember_batch_items", "Items per forward", ["model"],
                                      buckets=SIZE_BUCKETS, registry=reg)
-        self.batch_tokens = Histogram("ember_batch_padded_tokens", "Padded tokens per forward",
-                                      ["model"], buckets=TOKEN_BUCKETS, registry=reg)
+        self.batch_tokens = Histogram("ember_batch_tokens", "Input tokens per forward, "
+                                      "before padding", ["model"], buckets=TOKEN_BUCKETS,
+                                      registry=reg)
+        self.batch_padded_tokens = Histogram("ember_batch_padded_tokens", "Padded tokens per "
+                                             "forward (items x longest)", ["model"],
+                                             buckets=TOKEN_BUCKETS, registry=reg)
         self.batch_requests = Histogram("ember_batch_requests", "Requests per forward",
                                         ["model"], buckets=SIZE_BUCKETS, registry=reg)
         self.forward_failures = Counter("ember_forward_failures", "Forwards that raised",
@@ -71,8 +95,8 @@ class Metrics:
         self.rejections = Counter("ember_rejections", "Requests refused, by reason",
                                   ["reason"], registry=reg)
         self.loads = Counter("ember_model_loads", "Model loads", ["model"], registry=reg)
-        self.load_seconds = Histogram("ember_model_load_seconds", "Time to load a model",
-                                      ["model"], registry=reg)
+        self.load_seconds = Histogram("ember_model_load_duration_seconds", "Time to load a "
+                                      "model", ["model"], registry=reg)
         self.evictions = Counter("ember_model_evictions", "Models evicted", ["model"],
                                  registry=reg)
 
@@ -102,21 +126,24 @@ class Metrics:
 
     def _watch_worker(self, model: LoadedModel) -> None:
         name = model.spec.name
-        items, tokens = self.batch_items.labels(name), self.batch_tokens.labels(name)
+        items, padded = self.batch_items.labels(name), self.batch_padded_tokens.labels(name)
+        tokens, forward = self.batch_tokens.labels(name), self.batch_seconds.labels(name)
         requests, failures = self.batch_requests.labels(name), self.forward_failures.labels(name)
-        queue, inference = self.queue_ms.labels(name), self.inference_ms.labels(name)
+        queue, inference = self.queue_seconds.labels(name), self.inference_seconds.labels(name)
         dropped = self.dropped_items.labels(name)
 
         def on_batch(record: BatchRecord) -> None:
             items.observe(record.items)
-            tokens.observe(record.padded_tokens)
+            tokens.observe(record.real_tokens)
+            padded.observe(record.padded_tokens)
+            forward.observe(record.duration_ms / 1e3)
             requests.observe(record.requests)
             if record.failed:
                 failures.inc()
 
         def on_request(record: RequestRecord) -> None:
-            queue.observe(record.queue_ms)
-            inference.observe(record.inference_ms)
+            queue.observe(record.queue_ms / 1e3)
+            inference.observe(record.inference_ms / 1e3)
 
         stats = model.worker.stats
         stats.batch_listeners.append(on_batch)

@@ -7,14 +7,16 @@ import hmac
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api.errors import BodyTooLarge, error_response
 from ember.api.state import ServerState
+from ember.logs import access_log
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
 
 
 class HttpMiddleware:
@@ -42,24 +44,33 @@ class HttpMiddleware:
 
 
 class RequestContextMiddleware(HttpMiddleware):
-    """X-Request-Id (the client's, or a new one) and the timing headers on every response;
-    counts requests in flight so a drain knows when all have been answered. While the
-    server drains, every response says `Connection: close`, so no client sends another
-    request on a connection that is about to close."""
+    """X-Request-Id (the client's, or a new one; also as X-SIE-Request-ID, where sie-sdk
+    reads it) and the timing headers on every response; counts requests in flight so a
+    drain knows when all have been answered. While the server drains, every response says
+    `Connection: close`, so no client sends another request on a connection that is about
+    to close. Every request, refusals included, is counted with its status and written to
+    the access log once its response has started."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request_id = Headers(scope=scope).get("x-request-id") or os.urandom(16).hex()
+        headers = Headers(scope=scope)
+        request_id = (headers.get("x-request-id") or headers.get("x-sie-request-id")
+                      or os.urandom(16).hex())
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         started = time.perf_counter()
         server = self.state()
+        status = 500  # what the client sees if the app fails before it answers
 
         async def send_with_headers(message: Message) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
+                status = message["status"]
                 queue_ms, inference_ms = state.get("timing", (0.0, 0.0))
+                encoded_id = request_id.encode("latin-1", "replace")
                 headers = [
                     *message.get("headers", ()),
-                    (b"x-request-id", request_id.encode("latin-1", "replace")),
+                    (b"x-request-id", encoded_id),
+                    (b"x-sie-request-id", encoded_id),
                     (b"x-queue-time-ms", b"%.2f" % queue_ms),
                     (b"x-inference-time-ms", b"%.2f" % inference_ms),
                     (b"x-total-time-ms", b"%.2f" % ((time.perf_counter() - started) * 1e3)),
@@ -74,6 +85,28 @@ class RequestContextMiddleware(HttpMiddleware):
             await self.app(scope, receive, send_with_headers)
         finally:
             server.leave()
+            self.account(scope, state, status, time.perf_counter() - started)
+
+    def account(self, scope: Scope, state: dict[str, Any], status: int,
+                seconds: float) -> None:
+        route = state.get("route") or _route_template(scope)
+        model = state.get("model", "")
+        metrics = self.state().metrics
+        metrics.requests.labels(route, model, str(status)).inc()
+        metrics.request_seconds.labels(route).observe(seconds)
+        queue_ms, inference_ms = state.get("timing", (0.0, 0.0))
+        access_log(scope["method"], scope["path"], route, model, status,
+                   state.get("items", 0), queue_ms, inference_ms, seconds * 1e3,
+                   state["request_id"])
+
+
+def _route_template(scope: Scope) -> str:
+    """The matched route's path template (`/v1/models/{model:path}`), never the raw path,
+    so the metric's label values stay few; `unrouted` for a request refused before routing
+    (401, 413, draining) or matching no route (404)."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else "unrouted"
 
 
 class DrainMiddleware(HttpMiddleware):

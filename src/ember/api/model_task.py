@@ -19,16 +19,20 @@ T = TypeVar("T")
 TaskCall = Callable[[ServedModel, TaskModel], Awaitable[TaskOutput[T]]]
 
 
+def check_count(request: Request, count: int, field: str = "items") -> None:
+    """At least one item, at most the server's limit per request (413)."""
+    limit = server_state(request).settings.max_items_per_request
+    if not count:
+        raise ApiError(422, "invalid_request", f"{field} must hold at least one item", field)
+    if count > limit:
+        raise ApiError(413, "payload_too_large", f"{count} items is over the limit of {limit} "
+                       "per request (--max-items-per-request); split the request", field)
+
+
 def check_inputs(request: Request, texts: Sequence[str], field: str = "items") -> None:
     """Limits a route applies before any work: item count (413) and text size (422)."""
     settings = server_state(request).settings
-    if not texts:
-        raise ApiError(422, "invalid_request", f"{field} must hold at least one item", field)
-    if len(texts) > settings.max_items_per_request:
-        raise ApiError(413, "payload_too_large",
-                       f"{len(texts)} items is over the limit of "
-                       f"{settings.max_items_per_request} per request; split the request",
-                       field)
+    check_count(request, len(texts), field)
     for index, text in enumerate(texts):
         if not text.isascii():
             try:
@@ -86,33 +90,45 @@ def route_param(param: str | None, field: str) -> str | None:
     return field + (match.group(1) or "") if match else param
 
 
-async def run_task(request: Request, route: str, model_name: str, task: str,
+async def run_task(request: Request, model_name: str, task: str,
                    call: TaskCall[T], items: int, field: str = "items") -> TaskOutput[T]:
     """Run `call` on the named model under the server's timeout; record timing and metrics.
     `items` is about how many items it will queue; `field` is the request's name for its
     list of inputs, for the errors' `param`."""
     state = server_state(request)
-    status = "200"
+    request.state.items = items  # for the access log
     try:
+        spec = state.registry.catalog.get(model_name)
+        # Refused from the catalog, before a load that could evict a model in use.
+        if spec is not None and task not in spec.tasks:
+            raise UnsupportedTask(model_name, task, spec.tasks)
         async with state.registry.use(model_name) as model:
-            if task not in model.spec.tasks:
-                raise UnsupportedTask(model_name, task, model.spec.tasks)
             model.check_room(items)
             output = await until_disconnect(request, call(model, model.adapter),
                                             state.settings.request_timeout_s)
         request.state.timing = (output.queue_ms, output.inference_ms)
+        state.metrics.input_tokens.labels(request.state.route, model_name).observe(
+            output.tokens)
         return output
     except ClientGone:
-        status = "499"  # nobody is listening; the connection is already closed
         state.metrics.rejected("client_disconnected")
         raise
     except Exception as exc:
         error = as_api_error(exc)
         error.param = route_param(error.param, field)
-        status = str(error.status)
         if error.status in (413, 429, 503, 504):
             state.metrics.rejected(error.kind)
         raise error from None
     finally:
-        label = model_name if model_name in state.registry.catalog else "unknown"
-        state.metrics.requests.labels(route, label, status).inc()
+        # The request is counted, with its status, by RequestContextMiddleware.
+        request.state.model = model_name if model_name in state.registry.catalog else "unknown"
+
+
+def require_dense(model: ServedModel, route: str) -> None:
+    """Routes that answer with plain vectors serve only models that make dense ones."""
+    outputs = model.adapter.info.output_types
+    if "dense" not in outputs:
+        name = model.spec.name
+        raise ApiError(422, "unsupported_output", f"{route} returns dense vectors, and model "
+                       f"{name!r} makes {', '.join(outputs) or 'no vectors'}; use POST "
+                       f"/v1/encode/{name} with params.output_types {list(outputs)}", "model")

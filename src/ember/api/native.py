@@ -1,4 +1,9 @@
-"""Native routes in SIE's wire shapes: /v1/encode, /v1/score, /v1/extract."""
+"""Native routes in SIE's wire shapes: /v1/encode, /v1/score, /v1/extract.
+
+They take what sie-sdk sends, where it sends it: the query side as
+`params.options.is_query` (or `params.is_query`), score's `options` and `instruction` at
+the top level (or under `params`). Unknown fields are refused with a 422 that names them,
+so an option this server does not know is never silently dropped."""
 
 from __future__ import annotations
 
@@ -6,76 +11,119 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ember.adapters.base import Encoded, EncodeOptions, ExtractOptions, ScoreOptions
 from ember.api.codec import render
 from ember.api.errors import ApiError
 from ember.api.model_task import check_inputs, run_task
 from ember.api.routing import InferenceRoute
-from ember.outputs import quantize
+from ember.outputs import PACKED_BITS, quantize
 
 router = APIRouter(tags=["native"], route_class=InferenceRoute)
 
 
-class Item(BaseModel):
+class Strict(BaseModel):
+    """A native body: unknown fields are a 422 naming them, never silently dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Item(Strict):
     id: str | None = None
     text: str
 
 
-class Options(BaseModel):
+class PairOptions(Strict):
     lora: str | None = Field(None, description="LoRA adapter of the model to apply")
     truncate: bool = Field(True, description="cut inputs over the model's max length; "
-                           "false refuses them with a 422")
+                           "false refuses them (400, code INPUT_TOO_LONG)")
+
+
+class Options(PairOptions):
     normalize: bool | None = Field(None, description="L2-normalize dense vectors "
                                    "(default: the model's setting)")
+    is_query: bool | None = Field(None, description="the query side of an asymmetric "
+                                  "model (where sie-sdk sends it)")
 
 
-OutputDtype = Literal["float32", "float16", "int8", "binary"]
+OutputDtype = Literal["float32", "float16", "int8", "uint8", "binary", "ubinary"]
 
 
-class EncodeParams(BaseModel):
+class EncodeParams(Strict):
     output_types: list[str] | None = Field(
         None, description="dense, sparse and/or multivector (default: the model's own)")
     output_dtype: OutputDtype = Field(
         "float32", description="float16 halves; int8 is scaled per output (the wire carries "
-        "`scale`, value ~= q * scale); binary packs sign bits, 8 per byte (dense and "
+        "`scale`, value ~= q * scale); uint8 is int8 shifted by 128 (value ~= (q - 128) * "
+        "scale); binary and ubinary pack sign bits, 8 per byte, as uint8 (dense and "
         "multivector only)")
     instruction: str | None = Field(None, description="task instruction, for models "
                                     "configured with prompts")
-    is_query: bool = Field(False, description="the query side of an asymmetric model")
+    is_query: bool | None = Field(None, description="the query side of an asymmetric "
+                                  "model; also read from options.is_query")
     options: Options = Field(default_factory=Options)
 
 
-class EncodeRequest(BaseModel):
+class EncodeRequest(Strict):
     items: list[Item]
     params: EncodeParams = Field(default_factory=EncodeParams)
 
 
-class ScoreParams(BaseModel):
-    options: Options = Field(default_factory=Options)
+class ScoreParams(Strict):
+    options: PairOptions | None = None
+    instruction: str | None = None
 
 
-class ScoreRequest(BaseModel):
+class ScoreRequest(Strict):
     query: Item
     items: list[Item]
     params: ScoreParams = Field(default_factory=ScoreParams)
+    # sie-sdk's placement: beside query and items rather than under params.
+    options: PairOptions | None = None
+    instruction: str | None = None
 
 
-class ExtractParams(BaseModel):
+class ExtractParams(Strict):
     labels: list[str] | None = None
 
 
-class ExtractRequest(BaseModel):
+class ExtractRequest(Strict):
     items: list[Item]
     params: ExtractParams = Field(default_factory=ExtractParams)
 
 
+def query_side(params: EncodeParams) -> bool:
+    """`params.options.is_query` (sie-sdk) or `params.is_query`; both must agree."""
+    given = {name: value for name, value in (("params.is_query", params.is_query),
+                                             ("params.options.is_query",
+                                              params.options.is_query)) if value is not None}
+    if len(set(given.values())) > 1:
+        raise ApiError(422, "invalid_request", "params.is_query and params.options.is_query "
+                       "disagree; send one of them", "params.options.is_query")
+    return any(given.values())
+
+
 def encode_options(params: EncodeParams) -> EncodeOptions:
-    return EncodeOptions(is_query=params.is_query, instruction=params.instruction,
+    return EncodeOptions(is_query=query_side(params), instruction=params.instruction,
                          truncate=params.options.truncate, normalize=params.options.normalize,
                          lora=params.options.lora,
                          output_types=tuple(params.output_types or ()))
+
+
+def score_options(body: ScoreRequest) -> PairOptions:
+    """The options from the top level (sie-sdk) or from params; given twice is a 422.
+    Score models apply their own query and document prompts, so an instruction would be
+    ignored: it is refused instead."""
+    if body.options is not None and body.params.options is not None:
+        raise ApiError(422, "invalid_request", "options given both at the top level and "
+                       "under params; send them once", "options")
+    for param, instruction in (("instruction", body.instruction),
+                               ("params.instruction", body.params.instruction)):
+        if instruction is not None:
+            raise ApiError(422, "invalid_request", "score takes no instruction: its models "
+                           "apply their own query and document prompts; remove it", param)
+    return body.options or body.params.options or PairOptions()
 
 
 def encoded_wire(encoded: Encoded, dtype: str) -> dict[str, Any]:
@@ -88,10 +136,10 @@ def encoded_wire(encoded: Encoded, dtype: str) -> dict[str, Any]:
         body["dense"] = _scaled({"dims": int(encoded.dense.shape[-1]), "dtype": dtype,
                                  "values": q.values}, q.scale)
     if encoded.sparse is not None:
-        if dtype == "binary":
-            raise ApiError(422, "invalid_request", "output_dtype 'binary' applies to dense "
-                           "and multivector outputs; sparse takes float32, float16 or int8",
-                           "params.output_dtype")
+        if dtype in PACKED_BITS:
+            raise ApiError(422, "invalid_request", f"output_dtype {dtype!r} applies to dense "
+                           "and multivector outputs; sparse takes float32, float16, int8 "
+                           "or uint8", "params.output_dtype")
         q = quantize(encoded.sparse.values, dtype)
         body["sparse"] = _scaled({"dims": encoded.sparse.dims, "dtype": dtype,
                                   "indices": encoded.sparse.indices, "values": q.values},
@@ -118,7 +166,7 @@ async def encode(model: str, body: EncodeRequest, request: Request) -> Response:
     texts = [item.text for item in body.items]
     check_inputs(request, texts)
     options = encode_options(body.params)
-    output = await run_task(request, "encode", model, "encode",
+    output = await run_task(request, model, "encode",
                             lambda m, a: a.encode(m.submit, texts, options), len(texts))
     dtype = body.params.output_dtype
     items = [with_id(item, encoded_wire(enc, dtype))
@@ -131,9 +179,9 @@ async def score(model: str, body: ScoreRequest, request: Request) -> Response:
     texts = [item.text for item in body.items]
     check_inputs(request, texts)
     check_inputs(request, [body.query.text], "query")
-    opts = body.params.options
+    opts = score_options(body)
     options = ScoreOptions(truncate=opts.truncate, lora=opts.lora)
-    output = await run_task(request, "score", model, "score",
+    output = await run_task(request, model, "score",
                             lambda m, a: a.score(m.submit, body.query.text, texts, options),
                             len(texts) + 1)
     order = sorted(range(len(texts)), key=lambda i: -output.values[i])
@@ -148,7 +196,7 @@ async def extract(model: str, body: ExtractRequest, request: Request) -> Respons
     check_inputs(request, texts)
     labels = tuple(body.params.labels) if body.params.labels is not None else None
     options = ExtractOptions(labels=labels)
-    output = await run_task(request, "extract", model, "extract",
+    output = await run_task(request, model, "extract",
                             lambda m, a: a.extract(m.submit, texts, options), len(texts))
     items = [with_id(item, {"entities": [vars(e) for e in entities]})
              for item, entities in zip(body.items, output.values, strict=True)]

@@ -1,26 +1,35 @@
-"""OpenAI-compatible POST /v1/embeddings."""
+"""OpenAI-compatible POST /v1/embeddings.
+
+`input` takes every form of OpenAI's spec: a string, a list of strings, a list of token
+ids, or a list of token-id lists. Token ids are read as ids of the model's own vocabulary
+(as vLLM and TEI read them): they are decoded by the model's tokenizer and encoded like
+text, so the model sees its own tokens again."""
 
 from __future__ import annotations
 
 import base64
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from ember.adapters.base import EncodeOptions
+from ember.adapters.base import Encoded, EncodeOptions, TaskModel, TaskOutput
 from ember.api.codec import render
 from ember.api.errors import ApiError
-from ember.api.model_task import check_inputs, run_task
+from ember.api.model_task import check_count, check_inputs, require_dense, run_task
 from ember.api.routing import InferenceRoute
 from ember.api.state import ServedModel, server_state
 
 router = APIRouter(tags=["openai"], route_class=InferenceRoute)
 
+TokenIds = list[int]
+
 
 class EmbeddingsRequest(BaseModel):
-    input: str | list[str] = Field(description="a text or a list of texts")
+    input: str | list[str] | TokenIds | list[TokenIds] = Field(
+        description="a text, a list of texts, a list of token ids, or a list of token-id "
+        "lists (ids of the model's own vocabulary)")
     model: str | None = Field(None, description="catalog name; default: the server's model")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, description="must equal the model's dims if given")
@@ -32,18 +41,69 @@ def embeddings_side(model: ServedModel) -> EncodeOptions:
     return EncodeOptions(is_query=model.spec.options.get("embeddings_side") == "query")
 
 
+def token_rows(value: str | list[str] | TokenIds | list[TokenIds]) -> list[TokenIds] | None:
+    """The input's token-id lists, or None when it is text."""
+    if isinstance(value, str) or not value or isinstance(value[0], str):
+        return None
+    if isinstance(value[0], int):
+        return [[token for token in value if isinstance(token, int)]]
+    return [row for row in value if isinstance(row, list)]
+
+
+def decode_tokens(model: ServedModel, rows: list[TokenIds], nested: bool) -> list[str]:
+    """The texts the token ids stand for in the model's own vocabulary; an id outside it is a
+    422 naming its place (`input[2][7]`, or `input[7]` for one flat list)."""
+    tokenizer: Any = getattr(model.adapter, "tokenizer", None)
+    name = model.spec.name
+    if tokenizer is None:
+        raise ApiError(422, "invalid_request", f"model {name!r} takes text only (it has no "
+                       "tokenizer to read token ids with); send strings", "input")
+    vocabulary = len(tokenizer)
+    for row_index, row in enumerate(rows):
+        if not row:
+            where = f"input[{row_index}]" if nested else "input"
+            raise ApiError(422, "invalid_request", "a token-id list must hold at least one id",
+                           where)
+        for index, token in enumerate(row):
+            if not 0 <= token < vocabulary:
+                where = f"input[{row_index}][{index}]" if nested else f"input[{index}]"
+                raise ApiError(
+                    422, "invalid_request",
+                    f"token id {token} is outside the vocabulary of {name} (ids 0 to "
+                    f"{vocabulary - 1}): token ids are read as ids of the model's own "
+                    "tokenizer, not OpenAI's. LangChain's OpenAIEmbeddings sends OpenAI's "
+                    "tiktoken ids by default: create it with check_embedding_ctx_length=False "
+                    "so it sends text", where)
+    texts: list[str] = tokenizer.batch_decode(rows, skip_special_tokens=True)
+    return texts
+
+
 @router.post("/v1/embeddings", summary="OpenAI-compatible embeddings")
 async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
     model = body.model or server_state(request).settings.default_model
-    texts = [body.input] if isinstance(body.input, str) else body.input
-    check_inputs(request, texts, "input")
-    output = await run_task(request, "openai.embeddings", model, "encode",
-                            lambda m, a: a.encode(m.submit, texts, embeddings_side(m)),
-                            len(texts), "input")
+    rows = token_rows(body.input)
+    texts = [body.input] if isinstance(body.input, str) else [
+        text for text in body.input if isinstance(text, str)]
+    if rows is None:
+        check_inputs(request, texts, "input")
+        count = len(texts)
+    else:
+        count = len(rows)
+        check_count(request, count, "input")
+
+    nested = rows is not None and isinstance(body.input[0], list)
+
+    async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
+        require_dense(m, "/v1/embeddings")
+        inputs = texts if rows is None else decode_tokens(m, rows, nested)
+        return await adapter.encode(m.submit, inputs, embeddings_side(m))
+
+    output = await run_task(request, model, "encode", encode, count,
+                            "input")
     data = []
     for index, encoded in enumerate(output.values):
         vector = encoded.dense
-        assert vector is not None
+        assert vector is not None  # require_dense
         if body.dimensions is not None and body.dimensions != vector.shape[-1]:
             raise ApiError(422, "invalid_request", f"dimensions={body.dimensions} is not "
                            f"supported; {model} returns {vector.shape[-1]}", "dimensions")
@@ -53,5 +113,3 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
         data.append({"object": "embedding", "index": index, "embedding": value})
     usage = {"prompt_tokens": output.tokens, "total_tokens": output.tokens}
     return render(request.headers, {"object": "list", "data": data, "model": model, "usage": usage})
-
-

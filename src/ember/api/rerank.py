@@ -39,7 +39,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
     check_inputs(request, texts, "documents")
     check_inputs(request, [body.query], "query")
-    output = await run_task(request, "rerank", model, "score",
+    output = await run_task(request, model, "score",
                             lambda m, a: a.score(m.submit, body.query, texts, ScoreOptions()),
                             len(texts) + 1, "documents")
     results = []

@@ -57,6 +57,7 @@ class _Handler:
         return cls(route, body_model, body_arg, request_arg, route.endpoint)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope.setdefault("state", {})["route"] = self.route.path  # metrics and access log
         request = Request(scope, receive)
         try:
             data = codec.decode(await request.body(), request.headers)

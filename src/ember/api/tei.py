@@ -1,25 +1,33 @@
-"""text-embeddings-inference compatible POST /embed and POST /rerank, on the default model."""
+"""text-embeddings-inference compatible routes on the default model: POST /embed, /rerank
+and /similarity, and POST / which, like TEI's, reads whichever of those bodies it is given
+(huggingface_hub's InferenceClient posts there when given only the server's URL)."""
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, RootModel, ValidationError
 
-from ember.adapters.base import EncodeOptions, ScoreOptions
+from ember.adapters.base import Encoded, EncodeOptions, ScoreOptions, TaskModel, TaskOutput
 from ember.api.codec import render
-from ember.api.model_task import check_inputs, run_task
+from ember.api.errors import ApiError, validation_error
+from ember.api.model_task import check_inputs, require_dense, run_task
 from ember.api.rerank import ranked
 from ember.api.routing import InferenceRoute
-from ember.api.state import server_state
+from ember.api.state import ServedModel, server_state
 
 router = APIRouter(tags=["tei"], route_class=InferenceRoute)
+Direction = Literal["right", "Right", "left", "Left"]
 
 
 class EmbedRequest(BaseModel):
     inputs: str | list[str]
     normalize: bool = True
     truncate: bool = True
+    truncation_direction: Direction | None = None
     prompt_name: str | None = None
 
 
@@ -27,23 +35,70 @@ class TeiRerankRequest(BaseModel):
     query: str
     texts: list[str]
     truncate: bool = True
+    truncation_direction: Direction | None = None
     return_text: bool = False
     raw_scores: bool = False
 
 
-@router.post("/", summary="TEI-compatible embeddings at the root, as TEI answers "
-             "clients given only its base URL")
+class SimilarityInputs(BaseModel):
+    source_sentence: str
+    sentences: list[str]
+
+
+class SimilarityRequest(BaseModel):
+    inputs: SimilarityInputs
+    truncate: bool = True
+    truncation_direction: Direction | None = None
+    prompt_name: str | None = None
+
+
+class AnyTeiBody(RootModel[dict[str, Any]]):
+    """An embed, rerank or similarity body, told apart by its fields."""
+
+
+def encode_options(truncate: bool, direction: str | None, prompt_name: str | None,
+                   normalize: bool = True) -> EncodeOptions:
+    if direction is not None and direction.lower() == "left":
+        raise ApiError(422, "invalid_request", "truncation_direction 'Left' is not supported: "
+                       "Ember cuts the end of a long text; send 'Right' or leave it out",
+                       "truncation_direction")
+    return EncodeOptions(normalize=normalize, truncate=truncate,
+                         is_query=prompt_name == "query")
+
+
+async def dense_vectors(request: Request, texts: list[str], options: EncodeOptions,
+                        field: str) -> TaskOutput[list[Encoded]]:
+    """The default model's dense vectors for `texts`; a model without them is a 422."""
+    model = server_state(request).settings.default_model
+
+    async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
+        require_dense(m, request.url.path)
+        return await adapter.encode(m.submit, texts, options)
+
+    return await run_task(request, model, "encode", encode, len(texts), field)
+
+
 @router.post("/embed", summary="TEI-compatible embeddings on the default model")
 async def embed(body: EmbedRequest, request: Request) -> Response:
-    model = server_state(request).settings.default_model
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     check_inputs(request, texts, "inputs")
-    options = EncodeOptions(normalize=body.normalize, truncate=body.truncate,
-                            is_query=body.prompt_name == "query")
-    output = await run_task(request, "tei.embed", model, "encode",
-                            lambda m, a: a.encode(m.submit, texts, options), len(texts),
-                            "inputs")
+    options = encode_options(body.truncate, body.truncation_direction, body.prompt_name,
+                             body.normalize)
+    output = await dense_vectors(request, texts, options, "inputs")
     return render(request.headers, [encoded.dense for encoded in output.values])
+
+
+@router.post("/similarity", summary="TEI-compatible sentence similarity on the default "
+             "model: the cosine of each sentence to the source sentence")
+async def similarity(body: SimilarityRequest, request: Request) -> Response:
+    texts = [body.inputs.source_sentence, *body.inputs.sentences]
+    check_inputs(request, body.inputs.sentences, "inputs.sentences")
+    check_inputs(request, texts, "inputs")
+    options = encode_options(body.truncate, body.truncation_direction, body.prompt_name)
+    output = await dense_vectors(request, texts, options, "inputs")
+    vectors = np.stack([e.dense for e in output.values if e.dense is not None]).astype(float)
+    vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    return render(request.headers, (vectors[1:] @ vectors[0]).tolist())
 
 
 @router.post("/rerank", summary="TEI-compatible rerank on the default model")
@@ -51,8 +106,9 @@ async def tei_rerank(body: TeiRerankRequest, request: Request) -> Response:
     model = server_state(request).settings.default_model
     check_inputs(request, body.texts, "texts")
     check_inputs(request, [body.query], "query")
+    encode_options(body.truncate, body.truncation_direction, None)  # refuses Left
     options = ScoreOptions(truncate=body.truncate)
-    output = await run_task(request, "tei.rerank", model, "score",
+    output = await run_task(request, model, "score",
                             lambda m, a: a.score(m.submit, body.query, body.texts, options),
                             len(body.texts) + 1, "texts")
     results = []
@@ -62,3 +118,18 @@ async def tei_rerank(body: TeiRerankRequest, request: Request) -> Response:
             result["text"] = body.texts[index]
         results.append(result)
     return render(request.headers, results)
+
+
+@router.post("/", summary="TEI's root route: an embed, rerank or similarity body, answered "
+             "as its own route would (`{inputs: {source_sentence, sentences}}` is similarity, "
+             "`{query, texts}` rerank, `{inputs}` embed)")
+async def root(body: AnyTeiBody, request: Request) -> Response:
+    data = body.root
+    try:
+        if "query" in data or "texts" in data:
+            return await tei_rerank(TeiRerankRequest.model_validate(data), request)
+        if isinstance(data.get("inputs"), dict):
+            return await similarity(SimilarityRequest.model_validate(data), request)
+        return await embed(EmbedRequest.model_validate(data), request)
+    except ValidationError as exc:
+        raise validation_error(exc.errors(include_url=False)) from None

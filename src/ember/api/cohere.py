@@ -1,0 +1,126 @@
+"""Cohere v2 compatible POST /v2/embed and POST /v2/rerank (what `cohere.ClientV2` calls).
+
+Text only. `input_type` "search_query" encodes the query side; the others the document
+side. What Ember cannot honour (images, a token cap, another output size, cutting the
+start of a text) is refused with a 422 naming the field, never ignored."""
+
+from __future__ import annotations
+
+import base64
+import os
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+
+from ember.adapters.base import Encoded, EncodeOptions, ScoreOptions, TaskModel, TaskOutput
+from ember.api.codec import render
+from ember.api.errors import ApiError
+from ember.api.model_task import check_inputs, require_dense, run_task
+from ember.api.rerank import ranked
+from ember.api.routing import InferenceRoute
+from ember.api.state import ServedModel
+from ember.outputs import quantize
+
+router = APIRouter(tags=["cohere"], route_class=InferenceRoute)
+
+EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
+InputType = Literal["search_document", "search_query", "classification", "clustering",
+                    "image"]
+
+
+class CohereEmbedRequest(BaseModel):
+    model: str
+    texts: list[str] | None = None
+    images: list[Any] | None = None
+    inputs: list[Any] | None = None
+    input_type: InputType = "search_document"
+    embedding_types: list[EmbeddingType] | None = Field(None, description="default: float")
+    truncate: Literal["NONE", "START", "END"] = "END"
+    max_tokens: int | None = None
+    output_dimension: int | None = None
+    priority: int | None = None
+
+
+class CohereRerankRequest(BaseModel):
+    model: str
+    query: str
+    documents: list[str]
+    top_n: int | None = Field(None, ge=1)
+    max_tokens_per_doc: int | None = None
+    priority: int | None = None
+
+
+def refuse_unsupported(fields: dict[str, object]) -> None:
+    for name, value in fields.items():
+        if value is not None:
+            raise ApiError(422, "invalid_request", f"{name} is not supported by Ember's "
+                           "Cohere route (text only, the model's own token limit); remove "
+                           "it", name)
+
+
+def meta(**billed: int) -> dict[str, Any]:
+    return {"api_version": {"version": "2"}, "billed_units": billed}
+
+
+def by_type(vectors: list[np.ndarray], kind: str) -> list[Any]:
+    """Cohere's embedding types: binary is the packed sign bits as signed bytes (the
+    unsigned bytes minus 128), ubinary the unsigned bytes, base64 the float32 bytes."""
+    if kind == "float":
+        return [vector.astype(np.float32) for vector in vectors]
+    if kind == "base64":
+        return [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in vectors]
+    if kind == "binary":
+        return [(quantize(v, "ubinary").values.astype(np.int16) - 128).astype(np.int8)
+                for v in vectors]
+    return [quantize(vector, kind).values for vector in vectors]
+
+
+@router.post("/v2/embed", summary="Cohere v2 compatible embeddings")
+async def embed(body: CohereEmbedRequest, request: Request) -> Response:
+    refuse_unsupported({"images": body.images, "inputs": body.inputs,
+                        "max_tokens": body.max_tokens})
+    if body.texts is None or body.input_type == "image":
+        raise ApiError(422, "invalid_request", "texts is required: Ember's Cohere route "
+                       "embeds text only", "texts")
+    if body.truncate == "START":
+        raise ApiError(422, "invalid_request", "truncate START is not supported: Ember cuts "
+                       "the end of a long text; send END or NONE", "truncate")
+    texts = body.texts
+    check_inputs(request, texts, "texts")
+    options = EncodeOptions(is_query=body.input_type == "search_query",
+                            truncate=body.truncate != "NONE")
+
+    async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
+        require_dense(m, "/v2/embed")
+        dims = m.adapter.info.dims
+        if body.output_dimension is not None and body.output_dimension != dims:
+            raise ApiError(422, "invalid_request", f"output_dimension={body.output_dimension}"
+                           f" is not supported; {body.model} returns {dims}",
+                           "output_dimension")
+        return await adapter.encode(m.submit, texts, options)
+
+    output = await run_task(request, body.model, "encode", encode, len(texts), "texts")
+    vectors = [encoded.dense for encoded in output.values if encoded.dense is not None]
+    kinds = dict.fromkeys(body.embedding_types or ["float"])
+    embeddings = {kind: by_type(vectors, kind) for kind in kinds}
+    return render(request.headers, {
+        "id": os.urandom(16).hex(), "response_type": "embeddings_by_type",
+        "embeddings": embeddings, "texts": texts, "meta": meta(input_tokens=output.tokens)})
+
+
+@router.post("/v2/rerank", summary="Cohere v2 compatible rerank")
+async def rerank(body: CohereRerankRequest, request: Request) -> Response:
+    refuse_unsupported({"max_tokens_per_doc": body.max_tokens_per_doc})
+    check_inputs(request, body.documents, "documents")
+    check_inputs(request, [body.query], "query")
+    output = await run_task(request, body.model, "score",
+                            lambda m, a: a.score(m.submit, body.query, body.documents,
+                                                 ScoreOptions()),
+                            len(body.documents) + 1, "documents")
+    results = [{"index": index, "relevance_score": output.values[index]}
+               for index in ranked(output.values, body.top_n)]
+    return render(request.headers, {"id": os.urandom(16).hex(), "results": results,
+                                    "meta": meta(search_units=1)})

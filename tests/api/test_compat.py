@@ -1,0 +1,140 @@
+"""Issue 12 in process: the SIE dialect (unknown fields, score placements, codes, request
+ids, the model endpoints), TEI's root, similarity, /health and /info, the token-id and
+item-count rules of /v1/embeddings, task checks before a load, and the access log."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from ember.logs import JsonFormatter
+from tests.api.conftest import MINILM, SPACY, SYNTH, AppFactory, Served, assert_error, encode_body
+
+
+@pytest.mark.parametrize("route, body, param", [
+    (f"/v1/encode/{SYNTH}", {**encode_body("x"), "extra": 1}, "extra"),
+    (f"/v1/encode/{SYNTH}", encode_body("x", options={"profile": "fast"}),
+     "params.options.profile"),
+    (f"/v1/encode/{SYNTH}", {"items": [{"text": "x", "image": "y"}]}, "items[0].image"),
+    (f"/v1/score/{SYNTH}", {"query": {"text": "q"}, "items": [{"text": "x"}],
+                            "options": {"normalize": True}}, "options.normalize"),
+    (f"/v1/extract/{SPACY}", {"items": [{"text": "x"}], "params": {"schema": {}}},
+     "params.schema"),
+])
+async def test_unknown_fields_are_refused_by_name(shared: Served, route: str,
+                                                  body: dict[str, object], param: str) -> None:
+    error = assert_error(await shared.client.post(route, json=body), 422, "invalid_request",
+                         param)
+    assert param in error["message"] and "unknown field" in error["message"]
+
+
+async def test_score_options_at_the_top_level_are_applied(shared: Served) -> None:
+    body = {"query": {"text": "q"}, "items": [{"text": "word " * 600}],
+            "options": {"truncate": False}}
+    refused = await shared.client.post(f"/v1/score/{MINILM}", json=body)
+    assert_error(refused, 400, "input_too_long", "items[0].text")
+    body["options"] = {"truncate": True}
+    assert (await shared.client.post(f"/v1/score/{MINILM}", json=body)).status_code == 200
+    twice = {**body, "params": {"options": {"truncate": True}}}
+    assert_error(await shared.client.post(f"/v1/score/{MINILM}", json=twice), 422,
+                 "invalid_request", "options")
+    instructed = {**body, "instruction": "rank"}
+    assert_error(await shared.client.post(f"/v1/score/{MINILM}", json=instructed), 422,
+                 "invalid_request", "instruction")
+
+
+async def test_request_id_also_as_the_sie_header(shared: Served) -> None:
+    response = await shared.client.post(f"/v1/encode/{SYNTH}", json=encode_body("x"),
+                                        headers={"X-SIE-Request-ID": "abc-123"})
+    assert response.headers["x-sie-request-id"] == response.headers["x-request-id"] == "abc-123"
+
+
+async def test_models_in_both_shapes_and_one_by_id(shared: Served) -> None:
+    body = (await shared.client.get("/v1/models")).json()
+    assert body["object"] == "list"
+    openai = {m["id"]: m for m in body["data"]}
+    sie = {m["name"]: m for m in body["models"]}
+    assert openai[MINILM]["dims"] == 384 and sie[MINILM]["dims"] == {"dense": 384}
+    assert sie[MINILM]["loaded"] is True and sie[MINILM]["outputs"] == ["dense"]
+    one = (await shared.client.get(f"/v1/models/{MINILM}")).json()
+    assert one["id"] == one["name"] == MINILM and one["object"] == "model"
+    assert one["dims"] == {"dense": 384} and one["max_sequence_length"] == 256
+    missing = await shared.client.get("/v1/models/nobody/none")
+    error = assert_error(missing, 404, "model_not_found", "model")
+    assert MINILM in error["message"]
+
+
+async def test_gets_ignore_a_msgpack_content_type(shared: Served) -> None:
+    headers = {"content-type": "application/msgpack"}
+    for path in ("/healthz", "/readyz", "/health", "/info", "/v1/models"):
+        response = await shared.client.get(path, headers=headers)
+        assert response.status_code == 200, (path, response.text)
+
+
+async def test_tei_root_reads_each_body(shared: Served) -> None:
+    client, adapter = shared.client, shared.synthetic()
+    embedded = (await client.post("/", json={"inputs": "one"})).json()
+    np.testing.assert_allclose(embedded[0], adapter.vector("one"), atol=1e-6)
+    similar = (await client.post("/", json={"inputs": {"source_sentence": "a",
+                                                       "sentences": ["a", "b"]}})).json()
+    direct = (await client.post("/similarity", json={"inputs": {
+        "source_sentence": "a", "sentences": ["a", "b"]}})).json()
+    a, b = adapter.vector("a"), adapter.vector("b")
+    expected = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+    np.testing.assert_allclose(similar, [1.0, expected], atol=1e-5)
+    assert similar == direct
+    ranked = (await client.post("/", json={"query": "a", "texts": ["b", "a"]})).json()
+    assert [r["index"] for r in ranked] == [1, 0]
+    bad = await client.post("/", json={"inputs": {"source_sentence": "a"}})
+    assert_error(bad, 422, "invalid_request", "inputs.sentences")
+
+
+async def test_health_and_info(shared: Served) -> None:
+    assert (await shared.client.get("/health")).status_code == 200
+    info = (await shared.client.get("/info")).json()
+    assert info["model_id"] == SYNTH and info["max_client_batch_size"] == 2048
+    assert "embedding" in info["model_type"]
+
+
+async def test_token_ids_need_a_tokenizer(shared: Served) -> None:
+    response = await shared.client.post("/v1/embeddings", json={"model": SYNTH,
+                                                                "input": [[1, 2]]})
+    assert_error(response, 422, "invalid_request", "input")
+
+
+async def test_2048_inputs_by_default_and_not_one_more(shared: Served) -> None:
+    fits = await shared.client.post("/v1/embeddings", json={"input": ["x"] * 2048})
+    assert fits.status_code == 200 and len(fits.json()["data"]) == 2048
+    over = await shared.client.post("/v1/embeddings", json={"input": ["x"] * 2049})
+    error = assert_error(over, 413, "payload_too_large", "input")
+    assert "2048" in error["message"]
+
+
+async def test_a_wrong_task_is_refused_before_the_model_loads(apps: AppFactory) -> None:
+    async with apps.serve() as served:
+        response = await served.client.post(f"/v1/encode/{SPACY}", json=encode_body("x"))
+        assert_error(response, 422, "unsupported_task", "model")
+        assert served.registry.state(SPACY) == "available"  # never loaded
+
+
+async def test_one_access_line_per_request(shared: Served,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="ember.access"):
+        await shared.client.post(f"/v1/encode/{SYNTH}", json=encode_body("a", "b"),
+                                 headers={"X-Request-Id": "line-1"})
+        await shared.client.post("/v1/encode/nobody/none", json=encode_body("a"),
+                                 headers={"X-Request-Id": "line-2"})
+    lines = [r for r in caplog.records if r.name == "ember.access"]
+    assert len(lines) == 2
+    ok, missing = (r.__dict__["fields"] for r in lines)  # set by `extra=`
+    assert ok["status"] == 200 and ok["model"] == SYNTH and ok["items"] == 2
+    assert ok["request_id"] == "line-1" and ok["route"] == "/v1/encode/{model:path}"
+    assert ok["queue_ms"] >= 0 and ok["inference_ms"] > 0
+    assert missing["status"] == 404 and missing["request_id"] == "line-2"
+    assert "POST /v1/encode/" in lines[0].getMessage() and "line-1" in lines[0].getMessage()
+    entry = json.loads(JsonFormatter().format(lines[0]))
+    assert entry["level"] == "info" and entry["logger"] == "ember.access"
+    assert entry["status"] == 200 and entry["request_id"] == "line-1"

@@ -1,0 +1,91 @@
+"""cohere's ClientV2 (rerank and embed) and huggingface_hub's InferenceClient
+(feature_extraction and sentence_similarity, which post TEI bodies to the server's root)
+against a live Ember, with the libraries' defaults."""
+
+from __future__ import annotations
+
+import cohere
+import numpy as np
+import pytest
+from huggingface_hub import InferenceClient
+
+from tests.clients.conftest import MINILM, PROMPTED, cosine, native_vectors
+from tests.live_server import ServerProcess
+
+QUERY = "what is the capital of France?"
+DOCS = ["Berlin is the capital of Germany.", "Paris is the capital of France.",
+        "Bananas are rich in potassium."]
+
+
+@pytest.fixture(scope="module")
+def co(server: ServerProcess) -> cohere.ClientV2:
+    return cohere.ClientV2(api_key="unused", base_url=server.url)
+
+
+def test_cohere_rerank(co: cohere.ClientV2) -> None:
+    response = co.rerank(model=MINILM, query=QUERY, documents=DOCS, top_n=2)
+    assert [r.index for r in response.results] == [1, 0]
+    assert response.results[0].relevance_score > response.results[1].relevance_score
+
+
+def test_cohere_embed_every_type(co: cohere.ClientV2, server: ServerProcess) -> None:
+    response = co.embed(model=MINILM, texts=DOCS, input_type="search_document",
+                        embedding_types=["float", "int8", "uint8", "binary", "ubinary"])
+    reference = native_vectors(server, MINILM, DOCS)
+    floats = response.embeddings.float_
+    assert floats is not None
+    for got, want in zip(floats, reference, strict=True):
+        assert cosine(got, want) > 0.9999
+    int8 = np.array(response.embeddings.int8)
+    assert int8.shape == (3, 384) and int8.min() >= -127 and int8.max() <= 127
+    assert cosine(int8[1], reference[1]) > 0.99
+    uint8 = np.array(response.embeddings.uint8)
+    np.testing.assert_array_equal(uint8 - 128, int8)
+    ubinary = np.array(response.embeddings.ubinary, dtype=np.uint8)
+    np.testing.assert_array_equal(ubinary, np.packbits(reference > 0, axis=-1))
+    np.testing.assert_array_equal(np.array(response.embeddings.binary), ubinary.astype(int) - 128)
+
+
+def test_cohere_search_query_is_the_query_side(co: cohere.ClientV2,
+                                               server: ServerProcess) -> None:
+    query = co.embed(model=PROMPTED, texts=[QUERY], input_type="search_query",
+                     embedding_types=["float"]).embeddings.float_
+    document = co.embed(model=PROMPTED, texts=[QUERY], input_type="search_document",
+                        embedding_types=["float"]).embeddings.float_
+    assert query is not None and document is not None
+    expected = native_vectors(server, PROMPTED, [QUERY], is_query=True)[0]
+    assert cosine(query[0], expected) > 0.9999
+    assert cosine(document[0], expected) < 0.99
+
+
+def test_cohere_refuses_what_it_cannot_honour(co: cohere.ClientV2) -> None:
+    with pytest.raises(cohere.UnprocessableEntityError) as caught:
+        co.embed(model=MINILM, texts=DOCS, input_type="search_document",
+                 embedding_types=["float"], truncate="START")
+    assert "truncate" in str(caught.value.body)
+
+
+@pytest.fixture
+def hf(server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> InferenceClient:
+    """The suite runs with HF_HUB_OFFLINE=1 so no model is ever fetched; huggingface_hub
+    then refuses every request, loopback included. This client only talks to Ember."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    return InferenceClient(base_url=server.url)
+
+
+def test_huggingface_hub_feature_extraction(hf: InferenceClient,
+                                            server: ServerProcess) -> None:
+    got = hf.feature_extraction(DOCS[1])
+    assert cosine(np.asarray(got).reshape(-1), native_vectors(server, MINILM, [DOCS[1]])[0]) \
+        > 0.9999
+
+
+def test_huggingface_hub_sentence_similarity(hf: InferenceClient,
+                                             server: ServerProcess) -> None:
+    got = hf.sentence_similarity(QUERY, other_sentences=DOCS)
+    reference = native_vectors(server, MINILM, [QUERY, *DOCS])
+    expected = [cosine(reference[0], doc) for doc in reference[1:]]
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    assert int(np.argmax(got)) == 1
