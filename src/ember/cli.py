@@ -23,7 +23,8 @@ WORKER_FLAGS: list[tuple[str, type, object, str]] = [
     ("max-batch-tokens", int, 16384, "padded tokens per forward (items x longest)"),
     ("max-batch-items", int, 64, "items per forward"),
     ("max-batch-wait-ms", float, 10.0, "longest a batch stays open after its first item"),
-    ("coalesce-ms", float, 2.0, "quiet time that ends the wait for the senders of a forward"),
+    ("max-padding", float, 1.05, "padded tokens a batch may hold per real token (plus 4 a "
+     "text); 0 turns the cap off, best where a forward's fixed cost dominates (GPUs)"),
     ("idle-coalesce-ms", float, 3.0, "quiet time that closes a burst reaching an idle model"),
     ("max-queue-items", int, 4096, "queued items per model before 429"),
 ]

@@ -19,7 +19,7 @@ from tests.live_server import REPO, ServerProcess, free_port, server_env
 
 # The flags issue 4 asks for, at least.
 REQUIRED_FLAGS = ["host", "port", "model-dir", "preload", "default-model", "device",
-                  "max-batch-tokens", "max-batch-items", "max-batch-wait-ms", "coalesce-ms",
+                  "max-batch-tokens", "max-batch-items", "max-batch-wait-ms", "max-padding",
                   "idle-coalesce-ms", "max-queue-items", "max-items-per-request", "api-key"]
 
 
@@ -48,7 +48,7 @@ def test_every_flag() -> None:
         "--host", "0.0.0.0", "--port", "9001", "--model-dir", "/a", "--model-dir", "/b",
         "--preload", SPACY, "--preload", f"{SYNTH},{BUSY}", "--default-model", SYNTH,
         "--device", "cuda:1", "--torch-threads", "3", "--max-batch-tokens", "4096",
-        "--max-batch-items", "16", "--max-batch-wait-ms", "7.5", "--coalesce-ms", "1.5",
+        "--max-batch-items", "16", "--max-batch-wait-ms", "7.5", "--max-padding", "1.5",
         "--idle-coalesce-ms", "0", "--max-queue-items", "99", "--max-items-per-request", "8",
         "--max-body-bytes", "1000", "--request-timeout-s", "2.5", "--max-loaded-models", "2",
         "--memory-budget-mb", "512", "--api-key", "k", "--log-level", "warning")
@@ -58,7 +58,7 @@ def test_every_flag() -> None:
     assert settings.default_model == SYNTH
     assert settings.device == "cuda:1" and settings.torch_threads == 3
     assert settings.worker == WorkerConfig(max_batch_tokens=4096, max_batch_items=16,
-                                           max_batch_wait_ms=7.5, coalesce_ms=1.5,
+                                           max_batch_wait_ms=7.5, max_padding=1.5,
                                            idle_coalesce_ms=0.0, max_queue_items=99)
     assert settings.max_items_per_request == 8 and settings.max_body_bytes == 1000
     assert settings.request_timeout_s == 2.5 and settings.max_loaded_models == 2
@@ -69,7 +69,7 @@ def test_every_flag() -> None:
 def test_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     values = {"host": "10.0.0.1", "port": "7000", "model-dir": "/x:/y", "preload": "a,b",
               "default-model": SYNTH, "device": "cuda", "max-batch-tokens": "1024",
-              "max-batch-items": "4", "max-batch-wait-ms": "5", "coalesce-ms": "0.5",
+              "max-batch-items": "4", "max-batch-wait-ms": "5", "max-padding": "1.2",
               "idle-coalesce-ms": "1", "max-queue-items": "10", "max-items-per-request": "3",
               "api-key": "from-env", "max-body-bytes": "2048"}
     for flag, value in values.items():
@@ -80,7 +80,7 @@ def test_environment_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings.preload == ("a", "b")
     assert settings.default_model == SYNTH and settings.device == "cuda"
     assert settings.worker == WorkerConfig(max_batch_tokens=1024, max_batch_items=4,
-                                           max_batch_wait_ms=5, coalesce_ms=0.5,
+                                           max_batch_wait_ms=5, max_padding=1.2,
                                            idle_coalesce_ms=1, max_queue_items=10)
     assert settings.max_items_per_request == 3 and settings.max_body_bytes == 2048
     assert settings.api_key == "from-env"

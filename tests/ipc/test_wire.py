@@ -15,7 +15,7 @@ from ember.adapters.cross_encoder import Pair, ScoreParams
 from ember.adapters.transformer import EncodeParams
 from ember.api.errors import as_api_error
 from ember.engine import QueueFull, RequestTooLarge, ShuttingDown, WorkerFailed
-from ember.errors import InvalidInput, ModelLoadError, ModelNotFound, UnsupportedTask
+from ember.errors import InputTooLong, InvalidInput, ModelLoadError, ModelNotFound, UnsupportedTask
 from ember.ipc.wire import RemoteFault, error_from_wire, error_to_wire, pack, unpack
 
 
@@ -61,9 +61,12 @@ def test_only_embers_own_classes_are_rebuilt() -> None:
 
 
 ERRORS: list[tuple[Exception, int, str]] = [
-    (InvalidInput("too long; shorten it", "items[2].text"), 422, "invalid_request"),
+    (InvalidInput("not a label; use one of a, b", "params.labels[0]"), 422,
+     "invalid_request"),
+    (InputTooLong("600 tokens exceeds max_seq_length 256", "items[2].text"), 400,
+     "input_too_long"),
     (ModelNotFound("nope", ["a", "b"]), 404, "model_not_found"),
-    (ModelLoadError("m", "weights missing"), 503, "model_unavailable"),
+    (ModelLoadError("m", "weights missing"), 502, "model_load_failed"),
     (UnsupportedTask("m", "extract", ("encode",)), 422, "unsupported_task"),
     (QueueFull(4000, 200, 4096), 429, "queue_full"),
     (RequestTooLarge(5000, 4096), 413, "payload_too_large"),

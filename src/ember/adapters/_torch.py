@@ -25,7 +25,7 @@ from ember.adapters.base import (
 )
 from ember.config import ModelSpec
 from ember.engine.types import PreparedItem, RequestResult
-from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
+from ember.errors import InputTooLong, InvalidInput, ModelLoadError, UnsupportedTask
 
 if TYPE_CHECKING:
     from ember.adapters._backend import Forward
@@ -168,8 +168,8 @@ def attention_mask(rows: Sequence[Sequence[int]], device: torch.device) -> torch
     return (torch.arange(longest)[None, :] < lengths[:, None]).long().to(device)
 
 
-def over_limit(count: int, limit: int, param: str) -> InvalidInput:
-    return InvalidInput(f"{count} tokens exceeds max_seq_length {limit}; shorten the text "
+def over_limit(count: int, limit: int, param: str) -> InputTooLong:
+    return InputTooLong(f"{count} tokens exceeds max_seq_length {limit}; shorten the text "
                         f"or set truncate=true", param)
 
 

@@ -33,9 +33,6 @@ from ember.errors import (
 from ember.ipc.wire import RemoteFault
 
 log = logging.getLogger("ember.api")
-# What the adapters' token-limit refusal says (`_torch.over_limit`), until it raises
-# InputTooLong itself.
-_TOO_LONG = "tokens exceeds max_seq_length"
 _PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*")
 
 
@@ -105,8 +102,7 @@ def as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, BodyTooLarge):
         return ApiError(413, "payload_too_large", f"{exc.detail}; send fewer or shorter items "
                         "per request", "body")
-    if isinstance(exc, InputTooLong) or (isinstance(exc, InvalidInput)
-                                         and _TOO_LONG in exc.message):
+    if isinstance(exc, InputTooLong):
         # 400 with INPUT_TOO_LONG is what sie-sdk turns into its InputTooLongError.
         return ApiError(400, "input_too_long", exc.message, exc.param)
     if isinstance(exc, InvalidInput):

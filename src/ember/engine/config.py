@@ -21,8 +21,9 @@ class WorkerConfig:
     forward); the item waits for a batch of its own length. 0 turns it off (for a
     device whose fixed cost per forward dwarfs its cost per padded token).
 
-    `coalesce_ms` is accepted (server flag, YAML) but no longer read: a hold ends
-    when its senders are back or at its bound, not after a quiet time.
+    `coalesce_ms` is still accepted in a model's YAML (`batching:`) so older files load,
+    but no longer read: a hold ends when its senders are back or at its bound, not after
+    a quiet time. The server flag for it is gone.
     """
 
     max_batch_tokens: int = 16384

@@ -16,7 +16,7 @@ import msgpack
 import numpy as np
 
 from ember.engine import QueueFull, RequestTooLarge, ShuttingDown, WorkerFailed
-from ember.errors import InvalidInput, ModelLoadError, ModelNotFound, UnsupportedTask
+from ember.errors import InputTooLong, InvalidInput, ModelLoadError, ModelNotFound, UnsupportedTask
 
 EXT_ARRAY = 1
 EXT_DATACLASS = 2
@@ -103,7 +103,7 @@ def error_to_wire(exc: BaseException) -> dict[str, Any]:
 
 def error_from_wire(body: dict[str, Any]) -> Exception:
     kinds: dict[str, type[Exception]] = {
-        "InvalidInput": InvalidInput, "ModelNotFound": ModelNotFound,
+        "InvalidInput": InvalidInput, "InputTooLong": InputTooLong, "ModelNotFound": ModelNotFound,
         "ModelLoadError": ModelLoadError, "UnsupportedTask": UnsupportedTask,
         "QueueFull": QueueFull, "RequestTooLarge": RequestTooLarge,
         "ShuttingDown": ShuttingDown, "TimeoutError": TimeoutError}
