@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -37,26 +36,13 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-# bench/http.py would shadow the standard library's `http`: keep this folder off the
-# front of the path, and load that file under another name.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
-sys.path.append(str(HERE.parent))  # `bench.retrieval`
+sys.path += [str(HERE), str(HERE.parent)]  # its siblings, and `bench.retrieval`
 
 import benchlib  # noqa: E402
+import loadgen  # noqa: E402
 from benchlib import Json, fmt_spread, median, percentile, spread, table  # noqa: E402
+from model_http import MODEL  # noqa: E402
 
-
-def _load_http_bench() -> Any:
-    spec = importlib.util.spec_from_file_location("ember_bench_http", HERE / "http.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-http = _load_http_bench()
-MODEL: str = http.MODEL
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
@@ -130,7 +116,7 @@ def limit_measure(names: Sequence[str], plan: Plan, batch_sizes: Sequence[int]) 
     adapters = {n: transformer.load(spec_for(VARIANTS[n]), Runtime(
         onnx_threads=VARIANTS[n].onnx_threads, onnx_spinning=VARIANTS[n].onnx_spinning))
         for n in names}
-    short = http.texts("short", 256)
+    short = loadgen.texts("short", 256)
     options = EncodeOptions()
 
     def run(adapter: Any, batch: Sequence[str]) -> None:
@@ -223,14 +209,8 @@ def start_servers(names: Sequence[str], root: Path, servers: dict[str, Any]) -> 
         if variant.quantize:
             entry["quantize"] = variant.quantize
         (folder / "model.yaml").write_text(yaml.safe_dump(entry), encoding="utf-8")
-        settings = argparse.Namespace(device="cpu", torch_threads=None)
-        saved = dict(os.environ)
-        os.environ.update(variant.env())  # the server inherits this environment
-        try:
-            servers[name] = http.Server(settings, folder, {"default": MODEL})
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+        servers[name] = loadgen.Server(["--model-dir", str(folder)], folder / "server.log",
+                                       env=variant.env()).start()
     for name, server in servers.items():
         print(f"[backends] {name}: {' '.join(server.command)}", file=sys.stderr, flush=True)
         server.wait_ready(timeout_s=300)
@@ -248,37 +228,43 @@ def competing_load() -> Iterator[subprocess.Popen[bytes]]:
         spinner.wait()
 
 
-async def measure_server(client: Any, base: str, pid: int, payloads: Sequence[bytes],
+async def measure_server(session: Any, base: str, pid: int, payloads: Sequence[bytes],
                          plan: Plan, concurrency: Sequence[int]) -> Json:
     url = f"{base}/v1/encode/{MODEL}"
-    out: Json = {"sequential": await http.sequential(client, url, payloads, plan.sequential)}
+    out: Json = {"sequential": await loadgen.sequential(session, url, payloads,
+                                                        plan.sequential)}
+
+    async def cpu() -> Json:
+        return {"cpu": sum(s for _, s in loadgen.tree_cpu(pid).values())}
+
     for clients in concurrency:
-        out[f"c{clients}"] = await http.closed_loop(client, base, MODEL, payloads, clients,
-                                                    plan.warmup_s, plan.closed_s, pid)
+        loop = await loadgen.closed_loop(session, url, payloads, clients, plan.warmup_s,
+                                         plan.closed_s, snapshot=cpu)
+        summary = loop.summary()
+        summary["server_cpu_cores"] = ((loop.marks["end"]["cpu"] - loop.marks["begin"]["cpu"])
+                                       / plan.closed_s)
+        out[f"c{clients}"] = summary
     return out
 
 
 async def load_phase(args: argparse.Namespace, servers: dict[str, Any], plan: Plan,
                      limits: list[Json]) -> Json:
-    import httpx
-
-    payloads = http.bodies("short", 256)
+    payloads = loadgen.encode_bodies("short", 256)
     most = max(args.concurrency)
-    pool = httpx.Limits(max_connections=most + 4, max_keepalive_connections=most + 4)
     out: Json = {"quiet": {n: [] for n in servers}, "contended": {n: [] for n in servers}}
-    async with httpx.AsyncClient(limits=pool, timeout=120.0) as client:
+    async with loadgen.client_session(most + 4) as client:
         for server in servers.values():  # warm every path up
             for body in payloads[:8]:
-                await http.post(client, f"{server.url}/v1/encode/{MODEL}", body)
+                await loadgen.post(client, f"{server.url}/v1/encode/{MODEL}", body)
         for rep in range(plan.reps):
             limits.append(run_limit(args))
             for name, server in servers.items():
                 out["quiet"][name].append(await measure_server(
-                    client, server.url, server.process.pid, payloads, plan, args.concurrency))
+                    client, server.url, server.pid, payloads, plan, args.concurrency))
             with competing_load():
                 for name, server in servers.items():
                     out["contended"][name].append(await measure_server(
-                        client, server.url, server.process.pid, payloads, plan,
+                        client, server.url, server.pid, payloads, plan,
                         args.concurrency))
             out.setdefault("loadavg_per_rep", []).append(benchlib.loadavg())
             print(f"[backends] repetition {rep + 1}/{plan.reps} done", file=sys.stderr,

@@ -100,8 +100,8 @@ def test_metrics_report_every_process(two_api_processes: ServerProcess) -> None:
     for i in range(30):
         assert encode(server.url, f"counted {i}").status_code == 200
     text = httpx.get(f"{server.url}/metrics").text
-    requests = re.search(rf'ember_requests_total{{model="{SYNTH}",route="encode",'
-                         r'status="200"} ([\d.]+)', text)
+    requests = re.search(rf'ember_requests_total{{model="{SYNTH}",route="/v1/encode/'
+                         r'{model:path}",status="200"} ([\d.]+)', text)
     items = re.search(rf'ember_batch_items_sum{{model="{SYNTH}"}} ([\d.]+)', text)
     assert requests and float(requests.group(1)) >= 30, text  # from the API processes
     assert items and float(items.group(1)) >= 30, text  # from the engine process
