@@ -219,8 +219,10 @@ def client_session(connections: int, timeout_s: float = 120.0) -> Any:
     """An aiohttp session with room for `connections` keep-alive connections."""
     import aiohttp
 
+    # Idle connections are let go well before uvicorn closes them (5 s), so no request
+    # is written to a connection the server is closing at that moment.
     connector = aiohttp.TCPConnector(limit=connections, limit_per_host=connections,
-                                     force_close=False)
+                                     force_close=False, keepalive_timeout=2.0)
     return aiohttp.ClientSession(connector=connector,
                                  timeout=aiohttp.ClientTimeout(total=timeout_s))
 

@@ -231,8 +231,11 @@ class Registry:
     async def _evict(self, name: str) -> None:
         model = self._loaded.pop(name)
         log.info("evicting model %s (draining its queue first)", name)
+        started = time.monotonic()
         await model.worker.stop()
         model.adapter.close()
+        log.info("evicted model %s in %.2f s (%.0f MB freed)", name,
+                 time.monotonic() - started, model.memory_bytes / 1e6)
         for hook in self.on_evict:
             hook(name)
 

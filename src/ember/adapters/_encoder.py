@@ -137,6 +137,21 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         return TaskOutput(self.similarity(values[0], values[1:]), queue_ms, inference_ms,
                           sum(item.cost for item in items))
 
+    async def encode_ids(self, submit: Submit, rows: Sequence[Sequence[int]],
+                         options: EncodeOptions) -> TaskOutput[list[Encoded]]:
+        """Encode token ids of this model's own vocabulary (OpenAI's token-id inputs) as
+        the ids of a text: the tokenizer's special tokens go around each row, unless it
+        already has them; a row over the limit is cut, or refused without `truncate`."""
+        self._require("encode")
+        common.require_items(len(rows))
+        self.model.check_lora(options.lora)
+        items = [PreparedItem(row, len(row), i) for i, row in
+                 enumerate(common.wrap_ids(self.tokenizer, rows, self.max_seq_length,
+                                           options.truncate, "input"))]
+        result = await submit(items, self.params(options), options.lora)
+        return TaskOutput([self.encoded(v) for v in result.values], result.queue_ms,
+                          result.inference_ms, sum(item.cost for item in items))
+
     def _require(self, task: Task) -> None:
         if task not in self.info.tasks:
             raise UnsupportedTask(self.spec.name, task, self.info.tasks)

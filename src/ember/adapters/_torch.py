@@ -282,6 +282,27 @@ def tokenize(tokenizer: Any, texts: Sequence[str], limit: int, truncate: bool,
     return rows, encoded["special_tokens_mask"]
 
 
+def wrap_ids(tokenizer: Any, rows: Sequence[Sequence[int]], limit: int, truncate: bool,
+             field: str) -> list[list[int]]:
+    """Token-id rows as the tokenizer would have made them from text: its template's
+    special tokens around the ids (kept as they are when a row already begins and ends
+    with them), cut to `limit` or refused."""
+    template = tokenizer.build_inputs_with_special_tokens([])
+    room = limit - len(template)
+    out = []
+    for index, row in enumerate(rows):
+        ids = [int(token) for token in row]
+        wrapped = bool(template) and ids[:1] == template[:1] and ids[-1:] == template[-1:]
+        if wrapped:
+            ids = ids[1:-1]
+        if len(ids) > room:
+            if not truncate:
+                raise over_limit(len(ids) + len(template), limit, f"{field}[{index}]")
+            ids = ids[:room]
+        out.append(list(tokenizer.build_inputs_with_special_tokens(ids)))
+    return out
+
+
 async def submit_sides(submit: Submit, items: Sequence[PreparedItem], query_params: Hashable,
                        doc_params: Hashable, lora: str | None
                        ) -> tuple[list[RequestResult], list[Any]]:

@@ -2,8 +2,8 @@
 
 `input` takes every form of OpenAI's spec: a string, a list of strings, a list of token
 ids, or a list of token-id lists. Token ids are read as ids of the model's own vocabulary
-(as vLLM and TEI read them): they are decoded by the model's tokenizer and encoded like
-text, so the model sees its own tokens again."""
+(as vLLM and TEI read them): each row goes to the model as the ids of a text, inside its
+tokenizer's special tokens."""
 
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ def token_rows(value: str | list[str] | TokenIds | list[TokenIds]) -> list[Token
     return [row for row in value if isinstance(row, list)]
 
 
-def decode_tokens(model: ServedModel, rows: list[TokenIds], nested: bool) -> list[str]:
-    """The texts the token ids stand for in the model's own vocabulary; an id outside it is a
-    422 naming its place (`input[2][7]`, or `input[7]` for one flat list)."""
+def check_tokens(model: ServedModel, rows: list[TokenIds], nested: bool) -> list[TokenIds]:
+    """The token-id rows, each id checked against the model's own vocabulary; an id outside
+    it is a 422 naming its place (`input[2][7]`, or `input[7]` for one flat list)."""
     tokenizer: Any = getattr(model.adapter, "tokenizer", None)
     name = model.spec.name
     if tokenizer is None:
@@ -74,8 +74,7 @@ def decode_tokens(model: ServedModel, rows: list[TokenIds], nested: bool) -> lis
                     "tokenizer, not OpenAI's. LangChain's OpenAIEmbeddings sends OpenAI's "
                     "tiktoken ids by default: create it with check_embedding_ctx_length=False "
                     "so it sends text", where)
-    texts: list[str] = tokenizer.batch_decode(rows, skip_special_tokens=True)
-    return texts
+    return rows
 
 
 @router.post("/v1/embeddings", summary="OpenAI-compatible embeddings")
@@ -95,8 +94,15 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
 
     async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
         require_dense(m, "/v1/embeddings")
-        inputs = texts if rows is None else decode_tokens(m, rows, nested)
-        return await adapter.encode(m.submit, inputs, embeddings_side(m))
+        if rows is None:
+            return await adapter.encode(m.submit, texts, embeddings_side(m))
+        encode_ids = getattr(adapter, "encode_ids", None)
+        if encode_ids is None:
+            raise ApiError(422, "invalid_request", f"model {m.spec.name!r} takes text only; "
+                           "send strings", "input")
+        output: TaskOutput[list[Encoded]] = await encode_ids(
+            m.submit, check_tokens(m, rows, nested), embeddings_side(m))
+        return output
 
     output = await run_task(request, model, "encode", encode, count,
                             "input")
