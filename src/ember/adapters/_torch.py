@@ -282,24 +282,35 @@ def tokenize(tokenizer: Any, texts: Sequence[str], limit: int, truncate: bool,
     return rows, encoded["special_tokens_mask"]
 
 
+def special_frame(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The special tokens the tokenizer's template puts before and after a text's ids
+    (BERT: [CLS] and [SEP]), found by encoding one word with and without them."""
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    framed = tokenizer("a", add_special_tokens=True)["input_ids"]
+    for start in range(len(framed) - len(bare) + 1):
+        if framed[start:start + len(bare)] == bare:
+            return list(framed[:start]), list(framed[start + len(bare):])
+    return [], []
+
+
 def wrap_ids(tokenizer: Any, rows: Sequence[Sequence[int]], limit: int, truncate: bool,
              field: str) -> list[list[int]]:
     """Token-id rows as the tokenizer would have made them from text: its template's
-    special tokens around the ids (kept as they are when a row already begins and ends
-    with them), cut to `limit` or refused."""
-    template = tokenizer.build_inputs_with_special_tokens([])
-    room = limit - len(template)
+    special tokens around the ids (kept as they are when a row already has them), cut to
+    `limit` or refused."""
+    head, tail = special_frame(tokenizer)
+    room = limit - len(head) - len(tail)
     out = []
     for index, row in enumerate(rows):
         ids = [int(token) for token in row]
-        wrapped = bool(template) and ids[:1] == template[:1] and ids[-1:] == template[-1:]
-        if wrapped:
-            ids = ids[1:-1]
+        if (head or tail) and ids[:len(head)] == head and ids[len(ids) - len(tail):] == tail \
+                and len(ids) >= len(head) + len(tail):
+            ids = ids[len(head):len(ids) - len(tail)]
         if len(ids) > room:
             if not truncate:
-                raise over_limit(len(ids) + len(template), limit, f"{field}[{index}]")
+                raise over_limit(len(ids) + len(head) + len(tail), limit, f"{field}[{index}]")
             ids = ids[:room]
-        out.append(list(tokenizer.build_inputs_with_special_tokens(ids)))
+        out.append([*head, *ids, *tail])
     return out
 
 
