@@ -201,3 +201,16 @@ def int_list(text: str) -> list[int]:
 def read_json(path: Path) -> Json:
     data: Json = json.loads(path.read_text(encoding="utf-8"))
     return data
+
+
+def finish(out: Path, data: Json, began: float, report: str, tag: str) -> int:
+    """Close a run: its duration and the load at its end, the JSON written, the tables
+    printed."""
+    import time
+
+    data["meta"]["duration_s"] = round(time.perf_counter() - began, 1)
+    data["meta"]["loadavg_at_end"] = loadavg()
+    write_json(out, data)
+    print(report)
+    print(f"[{tag}] wrote {out} in {data['meta']['duration_s']} s", file=sys.stderr)
+    return 0

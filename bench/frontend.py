@@ -431,12 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             data["server_exit_codes"] = {n: s.stop() for n, s in servers.items()}
     data["summary"] = summarize_load(data["load"])
     data["targets"] = targets(data)
-    data["meta"]["duration_s"] = round(time.perf_counter() - began, 1)
-    data["meta"]["loadavg_at_end"] = benchlib.loadavg()
-    benchlib.write_json(args.out, data)
-    print(markdown(data))
-    print(f"[frontend] wrote {args.out} in {data['meta']['duration_s']} s", file=sys.stderr)
-    return 0
+    return benchlib.finish(args.out, data, began, markdown(data), "frontend")
 
 
 if __name__ == "__main__":

@@ -466,12 +466,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    for name, case in data["load"]["closed"].items()},
     }
     data["ember_vs_limit"] = ember_vs_limit(data)
-    data["meta"]["duration_s"] = round(time.perf_counter() - began, 1)
-    data["meta"]["loadavg_at_end"] = benchlib.loadavg()
-    benchlib.write_json(args.out, data)
-    print(markdown(data))
-    print(f"[model_http] wrote {args.out} in {data['meta']['duration_s']} s", file=sys.stderr)
-    return 0
+    return benchlib.finish(args.out, data, began, markdown(data), "model_http")
 
 
 if __name__ == "__main__":

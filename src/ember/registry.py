@@ -84,7 +84,23 @@ class RegistryLimits:
     failure_retry_s: float = 30.0
 
 
-class Registry:
+class CatalogLookup:
+    """Names in a catalog, and its specs by name (an unknown name is ModelNotFound)."""
+
+    catalog: Mapping[str, ModelSpec]
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.catalog)
+
+    def spec(self, name: str) -> ModelSpec:
+        try:
+            return self.catalog[name]
+        except KeyError:
+            raise ModelNotFound(name, self.names) from None
+
+
+class Registry(CatalogLookup):
     """Loads catalog models on first use; concurrent first requests load once."""
 
     @classmethod
@@ -112,18 +128,8 @@ class Registry:
         self.closing = False
 
     @property
-    def names(self) -> list[str]:
-        return sorted(self.catalog)
-
-    @property
     def loaded(self) -> dict[str, LoadedModel]:
         return dict(self._loaded)
-
-    def spec(self, name: str) -> ModelSpec:
-        try:
-            return self.catalog[name]
-        except KeyError:
-            raise ModelNotFound(name, self.names) from None
 
     def state(self, name: str) -> str:
         """loaded | loading | failed | available"""

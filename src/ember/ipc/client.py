@@ -20,8 +20,9 @@ import zmq.asyncio
 from ember.adapters.base import ModelInfo, Runtime, TaskModel
 from ember.config import ADAPTERS, ModelSpec
 from ember.engine import PreparedItem, QueueFull, RequestResult, RequestTooLarge, ShuttingDown
-from ember.errors import ModelLoadError, ModelNotFound
+from ember.errors import ModelLoadError
 from ember.ipc.wire import error_from_wire, pack, unpack
+from ember.registry import CatalogLookup
 
 log = logging.getLogger("ember.ipc")
 FrontLoader = Callable[[ModelSpec, Runtime], TaskModel]
@@ -123,7 +124,7 @@ class RemoteModel:
 
 
 @dataclass
-class RemoteModels:
+class RemoteModels(CatalogLookup):
     """The engine process's models, for the routes of one API process."""
 
     catalog: Mapping[str, ModelSpec]
@@ -136,16 +137,6 @@ class RemoteModels:
     _states: dict[str, str] = field(default_factory=dict)
     _info: dict[str, ModelInfo] = field(default_factory=dict)
     _pending: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def names(self) -> list[str]:
-        return sorted(self.catalog)
-
-    def spec(self, name: str) -> ModelSpec:
-        try:
-            return self.catalog[name]
-        except KeyError:
-            raise ModelNotFound(name, self.names) from None
 
     def state(self, name: str) -> str:
         return self._states.get(name, "available")
