@@ -48,6 +48,15 @@ def adapter_loader(family: str) -> LoadFunction:
     return cast(LoadFunction, module.load)
 
 
+def check_room(pending: int, items: int, limit: int) -> None:
+    """Refuse a request the queue can never take (RequestTooLarge) or cannot take now
+    (QueueFull), given `pending` queued items."""
+    if items > limit:
+        raise RequestTooLarge(items, limit)
+    if pending + items > limit:
+        raise QueueFull(pending, items, limit)
+
+
 @dataclass(eq=False)
 class LoadedModel:
     """A model in memory with its worker; `submit` is what task methods call."""
@@ -63,12 +72,7 @@ class LoadedModel:
     def check_room(self, items: int) -> None:
         """QueueFull, before any tokenizing, when the queue cannot take `items` now (the
         worker checks again, exactly, on submit)."""
-        worker = self.worker
-        limit = worker.config.max_queue_items
-        if items > limit:
-            raise RequestTooLarge(items, limit)
-        if worker.pending_items + items > limit:
-            raise QueueFull(worker.pending_items, items, limit)
+        check_room(self.worker.pending_items, items, self.worker.config.max_queue_items)
 
     async def submit(self, items: Sequence[PreparedItem], params: Hashable,
                      lora: str | None) -> RequestResult:

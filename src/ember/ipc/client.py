@@ -19,10 +19,10 @@ import zmq.asyncio
 
 from ember.adapters.base import ModelInfo, Runtime, TaskModel
 from ember.config import ADAPTERS, ModelSpec
-from ember.engine import PreparedItem, QueueFull, RequestResult, RequestTooLarge, ShuttingDown
+from ember.engine import PreparedItem, RequestResult, ShuttingDown
 from ember.errors import ModelLoadError
 from ember.ipc.wire import error_from_wire, pack, unpack
-from ember.registry import CatalogLookup
+from ember.registry import CatalogLookup, check_room
 
 log = logging.getLogger("ember.ipc")
 FrontLoader = Callable[[ModelSpec, Runtime], TaskModel]
@@ -107,11 +107,7 @@ class RemoteModel:
 
     def check_room(self, items: int) -> None:
         """The engine's last known queue depth decides: no round trip before tokenizing."""
-        limit = self.max_queue_items
-        if items > limit:
-            raise RequestTooLarge(items, limit)
-        if self.pending + items > limit:
-            raise QueueFull(self.pending, items, limit)
+        check_room(self.pending, items, self.max_queue_items)
 
     async def submit(self, items: Sequence[PreparedItem], params: Hashable,
                      lora: str | None) -> RequestResult:
