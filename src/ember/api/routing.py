@@ -41,7 +41,6 @@ class _Handler:
     body_model: type[BaseModel]
     body_arg: str
     request_arg: str | None
-    endpoint: Endpoint
 
     @classmethod
     def of(cls, route: InferenceRoute) -> _Handler:
@@ -54,7 +53,7 @@ class _Handler:
                 request_arg = name
         if body_arg is None or body_model is None:
             raise TypeError(f"inference route {route.path} needs a pydantic body argument")
-        return cls(route, body_model, body_arg, request_arg, route.endpoint)
+        return cls(route, body_model, body_arg, request_arg)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope.setdefault("state", {})["route"] = self.route.path  # metrics and access log
@@ -68,7 +67,8 @@ class _Handler:
             arguments: dict[str, Any] = {**scope.get("path_params", {}), self.body_arg: body}
             if self.request_arg is not None:
                 arguments[self.request_arg] = request
-            response = await self.endpoint(**arguments)
+            endpoint: Endpoint = self.route.endpoint
+            response = await endpoint(**arguments)
         except Exception as exc:
             error = as_api_error(exc)
             response = error_response(error.status, error.kind, error.message, error.param,
