@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ember import __version__
-from ember.config import DEFAULT_MODEL, CatalogError, ServerSettings, load_catalog
+from ember.config import DEFAULT_MODEL, CatalogError, RaySettings, ServerSettings, load_catalog
 from ember.engine import WorkerConfig
 from ember.logs import FORMATS, LEVELS
 
@@ -114,6 +114,27 @@ def build_parser() -> argparse.ArgumentParser:
     flag("memory-budget-mb", int, None, "weights in memory before LRU eviction")
     flag("api-key", str, None, "require 'Authorization: Bearer <key>' (all but /healthz, "
          "/readyz)")
+    ray = RaySettings()  # the defaults of the Ray flags (measured: docs/scaling.md)
+    flag("ray", bool, False, "serve on Ray Serve: engine replicas (one per device) behind "
+         "ingress replicas (--workers of them); needs the ray extra (docs/scaling.md)")
+    flag("ray-address", str, None, "with --ray, join the Ray cluster at this address "
+         "instead of starting a local instance")
+    flag("replicas", int, ray.replicas, "with --ray, engine replicas (without autoscaling "
+         "bounds)")
+    flag("min-replicas", int, ray.min_replicas, "with --ray, autoscale the engine replicas "
+         "from this many")
+    flag("max-replicas", int, ray.max_replicas, "with --ray, autoscale the engine replicas "
+         "up to this many")
+    flag("max-ongoing-requests", int, ray.max_ongoing_requests, "with --ray, requests one "
+         "engine replica holds at once before Ray queues them")
+    flag("target-ongoing-requests", float, ray.target_ongoing_requests, "with --ray and "
+         "autoscaling, the ongoing requests per engine replica to scale towards")
+    flag("upscale-delay-s", float, ray.upscale_delay_s, "with --ray and autoscaling, load "
+         "sustained this long before a replica is added")
+    flag("downscale-delay-s", float, ray.downscale_delay_s, "with --ray and autoscaling, "
+         "idleness sustained this long before a replica is removed")
+    flag("ray-cpus", int, ray.num_cpus, "with --ray, logical CPUs of the local Ray "
+         "instance (default: enough for every engine replica)")
     flag("log-level", str, "info", "debug, info, warning or error")
     flag("log-format", str, "text", "text, or json: one JSON object a line for log shippers")
 
@@ -152,7 +173,30 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         request_timeout_s=args.request_timeout_s, max_loaded_models=args.max_loaded_models,
         memory_budget_mb=args.memory_budget_mb, api_key=args.api_key or None,
         log_level=args.log_level.lower(), log_format=args.log_format.lower(),
+        ray=ray_settings_from(args) if args.ray else None,
     )
+
+
+def ray_settings_from(args: argparse.Namespace) -> RaySettings:
+    return RaySettings(
+        address=args.ray_address or None, replicas=args.replicas,
+        min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+        max_ongoing_requests=args.max_ongoing_requests,
+        target_ongoing_requests=args.target_ongoing_requests,
+        upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s,
+        num_cpus=args.ray_cpus)
+
+
+def check_ray(ray: RaySettings) -> str | None:
+    """What is wrong with the Ray flags, if anything."""
+    low, high = ray.min_replicas, ray.max_replicas
+    if ray.replicas < 1 or (low is not None and low < 1) or (high is not None and high < 1):
+        return "--replicas, --min-replicas and --max-replicas must be 1 or more"
+    if low is not None and high is not None and low > high:
+        return f"--min-replicas {low} is over --max-replicas {high}"
+    if ray.max_ongoing_requests < 1 or ray.target_ongoing_requests <= 0:
+        return "--max-ongoing-requests and --target-ongoing-requests must be positive"
+    return None
 
 
 def serve(settings: ServerSettings) -> int:
@@ -167,6 +211,8 @@ def serve(settings: ServerSettings) -> int:
     if settings.workers < 0:
         log.error("--workers must be 0 (one process) or more, got %d", settings.workers)
         return 2
+    if settings.ray is not None:
+        return serve_ray(settings)
     if settings.workers:
         from ember.supervisor import serve_processes
 
@@ -183,6 +229,21 @@ def serve(settings: ServerSettings) -> int:
     with sock:
         run_http(settings, Registry.serving(settings, catalog), sockets=[sock])
     return 0
+
+
+def serve_ray(settings: ServerSettings) -> int:
+    """`--ray`: Ray is imported here only, so the default install never needs it."""
+    assert settings.ray is not None
+    problem = check_ray(settings.ray)
+    if problem:
+        log.error("%s", problem)
+        return 2
+    try:
+        from ember.cluster.run import serve_on_ray
+    except ImportError as exc:
+        log.error("--ray needs Ray Serve: pip install 'ember[ray]' (%s)", exc)
+        return 2
+    return serve_on_ray(settings)
 
 
 def list_models(model_dirs: Sequence[str] | None, url: str | None = None,

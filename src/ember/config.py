@@ -227,6 +227,27 @@ def resolve_source(spec: ModelSpec) -> Path:
 
 
 @dataclass(frozen=True)
+class RaySettings:
+    """`ember serve --ray`: the engine as Ray Serve replicas (`ember.cluster`). A fixed
+    `replicas` count, or autoscaling between `min_replicas` and `max_replicas` when either
+    bound is set. The defaults of the two request limits were measured (docs/scaling.md)."""
+
+    address: str | None = None  # None: start a local Ray instance; else join this cluster
+    replicas: int = 1
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    max_ongoing_requests: int = 32  # per engine replica, before the router queues
+    target_ongoing_requests: float = 16.0  # autoscaling aims each replica at this many
+    upscale_delay_s: float = 10.0
+    downscale_delay_s: float = 120.0
+    num_cpus: int | None = None  # logical CPUs of a local instance (None: enough slots)
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None or self.max_replicas is not None
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     """Everything `ember serve` is configured with (flags and EMBER_* variables)."""
 
@@ -253,3 +274,4 @@ class ServerSettings:
     api_key: str | None = None
     log_level: str = "info"
     log_format: str = "text"  # text | json (one JSON object a line, for log shippers)
+    ray: RaySettings | None = None  # set: serve on Ray Serve (`ember serve --ray`)

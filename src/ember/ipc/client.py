@@ -12,7 +12,7 @@ import os
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -32,6 +32,15 @@ def front_loader(family: str) -> FrontLoader:
     """Each family module exposes `load_front(spec, runtime)`: its request path alone."""
     module = importlib.import_module(f"ember.adapters.{ADAPTERS[family]}")
     return cast(FrontLoader, module.load_front)
+
+
+class EngineCalls(Protocol):
+    """What the remote models need from their engine: `EngineClient` over ZeroMQ, or
+    `ember.cluster`'s client of the engine replicas on Ray."""
+
+    async def call(self, op: str, **fields: Any) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
 
 
 class EngineClient:
@@ -101,7 +110,7 @@ class RemoteModel:
 
     spec: ModelSpec
     adapter: TaskModel
-    client: EngineClient
+    client: EngineCalls
     pending: int = 0  # the engine's queue depth at its last answer
     max_queue_items: int = 0
 
@@ -125,7 +134,7 @@ class RemoteModels(CatalogLookup):
 
     catalog: Mapping[str, ModelSpec]
     runtime: Runtime
-    client: EngineClient
+    client: EngineCalls
     max_queue_items: int
     loader: Callable[[str], FrontLoader] = front_loader
     _fronts: dict[str, RemoteModel] = field(default_factory=dict)

@@ -44,11 +44,41 @@ class Call:
     id: int
 
 
-class EngineServer:
+class RegistryCalls:
+    """The engine's answers to `submit`, `load` and `status`, over a `Registry`: shared by
+    the engine process and the engine replicas on Ray (`ember.cluster`)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    async def submit(self, message: dict[str, Any]) -> dict[str, Any]:
+        name = message["model"]
+        items = [PreparedItem(payload, cost, index) for payload, cost, index in message["items"]]
+        async with self.registry.use(name) as model:
+            result = await model.submit(items, message["params"], message["lora"])
+            return {"values": result.values, "queue_ms": result.queue_ms,
+                    "inference_ms": result.inference_ms, "forwards": result.forwards,
+                    "pending": model.worker.pending_items}
+
+    async def load(self, message: dict[str, Any]) -> dict[str, Any]:
+        await self.registry.get(message["model"])
+        return {}
+
+    async def status(self, message: dict[str, Any]) -> dict[str, Any]:
+        registry = self.registry
+        loaded = registry.loaded
+        return {"states": {name: registry.state(name) for name in registry.names},
+                "pending": {name: m.worker.pending_items for name, m in loaded.items()},
+                "info": {name: m.adapter.info for name, m in loaded.items()},
+                "forwards": {name: [m.worker.stats.batches, m.worker.stats.items]
+                             for name, m in loaded.items()}}
+
+
+class EngineServer(RegistryCalls):
     """Serves a `Registry` to the API processes over ZeroMQ."""
 
     def __init__(self, registry: Registry, address: str) -> None:
-        self.registry = registry
+        super().__init__(registry)
         self.address = address
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -90,7 +120,7 @@ class EngineServer:
                     task.cancel()
             return
         call = Call(peer, message["id"])
-        work = {"submit": self._submit, "load": self._load, "status": self._status}[op]
+        work = {"submit": self.submit, "load": self.load, "status": self.status}[op]
         task = asyncio.get_running_loop().create_task(self._answer(call, work(message)))
         self._calls[call] = task
         task.add_done_callback(lambda _: self._calls.pop(call, None))
@@ -103,29 +133,6 @@ class EngineServer:
         except Exception as exc:
             reply = {"op": "error", "id": call.id, "error": error_to_wire(exc)}
         await self._socket.send_multipart([call.peer, pack(reply)])
-
-    async def _submit(self, message: dict[str, Any]) -> dict[str, Any]:
-        name = message["model"]
-        items = [PreparedItem(payload, cost, index) for payload, cost, index in message["items"]]
-        async with self.registry.use(name) as model:
-            result = await model.submit(items, message["params"], message["lora"])
-            return {"values": result.values, "queue_ms": result.queue_ms,
-                    "inference_ms": result.inference_ms, "forwards": result.forwards,
-                    "pending": model.worker.pending_items}
-
-    async def _load(self, message: dict[str, Any]) -> dict[str, Any]:
-        await self.registry.get(message["model"])
-        return {}
-
-    async def _status(self, message: dict[str, Any]) -> dict[str, Any]:
-        registry = self.registry
-        loaded = registry.loaded
-        return {"states": {name: registry.state(name) for name in registry.names},
-                "pending": {name: m.worker.pending_items for name, m in loaded.items()},
-                "info": {name: m.adapter.info for name, m in loaded.items()},
-                "forwards": {name: [m.worker.stats.batches, m.worker.stats.items]
-                             for name, m in loaded.items()}}
-
 
 
 def run_engine(settings: ServerSettings, address: str, ready: Connection) -> None:

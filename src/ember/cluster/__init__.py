@@ -1,0 +1,12 @@
+"""Ember on Ray Serve: the same two roles as `ember serve --workers N`, as deployments.
+
+- `engine.EmberEngine`: each replica holds a `Registry` (models and their workers) on its
+  device, takes prepared items and batches them by Ember's own rules. Model multiplexing
+  routes a model's requests to the replicas that hold it; the registry is the cache.
+- `ingress.EmberIngress`: the HTTP API of `ember serve` (`create_app`) over the engine
+  replicas (`client.RayEngineClient` behind the `RemoteModels` of the API processes).
+- `app.build_app`: the application; `app.build` for `serve run` config files;
+  `run.serve_on_ray`: `ember serve --ray`.
+
+Importing this package imports Ray: only `ember serve --ray` and Ray itself do.
+"""

@@ -1,0 +1,76 @@
+"""The ingress side of the engine replicas: `RayEngineClient` answers `RemoteModels`'
+calls (`submit`, `load`, `status`) through a Ray Serve deployment handle, so the routes of
+an ingress replica see the models exactly as an API process of `ember serve --workers N`
+does: front halves here, forwards on the engine replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
+
+from ember.engine import WorkerFailed
+from ember.ipc.wire import error_from_wire
+
+log = logging.getLogger("ember.cluster")
+ATTEMPTS = 2  # a call whose replica died is sent once more, to another replica
+
+
+class ReplicaLost(Exception):
+    """The engine replica died (or could not be reached) before it answered."""
+
+
+def replica_lost(exc: BaseException) -> bool:
+    """Whether `exc` says the replica itself is gone, not that the call failed there."""
+    if isinstance(exc, ActorDiedError | ActorUnavailableError):
+        return True
+    return isinstance(exc, RayTaskError) and isinstance(
+        getattr(exc, "cause", None), ActorDiedError | ActorUnavailableError)
+
+
+class RayEngineClient:
+    """`EngineCalls` over the engine deployment's handle.
+
+    A call about one model carries its name as the multiplexed model id, so Ray routes it
+    to a replica that holds the model. Embedding, scoring and extraction are idempotent,
+    so a call whose replica died before answering is sent once more: Ray's router has by
+    then marked that replica dead and picks another. Cancelling the caller (the client
+    went away) cancels the call on the replica, whose worker drops the queued items (R9).
+    """
+
+    def __init__(self, handle: DeploymentHandle[Any]) -> None:
+        self.handle = handle
+        self.retries = 0  # calls sent again after their replica died (tests read it)
+
+    async def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        handle = self.handle
+        if "model" in fields:
+            handle = handle.options(multiplexed_model_id=fields["model"])
+        method = getattr(handle, op)
+        for attempt in range(1, ATTEMPTS + 1):
+            response: DeploymentResponse[dict[str, Any]] = method.remote(fields)
+            try:
+                reply: dict[str, Any] = await response
+                break
+            except asyncio.CancelledError:
+                response.cancel()  # type: ignore[no-untyped-call]  # awaiting a response does not cancel it by itself
+                raise
+            except Exception as exc:
+                if not replica_lost(exc):
+                    raise
+                if attempt == ATTEMPTS:
+                    raise WorkerFailed(str(fields.get("model", "engine")),
+                                       ReplicaLost(f"{op}: two engine replicas died before "
+                                                   "answering")) from None
+                self.retries += 1
+                log.warning("an engine replica died before answering %s (%s); sending it "
+                            "to another replica", op, type(exc).__name__)
+        if reply["op"] == "error":
+            raise error_from_wire(reply["error"])
+        return reply
+
+    def close(self) -> None:
+        """Nothing to release: the handle belongs to Ray."""

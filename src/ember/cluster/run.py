@@ -1,0 +1,95 @@
+"""`ember serve --ray`: start a local Ray instance (or join the cluster at `--ray-address`),
+deploy the application, serve until a signal, then drain.
+
+Drain: the first SIGTERM or SIGINT deletes the application. Ray stops each replica only
+once it holds no ongoing request (within `GRACEFUL_SHUTDOWN_S`); the engine replicas then
+drain their workers, so everything accepted is answered. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from types import FrameType
+
+import ray
+from ray import serve
+
+from ember.cluster.app import build_app
+from ember.config import RaySettings, ServerSettings
+from ember.supervisor import bind
+
+log = logging.getLogger("ember.cluster")
+APP_NAME = "ember"
+EXTRA_SLOTS = 2  # logical CPUs of a local instance beyond one per engine replica
+
+
+def local_cpus(ray_settings: RaySettings) -> int:
+    """Logical CPU slots for a local instance: each engine replica asks for one, and Ray
+    schedules by slots, not by load, so there must be one per replica it may start."""
+    if ray_settings.num_cpus is not None:
+        return ray_settings.num_cpus
+    most = max(ray_settings.replicas, ray_settings.max_replicas or 0,
+               ray_settings.min_replicas or 0)
+    return max(os.cpu_count() or 1, most + EXTRA_SLOTS)
+
+
+def start_ray(ray_settings: RaySettings) -> None:
+    if ray_settings.address is None:
+        # Local: no dashboard; the replicas inherit this environment. (Ray's own ports
+        # use the node's address; Ember's HTTP port is the proxy's, on --host.)
+        ray.init(num_cpus=local_cpus(ray_settings), include_dashboard=False)
+    else:
+        ray.init(address=ray_settings.address)
+    log.info("Ray cluster at %s", ray.get_runtime_context().gcs_address)
+
+
+def serve_on_ray(settings: ServerSettings) -> int:
+    ray_settings = settings.ray or RaySettings()
+    try:  # Ray's proxy binds the port later; a taken one is one line and exit code 1 now
+        bind(settings.host, settings.port).close()
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror)
+        return 1
+    stop = threading.Event()
+    signals = 0
+
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            log.warning("second signal: exiting now")
+            os._exit(1)
+        log.info("%s: draining the application", signal.Signals(sig).name)
+        stop.set()
+
+    start_ray(ray_settings)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which sets its own
+        signal.signal(sig, on_signal)
+    try:
+        # The cluster's HTTP options are set by whoever starts Serve on it first.
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+        serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
+        log.info("Ember listening on http://%s:%d (Ray Serve: %s; default model %s; "
+                 "/docs for the API)", settings.host, settings.port,
+                 describe(ray_settings), settings.default_model)
+        while not stop.wait(1.0):
+            pass
+        started = time.monotonic()
+        serve.delete(APP_NAME)  # returns once every replica finished what it held
+        log.info("drained in %.2f s; exiting", time.monotonic() - started)
+        return 0
+    finally:
+        if ray_settings.address is None:  # the instance is ours: take it down
+            serve.shutdown()  # type: ignore[no-untyped-call]
+        ray.shutdown()
+
+
+def describe(ray_settings: RaySettings) -> str:
+    if ray_settings.autoscaling:
+        return (f"engine replicas autoscaled from {ray_settings.min_replicas or 1} to "
+                f"{ray_settings.max_replicas or ray_settings.min_replicas}")
+    return f"{ray_settings.replicas} engine replicas"
