@@ -5,8 +5,8 @@
   routes a model's requests to the replicas that hold it; the registry is the cache.
 - `ingress.EmberIngress`: the HTTP API of `ember serve` (`create_app`) over the engine
   replicas (`client.RayEngineClient` behind the `RemoteModels` of the API processes).
-- `app.build_app`: the application; `app.build` for `serve run` config files;
-  `run.serve_on_ray`: `ember serve --ray`.
+- `app`: the two applications (engine, then ingress: a drain stops them in the other
+  order), for `ember serve --ray` (`run.serve_on_ray`) and for Serve config files.
 
 Importing this package imports Ray: only `ember serve --ray` and Ray itself do.
 """

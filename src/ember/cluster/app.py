@@ -1,8 +1,14 @@
-"""The Ember application for Ray Serve: an ingress deployment over an engine deployment.
+"""The Ember applications for Ray Serve: the engine replicas, and the ingress over them.
 
-`build_app(settings)` is what `ember serve --ray` runs; `build(args)` is the same
-application for a Serve config file (`serve run deploy/ray/ember.yaml`), its `args`
-being `ember serve`'s flags by their settings names.
+They are two applications, not one, for the drain: deleting the ingress first lets every
+accepted HTTP request finish on engine replicas that are still running (Ray deletes the
+deployments of one application together, and a request still queued for an engine
+replica that is stopping would have nowhere to go); the engine goes second, each replica
+draining its workers. `ember serve --workers N` stops its processes in the same order.
+
+`build_engine`/`build_ingress` are what `ember serve --ray` runs; `engine(args)` and
+`ingress(args)` are the same applications for a Serve config file (`serve run
+deploy/ray/ember.yaml`), `args` being `ember serve`'s settings by name.
 """
 
 from __future__ import annotations
@@ -14,14 +20,30 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from ember.cluster.engine import EmberEngine
+from ember.cluster.engine import ENGINE, EmberEngine
 from ember.cluster.ingress import EmberIngress
 from ember.config import RaySettings, ServerSettings
 from ember.engine import WorkerConfig
 
+APP = "ember"  # the HTTP application (the ingress)
+ENGINE_APP = "ember-engine"
+INGRESS = "EmberIngress"
 INGRESS_MAX_ONGOING = 4096  # HTTP requests one ingress replica takes at once (Ray's default: 5)
 GRACEFUL_SHUTDOWN_S = 120.0  # a replica being stopped finishes what it holds first
 SHUTDOWN_POLL_S = 0.5  # how often a stopping replica checks that it has finished
+
+
+def autoscaling_config(ray: RaySettings) -> dict[str, Any]:
+    low = ray.min_replicas if ray.min_replicas is not None else 1
+    # Ray averages the ongoing requests over `look_back_period_s` (30 s by default),
+    # sampled every `metrics_interval_s` (10 s): with shorter delays the window shrinks
+    # with them, or scaling would trail the delays by the window.
+    window = max(1.0, min(30.0, ray.upscale_delay_s))
+    return {"min_replicas": low, "max_replicas": max(low, ray.max_replicas or low),
+            "target_ongoing_requests": ray.target_ongoing_requests,
+            "upscale_delay_s": ray.upscale_delay_s,
+            "downscale_delay_s": ray.downscale_delay_s,
+            "look_back_period_s": window, "metrics_interval_s": min(10.0, window / 2)}
 
 
 def engine_options(settings: ServerSettings) -> dict[str, Any]:
@@ -29,6 +51,7 @@ def engine_options(settings: ServerSettings) -> dict[str, Any]:
     takes at once, its device, and a drain long enough for its queue."""
     ray = settings.ray or RaySettings()
     options: dict[str, Any] = {
+        "name": ENGINE,
         "max_ongoing_requests": ray.max_ongoing_requests,
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
         "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
@@ -37,14 +60,7 @@ def engine_options(settings: ServerSettings) -> dict[str, Any]:
                               if settings.device.startswith("cuda") else {"num_cpus": 1}),
     }
     if ray.autoscaling:
-        low = ray.min_replicas if ray.min_replicas is not None else 1
-        options["autoscaling_config"] = {
-            "min_replicas": low,
-            "max_replicas": max(low, ray.max_replicas or low),
-            "target_ongoing_requests": ray.target_ongoing_requests,
-            "upscale_delay_s": ray.upscale_delay_s,
-            "downscale_delay_s": ray.downscale_delay_s,
-        }
+        options["autoscaling_config"] = autoscaling_config(ray)
     else:
         options["num_replicas"] = ray.replicas
     return options
@@ -52,28 +68,30 @@ def engine_options(settings: ServerSettings) -> dict[str, Any]:
 
 def ingress_options(settings: ServerSettings) -> dict[str, Any]:
     """`--workers N` keeps its meaning: N replicas doing the HTTP and tokenizing work."""
-    return {"num_replicas": max(1, settings.workers),
+    return {"name": INGRESS, "num_replicas": max(1, settings.workers),
             "max_ongoing_requests": INGRESS_MAX_ONGOING,
             "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
             "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
             "ray_actor_options": {"num_cpus": 0}}  # light next to the engines it feeds
 
 
-def build_app(settings: ServerSettings, engine: dict[str, Any] | None = None) -> Application:
-    """The application for these settings; `engine` overrides engine deployment options
-    (tests shorten the autoscaling delays)."""
-    engine_deployment = serve.deployment(**{**engine_options(settings),
-                                            **(engine or {})})(EmberEngine)
-    ingress = serve.deployment(**ingress_options(settings))(EmberIngress)
-    application: Application = ingress.bind(settings, engine_deployment.bind(settings))
+def build_engine(settings: ServerSettings) -> Application:
+    deployment = serve.deployment(**engine_options(settings))(EmberEngine)
+    application: Application = deployment.bind(settings)
+    return application
+
+
+def build_ingress(settings: ServerSettings, engine_app: str = ENGINE_APP) -> Application:
+    deployment = serve.deployment(**ingress_options(settings))(EmberIngress)
+    application: Application = deployment.bind(settings, engine_app)
     return application
 
 
 def settings_from_args(args: dict[str, Any]) -> ServerSettings:
-    """ServerSettings from a config file's `args`: `ember serve`'s flags by their settings
-    names (`default_model`, `preload`, `model_dirs`, `max_loaded_models`, ...); `worker`
-    takes WorkerConfig's fields and `ray` RaySettings' (replicas, autoscaling bounds)."""
-    values = dict(args)
+    """ServerSettings from a config file's `args`: `ember serve`'s settings by name
+    (`default_model`, `preload`, `model_dirs`, `max_loaded_models`, ...); `worker` takes
+    WorkerConfig's fields and `ray` RaySettings' (replicas, autoscaling bounds)."""
+    values = {k: v for k, v in args.items() if k != "engine_app"}
     unknown = set(values) - {f.name for f in dataclasses.fields(ServerSettings)}
     if unknown:
         raise ValueError(f"unknown Ember settings in the Serve config: {sorted(unknown)}")
@@ -82,14 +100,20 @@ def settings_from_args(args: dict[str, Any]) -> ServerSettings:
             values[name] = tuple(Path(p) for p in values[name])
     if "preload" in values:
         values["preload"] = tuple(values["preload"])
-    if "cache_dir" in values and values["cache_dir"] is not None:
+    if values.get("cache_dir") is not None:
         values["cache_dir"] = Path(values["cache_dir"])
     values["worker"] = WorkerConfig(**values.get("worker", {}))
     values["ray"] = RaySettings(**values.get("ray", {}))
     return ServerSettings(**values)
 
 
-def build(args: dict[str, Any]) -> Application:
-    """The application builder a Serve config file names (`import_path:
-    ember.cluster.app:build`)."""
-    return build_app(settings_from_args(args))
+def engine(args: dict[str, Any]) -> Application:
+    """The engine application of a Serve config file (`import_path:
+    ember.cluster.app:engine`)."""
+    return build_engine(settings_from_args(args))
+
+
+def ingress(args: dict[str, Any]) -> Application:
+    """The ingress application of a Serve config file (`import_path:
+    ember.cluster.app:ingress`); `engine_app` names the engine's application."""
+    return build_ingress(settings_from_args(args), str(args.get("engine_app", ENGINE_APP)))

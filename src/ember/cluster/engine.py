@@ -28,6 +28,7 @@ from ember.registry import Registry
 
 log = logging.getLogger("ember.cluster")
 Reply = dict[str, Any]
+ENGINE = "EmberEngine"  # the deployment's name, in its own application
 
 
 class EmberEngine:

