@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,7 +51,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start_ray_server(log: Path, args: list[str]) -> ServerProcess:
-    return start_server(log, ["--ray", *args], ready_timeout=240, attempts=1)
+    # Every replica's log line reaches the server's log: Ray folds repeated ones by default.
+    return start_server(log, ["--ray", *args], env={"RAY_DEDUP_LOGS": "0"},
+                        ready_timeout=240, attempts=1)
 
 
 def stop_ray_server(server: ServerProcess) -> int | None:
@@ -96,17 +99,18 @@ def wait_replicas(server: ServerProcess, count: int, timeout: float) -> None:
 
 
 def replicas_of(server: ServerProcess, request_ids: set[str], since: int = 0,
-                timeout: float = 20) -> dict[str, str]:
-    """request id -> the engine replica that answered it, from Serve's access lines
-    (`ember-engine_EmberEngine <replica> <request id> -- CALL submit OK`), which reach
-    the server's log with a delay."""
-    line = re.compile(r"ember-engine_EmberEngine (\w+) (\S+) -- CALL submit OK")
+                timeout: float = 20) -> Counter[str]:
+    """Engine replica id -> how many of these HTTP requests it answered, from Serve's
+    access lines (`ember-engine_EmberEngine <replica> <request id> -- CALL ... OK`: Serve
+    carries the HTTP request's id into the ingress's calls). They reach the server's log
+    with a delay, undeduplicated (`RAY_DEDUP_LOGS=0`)."""
+    line = re.compile(r"ember-engine_EmberEngine (\w+) (\S+) -- CALL \S+ OK")
     deadline = time.monotonic() + timeout
     while True:
         found = {request: replica for replica, request in line.findall(server.log_text(since))
                  if request in request_ids}
         if len(found) == len(request_ids) or time.monotonic() > deadline:
-            return found
+            return Counter(found.values())
         time.sleep(0.25)
 
 

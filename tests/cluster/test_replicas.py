@@ -1,0 +1,121 @@
+"""Two engine replicas behind one ingress (`ember serve --ray --replicas 2`): traffic
+reaches both, two models share the pool and each request is answered by its own model, a
+loading model does not hold the others up, and a replica killed under load loses no
+request."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+
+from ember.adapters.synthetic import SyntheticAdapter
+from tests.api.conftest import BUSY, SYNTH, encode_body, vectors
+from tests.cluster.conftest import LOADING, engine_replicas, replicas_of, wait_replicas
+from tests.live_server import ServerProcess
+
+SYNTH_DIMS, BUSY_DIMS = 64, 16  # the catalog's ember/synthetic; tests/api's busy model
+
+
+def encode(server: ServerProcess, client: httpx.Client, model: str, text: str,
+           request_id: str | None = None) -> np.ndarray:
+    """One text's vector; the request must succeed."""
+    headers = {"x-request-id": request_id} if request_id else {}
+    response = client.post(f"{server.url}/v1/encode/{model}", json=encode_body(text),
+                           headers=headers, timeout=60)
+    assert response.status_code == 200, (response.status_code, response.text)
+    return np.array(vectors(response.json())[0], dtype=np.float32)
+
+
+def test_both_replicas_receive_traffic(ray_server: ServerProcess) -> None:
+    since = ray_server.log_size()
+    ids = {f"spread-{i}" for i in range(48)}
+    reference = SyntheticAdapter(dims=BUSY_DIMS)
+    with httpx.Client() as client, ThreadPoolExecutor(16) as pool:
+        got = dict(zip(ids, pool.map(
+            lambda rid: encode(ray_server, client, BUSY, rid, rid), ids), strict=True))
+    for rid, vector in got.items():
+        np.testing.assert_allclose(vector, reference.vector(rid), atol=1e-6)
+    counts = replicas_of(ray_server, ids, since)
+    assert counts.total() == len(ids), (counts, ray_server.log_tail())
+    assert len(counts) == 2, counts  # both replicas worked
+    assert min(counts.values()) >= 4, counts  # and neither only once or twice
+
+
+def test_two_models_multiplexed_over_one_pool(ray_server: ServerProcess) -> None:
+    """Interleaved requests for two models over the same replicas: each answer has its own
+    model's dimensions and vector (the models' vectors differ for the same text)."""
+    models = {SYNTH: SyntheticAdapter(dims=SYNTH_DIMS), BUSY: SyntheticAdapter(dims=BUSY_DIMS)}
+    calls = [(model, f"multiplexed {i}") for i, model in
+             zip(range(60), itertools.cycle(models), strict=False)]
+    with httpx.Client() as client, ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(lambda call: encode(ray_server, client, *call), calls))
+    for (model, text), vector in zip(calls, answers, strict=True):
+        assert vector.shape == (models[model].dims,), (model, vector.shape)
+        np.testing.assert_allclose(vector, models[model].vector(text), atol=1e-6)
+    listed = {m["id"]: m for m in httpx.get(f"{ray_server.url}/v1/models").json()["data"]}
+    assert listed[SYNTH]["dims"] == SYNTH_DIMS
+
+
+def test_a_loading_model_does_not_block_the_others(ray_server: ServerProcess) -> None:
+    """While a model takes seconds to load (torch, then its weights), requests for a
+    loaded model keep being answered, on every replica."""
+    reference = SyntheticAdapter(dims=SYNTH_DIMS)
+    with httpx.Client() as client, ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        loading = pool.submit(client.post, f"{ray_server.url}/v1/encode/{LOADING}",
+                              json=encode_body("a model that loads slowly"), timeout=120)
+        answered_during_load = 0
+        while not loading.done():
+            text = f"during the load {answered_during_load}"
+            np.testing.assert_allclose(encode(ray_server, client, SYNTH, text),
+                                       reference.vector(text), atol=1e-6)
+            if not loading.done():
+                answered_during_load += 1
+        load_seconds = time.monotonic() - started
+        response = loading.result()
+    assert response.status_code == 200, response.text
+    assert len(vectors(response.json())[0]) == 384
+    # The load took seconds; requests of ~10 ms kept going all along it.
+    assert load_seconds > 1.0, load_seconds
+    assert answered_during_load >= 5, (answered_during_load, load_seconds)
+
+
+def test_a_replica_killed_under_load_loses_no_request(ray_server: ServerProcess) -> None:
+    """16 clients keep 50 ms forwards busy on both replicas; one replica is killed (SIGKILL)
+    mid-way. Every request gets its own correct vector: those the dead replica held are
+    sent once more, to the other replica, and Serve starts a replacement."""
+    reference = SyntheticAdapter(dims=BUSY_DIMS)
+    since = ray_server.log_size()
+    texts = [f"under fire {i}" for i in range(240)]
+    done: list[int] = []
+
+    def one(text: str) -> np.ndarray:
+        with httpx.Client() as client:
+            vector = encode(ray_server, client, BUSY, text)
+        done.append(1)
+        return vector
+
+    victims = engine_replicas(ray_server)
+    assert len(victims) == 2
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(one, text) for text in texts]
+        deadline = time.monotonic() + 60
+        while len(done) < 40:  # well under way: both replicas hold requests now
+            assert time.monotonic() < deadline, ray_server.log_tail()
+            time.sleep(0.01)
+        os.kill(victims[0].pid, signal.SIGKILL)
+        answers = [future.result() for future in futures]  # any failure raises here
+    for text, vector in zip(texts, answers, strict=True):
+        np.testing.assert_allclose(vector, reference.vector(text), atol=1e-6)
+    log = ray_server.log_text(since)
+    assert "an engine replica died before answering submit" in log, log[-4000:]
+    wait_replicas(ray_server, 2, 90)  # Serve replaced it
+    with httpx.Client() as client:
+        np.testing.assert_allclose(encode(ray_server, client, BUSY, "after"),
+                                   reference.vector("after"), atol=1e-6)
