@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the ray extra is not installed")
 
-from tests.api.conftest import MODEL_YAMLS, SYNTH  # noqa: E402
+from tests.api.conftest import BUSY, MODEL_YAMLS, SYNTH  # noqa: E402
 from tests.live_server import ServerProcess, start_server  # noqa: E402
 
 ENGINE_TITLE = "ray::ServeReplica:ember-engine:EmberEngine"
@@ -118,11 +118,14 @@ def replicas_of(server: ServerProcess, request_ids: set[str], since: int = 0,
 def ray_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[ServerProcess]:
     """`ember serve --ray` with two engine replicas: the default model the real
-    all-MiniLM-L6-v2, the synthetic ones preloaded or loaded on first use, the API
-    tests' limits. It must drain and exit 0 on SIGTERM at the end."""
+    all-MiniLM-L6-v2, the two synthetic ones preloaded (on every replica, so Ray's
+    multiplexing spreads their traffic over both; a model loaded on first use stays on the
+    replica that loaded it until that one is full), the API tests' limits. It must drain
+    and exit 0 on SIGTERM at the end."""
     log = tmp_path_factory.mktemp("ray") / "server.log"
     server = start_ray_server(log, ["--replicas", "2", "--model-dir", str(model_dir),
-                                    "--preload", SYNTH, "--max-items-per-request", "64"])
+                                    "--preload", SYNTH, "--preload", BUSY,
+                                    "--max-items-per-request", "64"])
     try:
         wait_replicas(server, 2, 60)
         yield server
