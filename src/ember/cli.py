@@ -126,9 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     flag("max-replicas", int, ray.max_replicas, "with --ray, autoscale the engine replicas "
          "up to this many")
     flag("max-ongoing-requests", int, ray.max_ongoing_requests, "with --ray, requests one "
-         "engine replica holds at once before Ray queues them")
+         "engine replica holds at once before Ray's router queues them (keep it above any "
+         "load: queueing there costs most of a replica's throughput, docs/scaling.md)")
     flag("target-ongoing-requests", float, ray.target_ongoing_requests, "with --ray and "
-         "autoscaling, the ongoing requests per engine replica to scale towards")
+         "autoscaling, the ongoing requests per engine replica to scale towards (default: "
+         "2 x --max-batch-items, two full batches of one-text requests)")
     flag("upscale-delay-s", float, ray.upscale_delay_s, "with --ray and autoscaling, load "
          "sustained this long before a replica is added")
     flag("downscale-delay-s", float, ray.downscale_delay_s, "with --ray and autoscaling, "
@@ -194,7 +196,8 @@ def check_ray(ray: RaySettings) -> str | None:
         return "--replicas, --min-replicas and --max-replicas must be 1 or more"
     if low is not None and high is not None and low > high:
         return f"--min-replicas {low} is over --max-replicas {high}"
-    if ray.max_ongoing_requests < 1 or ray.target_ongoing_requests <= 0:
+    if ray.max_ongoing_requests < 1 or (ray.target_ongoing_requests is not None
+                                        and ray.target_ongoing_requests <= 0):
         return "--max-ongoing-requests and --target-ongoing-requests must be positive"
     return None
 

@@ -230,14 +230,17 @@ def resolve_source(spec: ModelSpec) -> Path:
 class RaySettings:
     """`ember serve --ray`: the engine as Ray Serve replicas (`ember.cluster`). A fixed
     `replicas` count, or autoscaling between `min_replicas` and `max_replicas` when either
-    bound is set. The defaults of the two request limits were measured (docs/scaling.md)."""
+    bound is set. The two request settings follow measurements (docs/scaling.md): a
+    replica's batches are full once two batches' worth of items are ongoing on it (the
+    autoscaling target), and Ray's router must never be the queue (the cap stays above
+    any load a replica holds; Ember's own queue limit answers 429 before it)."""
 
     address: str | None = None  # None: start a local Ray instance; else join this cluster
     replicas: int = 1
     min_replicas: int | None = None
     max_replicas: int | None = None
-    max_ongoing_requests: int = 32  # per engine replica, before the router queues
-    target_ongoing_requests: float = 16.0  # autoscaling aims each replica at this many
+    max_ongoing_requests: int = 1024  # per engine replica, before Ray's router queues
+    target_ongoing_requests: float | None = None  # None: 2 x max_batch_items (one-text requests)
     upscale_delay_s: float = 10.0
     downscale_delay_s: float = 120.0
     num_cpus: int | None = None  # logical CPUs of a local instance (None: enough slots)
@@ -245,6 +248,13 @@ class RaySettings:
     @property
     def autoscaling(self) -> bool:
         return self.min_replicas is not None or self.max_replicas is not None
+
+    def target(self, max_batch_items: int) -> float:
+        """Ongoing requests per replica that autoscaling aims at: two full batches of
+        one-text requests unless set (divide by the texts your requests carry)."""
+        if self.target_ongoing_requests is not None:
+            return self.target_ongoing_requests
+        return float(2 * max_batch_items)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ traffic, multiplexing and the killed replica all use it, so Ray starts once for 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections import Counter
@@ -20,8 +21,8 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the ray extra is not installed")
 
-from tests.api.conftest import BUSY, MODEL_YAMLS, SYNTH  # noqa: E402
-from tests.live_server import ServerProcess, start_server  # noqa: E402
+from tests.api.conftest import BUSY, MODEL_YAMLS, SYNTH
+from tests.live_server import ServerProcess, start_server
 
 ENGINE_TITLE = "ray::ServeReplica:ember-engine:EmberEngine"
 LOADING = "test/minilm-torch"  # the real all-MiniLM-L6-v2 on torch: a load of seconds
@@ -62,10 +63,8 @@ def stop_ray_server(server: ServerProcess) -> int | None:
     family = descendants(server)
     code = server.stop(timeout=90)
     for process in family:
-        try:
+        with contextlib.suppress(psutil.Error):  # gone already
             process.kill()
-        except psutil.Error:
-            pass  # gone already
     return code
 
 

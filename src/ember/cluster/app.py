@@ -33,17 +33,24 @@ GRACEFUL_SHUTDOWN_S = 120.0  # a replica being stopped finishes what it holds fi
 SHUTDOWN_POLL_S = 0.5  # how often a stopping replica checks that it has finished
 
 
-def autoscaling_config(ray: RaySettings) -> dict[str, Any]:
+def autoscaling_config(ray: RaySettings, max_batch_items: int) -> dict[str, Any]:
     low = ray.min_replicas if ray.min_replicas is not None else 1
     # Ray averages the ongoing requests over `look_back_period_s` (30 s by default),
     # sampled every `metrics_interval_s` (10 s): with shorter delays the window shrinks
     # with them, or scaling would trail the delays by the window.
     window = max(1.0, min(30.0, ray.upscale_delay_s))
     return {"min_replicas": low, "max_replicas": max(low, ray.max_replicas or low),
-            "target_ongoing_requests": ray.target_ongoing_requests,
+            "target_ongoing_requests": ray.target(max_batch_items),
             "upscale_delay_s": ray.upscale_delay_s,
             "downscale_delay_s": ray.downscale_delay_s,
             "look_back_period_s": window, "metrics_interval_s": min(10.0, window / 2)}
+
+
+def logging_config(settings: ServerSettings) -> dict[str, Any]:
+    """Serve's own log lines at Ember's level; its access line per call only where Ember
+    writes its own (info and below): writing and shipping it costs ~1 ms of CPU a call."""
+    return {"log_level": settings.log_level.upper(),
+            "enable_access_log": settings.log_level in ("debug", "info")}
 
 
 def engine_options(settings: ServerSettings) -> dict[str, Any]:
@@ -52,6 +59,7 @@ def engine_options(settings: ServerSettings) -> dict[str, Any]:
     ray = settings.ray or RaySettings()
     options: dict[str, Any] = {
         "name": ENGINE,
+        "logging_config": logging_config(settings),
         "max_ongoing_requests": ray.max_ongoing_requests,
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
         "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
@@ -60,7 +68,7 @@ def engine_options(settings: ServerSettings) -> dict[str, Any]:
                               if settings.device.startswith("cuda") else {"num_cpus": 1}),
     }
     if ray.autoscaling:
-        options["autoscaling_config"] = autoscaling_config(ray)
+        options["autoscaling_config"] = autoscaling_config(ray, settings.worker.max_batch_items)
     else:
         options["num_replicas"] = ray.replicas
     return options
@@ -69,6 +77,7 @@ def engine_options(settings: ServerSettings) -> dict[str, Any]:
 def ingress_options(settings: ServerSettings) -> dict[str, Any]:
     """`--workers N` keeps its meaning: N replicas doing the HTTP and tokenizing work."""
     return {"name": INGRESS, "num_replicas": max(1, settings.workers),
+            "logging_config": logging_config(settings),
             "max_ongoing_requests": INGRESS_MAX_ONGOING,
             "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
             "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,

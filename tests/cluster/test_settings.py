@@ -1,0 +1,65 @@
+"""`ember serve --ray` and its flags (each with its EMBER_* variable), the engine
+deployment's options they make, and the default path that never imports Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ember.cli import build_parser, main, settings_from
+from ember.config import RaySettings, ServerSettings
+from tests.live_server import REPO, server_env
+
+
+def test_ray_flags_and_their_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBER_MAX_REPLICAS", "4")
+    monkeypatch.setenv("EMBER_RAY_ADDRESS", "10.0.0.1:6379")
+    args = build_parser().parse_args(["serve", "--ray", "--min-replicas", "2",
+                                      "--target-ongoing-requests", "8",
+                                      "--max-ongoing-requests", "12"])
+    ray = settings_from(args).ray
+    assert ray == RaySettings(address="10.0.0.1:6379", min_replicas=2, max_replicas=4,
+                              target_ongoing_requests=8.0, max_ongoing_requests=12)
+    assert ray.autoscaling
+    assert settings_from(build_parser().parse_args(["serve"])).ray is None  # no --ray
+
+
+def test_engine_options_follow_the_settings() -> None:
+    pytest.importorskip("ray.serve", reason="the ray extra is not installed")
+    from ember.cluster.app import autoscaling_config, engine_options
+
+    fixed = engine_options(ServerSettings(ray=RaySettings(replicas=3)))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_cpus": 1}
+    gpu = engine_options(ServerSettings(device="cuda:0", ray=RaySettings(max_replicas=4)))
+    assert gpu["ray_actor_options"]["num_gpus"] == 1 and "num_replicas" not in gpu
+    assert gpu["autoscaling_config"]["min_replicas"] == 1
+    assert gpu["autoscaling_config"]["max_replicas"] == 4
+    assert gpu["autoscaling_config"]["target_ongoing_requests"] == 128  # 2 x 64 items
+    quick = autoscaling_config(RaySettings(min_replicas=1, max_replicas=2,
+                                           upscale_delay_s=1, downscale_delay_s=3), 8)
+    assert quick["look_back_period_s"] == 1 and quick["metrics_interval_s"] == 0.5
+    assert quick["target_ongoing_requests"] == 16
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 is over"),
+    (["--replicas", "0"], "must be 1 or more"),
+    (["--max-ongoing-requests", "0"], "must be positive"),
+])
+def test_bad_ray_flags_are_refused_before_ray_starts(
+        flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["serve", "--ray", "--default-model", "ember/synthetic", *flags])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_default_path_never_imports_ray() -> None:
+    """What `./run serve` loads without --ray: the CLI, one process and the supervisor."""
+    probe = ("import sys, ember.cli, ember.server, ember.supervisor, ember.api.app, "
+             "ember.ipc.engine; sys.exit(1 if 'ray' in sys.modules else 0)")
+    result = subprocess.run([sys.executable, "-c", probe], env=server_env(), cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
