@@ -13,9 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
+import pytest
 
 from ember.adapters.synthetic import SyntheticAdapter
-from tests.api.conftest import BUSY, SYNTH, encode_body, vectors
+from tests.api.conftest import BUSY, SLOW, SYNTH, encode_body, vectors
 from tests.cluster.conftest import LOADING, engine_replicas, replicas_of, wait_replicas
 from tests.live_server import ServerProcess
 
@@ -119,3 +120,26 @@ def test_a_replica_killed_under_load_loses_no_request(ray_server: ServerProcess)
     with httpx.Client() as client:
         np.testing.assert_allclose(encode(ray_server, client, BUSY, "after"),
                                    reference.vector("after"), atol=1e-6)
+
+
+def test_a_client_that_goes_away_cancels_its_call_on_the_engine_replica(
+        ray_server: ServerProcess) -> None:
+    """While a 300 ms forward runs and another request waits, a third client gives up:
+    Ray cancels its call on the engine replica (Serve's access line says CANCELLED),
+    which drops its queued item there (R9), and the ingress answers 499 to nobody."""
+    url = f"{ray_server.url}/v1/encode/{SLOW}"
+    with httpx.Client() as client:  # loaded first: the load is not what is abandoned
+        assert client.post(url, json=encode_body("warm"), timeout=60).status_code == 200
+    since = ray_server.log_size()
+    with ThreadPoolExecutor(2) as pool:
+        busy = [pool.submit(httpx.post, url, json=encode_body(f"busy {i}"), timeout=60)
+                for i in range(2)]
+        time.sleep(0.1)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json=encode_body("abandoned"), timeout=0.2,
+                       headers={"x-request-id": "gone-away-1"})
+        assert [f.result().status_code for f in busy] == [200, 200]
+    deadline = time.monotonic() + 20
+    while "gone-away-1 -- CALL / CANCELLED" not in ray_server.log_text(since):
+        assert time.monotonic() < deadline, ray_server.log_text(since)[-4000:]
+        time.sleep(0.2)
