@@ -75,7 +75,10 @@ def create_app(settings: ServerSettings, registry: Models) -> EmberAPI:
         preload.cancel()
         await registry.close()
 
+    # Ember reports through /metrics and its logs; FastAPI's own OpenTelemetry hooks
+    # would look up the tracer and meter providers on every request.
     app = EmberAPI(state, title="Ember", version=__version__, lifespan=lifespan,
+                   telemetry={"tracing": False, "metrics": False, "logs": False},
                    description="Embeddings, reranking and entity extraction with dynamic "
                    "batching.")
     errors.install(app)

@@ -13,6 +13,7 @@ from starlette.types import Message
 
 from ember.adapters.base import TaskModel, TaskOutput
 from ember.api.errors import ApiError, ClientGone, as_api_error
+from ember.api.metrics import labelled
 from ember.api.state import ServedModel, server_state
 from ember.errors import UnsupportedTask
 
@@ -121,7 +122,7 @@ async def run_task(request: Request, model_name: str, task: str,
             output = await until_disconnect(request, call(model, model.adapter),
                                             state.settings.request_timeout_s)
         request.state.timing = (output.queue_ms, output.inference_ms)
-        state.metrics.input_tokens.labels(request.state.route, model_name).observe(
+        labelled(state.metrics.input_tokens, request.state.route, model_name).observe(
             output.tokens)
         return output
     except ClientGone:
