@@ -9,16 +9,13 @@ borrowed"), and its Python costs about as much as tokenizing a short text does.
 
 `off_loop` runs large tokenizing in a small shared thread pool, so one long text never
 holds the event loop while the other requests wait (docs/benchmarks.md, Tokenizing).
-The pool's threads run at a lower CPU priority and tokenize one text at a time, so a
-large request takes the CPU the small ones leave rather than theirs.
+The pool's threads tokenize one text at a time, so a large request takes at most
+POOL_THREADS cores from the small ones, not every core.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,9 +34,6 @@ EncodeInput = str | tuple[str, str]
 OFFLOAD_CHARS = 2048
 # Half the cores, at most 4: the rest stay for the event loop and the forwards.
 POOL_THREADS = max(1, min(4, usable_cores() // 2))
-# Niceness of the pool's threads (Linux sets it per thread): a 1 MB request at the
-# default priority doubled the median of concurrent small requests on 2 cores.
-POOL_NICENESS = 10
 
 _pool: ThreadPoolExecutor | None = None
 _here = threading.local()
@@ -47,10 +41,6 @@ _here = threading.local()
 
 def _start_thread() -> None:
     _here.in_pool = True
-    if sys.platform == "linux":
-        # Where it is not allowed, the pool still keeps the loop free.
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), POOL_NICENESS)
 
 
 def pool() -> ThreadPoolExecutor:
@@ -76,9 +66,9 @@ async def off_loop(chars: int, work: Callable[[], T]) -> T:
 
 def encode_batch(tokenizer: Tokenizer, inputs: list[EncodeInput],
                  add_special_tokens: bool = True) -> list[Encoding]:
-    """One batch call: the library spreads its texts over every core, at the caller's
-    priority; in the pool, one call a text, so the work stays on this low-priority
-    thread (a one-text batch runs on the calling thread)."""
+    """One batch call, whose texts the library spreads over every core; in the pool, one
+    call a text, which runs on the calling thread: a 1 MB request spread over both
+    cores of a 2-core machine doubled the median of concurrent small requests."""
     if in_pool():
         return [tokenizer.encode_batch_fast([one], add_special_tokens=add_special_tokens)[0]
                 for one in inputs]
