@@ -54,8 +54,6 @@ class WorkerConfig:
     @property
     def starvation_s(self) -> float:
         """The configured starvation bound (see the class docstring: no longer read by R5)."""
-        if 0 < self.max_padding < 1:
-            raise ValueError(f"max_padding must be 0 (off) or >= 1, got {self.max_padding}")
         if self.starvation_ms is not None:
             return self.starvation_ms / 1000
         # A few batch windows: long enough to batch, short enough to bound waiting.
