@@ -36,6 +36,13 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
+def percentiles(name: str, values: Sequence[float], qs: Sequence[int] = (50, 99)) -> Json:
+    """`{"<name>_p50_ms": ..., "<name>_p99_ms": ...}` (`"p50_ms"` for no name): the
+    fields a result reports for one series of times in milliseconds."""
+    prefix = f"{name}_" if name else ""
+    return {f"{prefix}p{q}_ms": percentile(values, q) for q in qs}
+
+
 def median(values: Iterable[float]) -> float:
     kept = [v for v in values if v is not None and v == v]  # drop NaN and None
     return statistics.median(kept) if kept else float("nan")

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import gc
 import sys
 import time
@@ -52,16 +53,14 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-# bench/http.py would shadow the standard library's `http`: keep this folder last.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
+import benchlib
+import loadgen
+import numpy as np
+from benchlib import Json, fmt_spread, percentile, summary_row, table
 
-import benchlib  # noqa: E402
-import numpy as np  # noqa: E402
-from benchlib import Json, fmt_spread, median, percentile, spread, table  # noqa: E402
-
-from ember.adapters.synthetic import CostModel, SyntheticAdapter  # noqa: E402
-from ember.engine import (  # noqa: E402
+from ember.adapters.synthetic import CostModel, SyntheticAdapter
+from ember.engine import (
+    Batch,
     BatchFormer,
     DispatchPolicy,
     ModelWorker,
@@ -71,7 +70,8 @@ from ember.engine import (  # noqa: E402
     QueueView,
     WorkerConfig,
 )
-from ember.engine.stats import BatchRecord  # noqa: E402
+from ember.engine.batcher import cost_bucket
+from ember.engine.stats import BatchRecord
 
 
 class EarlierIdleRule(DispatchPolicy):
@@ -84,6 +84,34 @@ class EarlierIdleRule(DispatchPolicy):
                    queue.oldest_arrival + cfg.max_batch_wait_ms / 1000)
 
 
+class EarlierFormation(BatchFormer):
+    """The earlier R5 (benchmark only): cheapest first, unless the oldest item has waited
+    `starvation_ms`; then it leads and the rest packs around its length."""
+
+    def __init__(self, config: WorkerConfig, now: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__(config.max_batch_tokens, config.max_batch_items, config.max_padding)
+        self.starvation_s, self.now = config.starvation_s, now
+
+    def form(self, lora: str | None = None) -> Batch | None:
+        head = self.oldest()
+        if head is None:
+            return None
+        group = self._groups[head.group]
+        batch = Batch(lora, head.group)
+        low, high = -1, 0  # cheapest first
+        if self.now() - head.arrival >= self.starvation_s:
+            key = cost_bucket(head.item.cost)
+            group.head(key)  # drops the tombstones ahead of it: it is the bucket's head
+            group.buckets[key].popleft()
+            batch.add(head)
+            low = bisect.bisect_left(group.keys, key)
+            high = low + 1
+        self._pack(batch, group, low, high)
+        for pending in batch.items:
+            self._left(pending)
+        return batch
+
+
 POLICIES: dict[str, WorkerConfig] = {
     "default": WorkerConfig(),
     "idle0": WorkerConfig(idle_coalesce_ms=0.0),
@@ -91,8 +119,10 @@ POLICIES: dict[str, WorkerConfig] = {
     "earlier": WorkerConfig(),
 }
 # Run only where lengths differ (the mixed open loop): the padding bound off.
-MIXED_ONLY: dict[str, WorkerConfig] = {"nopad": WorkerConfig(max_padding=0.0)}
+MIXED_ONLY: dict[str, WorkerConfig] = {"earlyform": WorkerConfig(),
+                                        "nopad": WorkerConfig(max_padding=0.0)}
 POLICY_CLASSES: dict[str, type[DispatchPolicy]] = {"earlier": EarlierIdleRule}
+FORMERS: dict[str, Callable[[WorkerConfig], BatchFormer]] = {"earlyform": EarlierFormation}
 CONTROL = "default-again"  # the A/A control: the default policy run a second time
 POLICY_LABELS = {
     "default": "default",
@@ -100,6 +130,7 @@ POLICY_LABELS = {
     "nohold": "hold_fraction=0 (no hold for senders)",
     "earlier": "earlier idle rule (lone requests wait)",
     CONTROL: "default again (A/A control)",
+    "earlyform": "earlier formation (cheapest first; a starved item leads)",
     "nopad": "max_padding=0 (no padding bound)",
 }
 PLOT_LABELS = {"default": "default", "idle0": "idle_coalesce_ms=0", "nohold": "no hold",
@@ -128,12 +159,9 @@ CAPACITY_CLIENTS = 64  # = max_batch_items: every forward can be full
 
 
 @dataclass(frozen=True)
-class Plan:
+class Plan(loadgen.Plan):
     """How long each scenario runs, per cost model (sized so a full run takes ~6-7 min)."""
 
-    sequential: int  # requests measured
-    closed_s: float  # measured window
-    warmup_s: float
     bursts: int  # bursts per size
     burst_pause_ms: float
     open_s: float
@@ -238,9 +266,8 @@ async def sequential(worker: ModelWorker, plan: Plan, seed: int) -> Json:
             lat.append((got - sent) * 1000)
             queue.append(result.queue_ms)
             forwards += result.forwards
-    return {"requests": len(lat), "queue_p50_ms": percentile(queue, 50),
-            "queue_p99_ms": percentile(queue, 99), "latency_p50_ms": percentile(lat, 50),
-            "latency_p99_ms": percentile(lat, 99), "forwards_per_request": forwards / len(lat)}
+    return {"requests": len(lat), **benchlib.percentiles("queue", queue),
+            **benchlib.percentiles("latency", lat), "forwards_per_request": forwards / len(lat)}
 
 
 async def closed_loop(worker: ModelWorker, plan: Plan, seed: int, *, clients: int,
@@ -273,8 +300,7 @@ async def closed_loop(worker: ModelWorker, plan: Plan, seed: int, *, clients: in
     done = len(lat)
     return {"requests": done, "throughput_rps": forwards.rate(begin, end),
             "gap_p50_ms": percentile(forwards.gaps_ms(begin, end), 50),
-            "latency_p50_ms": percentile(lat, 50), "latency_p99_ms": percentile(lat, 99),
-            "queue_p50_ms": percentile(queue, 50),
+            **benchlib.percentiles("latency", lat), "queue_p50_ms": percentile(queue, 50),
             "forwards_per_request": batches / done if done else float("nan"),
             "items_per_forward": items / batches if batches else float("nan")}
 
@@ -347,8 +373,8 @@ async def open_loop(worker: ModelWorker, plan: Plan, seed: int, *, rate: float) 
     batches = worker.stats.batches - before_b
     items = worker.stats.items - before_i
     return {"requests": len(arrivals), "offered_rps": len(arrivals) / plan.open_s,
-            "refused": refused, "latency_p50_ms": percentile(lat, 50),
-            "latency_p99_ms": percentile(lat, 99), "queue_p50_ms": percentile(queue, 50),
+            "refused": refused, **benchlib.percentiles("latency", lat),
+            "queue_p50_ms": percentile(queue, 50),
             "items_per_forward": items / batches if batches else float("nan")}
 
 
@@ -404,22 +430,33 @@ async def open_mixed(worker: ModelWorker, plan: Plan, seed: int, *, rate: float)
     await asyncio.gather(*futures)
     begin, end = start + skip, clock()
     wait_p50, longest = percentile(waits, 50), max(waits, default=float("nan"))
+    # The issue's bound: 2 x median wait + starvation_ms (40 ms by default). Formation no
+    # longer reads starvation_ms (the sweep bounds waits itself); the bound keeps it.
     starvation_ms = worker.config.starvation_s * 1000
     return {"offered_rps": len(arrivals) / duration, "refused": refused,
             "items_per_s": forwards.rate(begin, end),
             "padded_per_real": forwards.padding(begin, end),
-            "wait_p50_ms": wait_p50, "wait_p99_ms": percentile(waits, 99),
+            **benchlib.percentiles("wait", waits),
             "wait_max_ms": longest,
             "wait_bound_ms": 2 * wait_p50 + starvation_ms,
             "wait_max_over_bound": longest / (2 * wait_p50 + starvation_ms),
             "gap_p50_ms": percentile(forwards.gaps_ms(begin, end), 50)}
 
 
-def formation_ms(pending: int, starved: bool, batches: int = 2000, seed: int = 0) -> Json:
-    """Time of one `BatchFormer.form` with `pending` mixed-length items queued; each
-    formed batch is queued again, so the depth stays the same."""
+FORMATIONS: dict[str, str] = {  # the formation micro-benchmark's rules
+    "sweep": "default (sweep)",
+    "earlier": "earlier, none starved (cheapest first)",
+    "earlier_starved": "earlier, all starved",
+}
+
+
+def formation_ms(pending: int, rule: str, batches: int = 2000, seed: int = 0) -> Json:
+    """Time of one `form` with `pending` mixed-length items queued; each formed batch is
+    queued again, so the depth stays the same."""
     cfg = WorkerConfig()
-    former = BatchFormer(cfg.max_batch_tokens, cfg.max_batch_items, cfg.starvation_s)
+    starved = rule == "earlier_starved"
+    former = (BatchFormer.for_config(cfg) if rule == "sweep"
+              else EarlierFormation(cfg, now=lambda: 1.0 if starved else 0.0))
     rng = np.random.default_rng(seed)
     seq = iter(range(10**9))
 
@@ -428,16 +465,15 @@ def formation_ms(pending: int, starved: bool, batches: int = 2000, seed: int = 0
                     for c in costs])
 
     queue([int(c) for c in rng.integers(MIXED_TOKENS[0], MIXED_TOKENS[1] + 1, pending)])
-    now = 1.0 if starved else 0.0  # every item older than the bound, or none
     times: list[float] = []
     for _ in range(batches):
         began = clock()
-        batch = former.form(now)
+        batch = former.form()
         times.append((clock() - began) * 1000)
         assert batch is not None
         queue([p.item.cost for p in batch.items])
-    return {"pending": pending, "starved": starved, "p50_ms": percentile(times, 50),
-            "p99_ms": percentile(times, 99), "mean_ms": float(np.mean(times))}
+    return {"pending": pending, "rule": rule, **benchlib.percentiles("", times),
+            "mean_ms": float(np.mean(times))}
 
 
 # -- the run ----------------------------------------------------------------------------
@@ -450,7 +486,7 @@ async def with_worker(policy: str, cost: CostModel, body: Body, plan: Plan,
     config = config_of(policy)
     policy_class = POLICY_CLASSES.get(policy, DispatchPolicy)
     worker = ModelWorker(BenchAdapter(cost), config, name="bench",
-                         policy=policy_class(config))
+                         policy=policy_class(config), former=FORMERS.get(policy))
     await worker.start()
     try:
         return await body(worker, plan, seed)
@@ -493,24 +529,6 @@ def config_of(policy: str) -> WorkerConfig:
     return {**POLICIES, **MIXED_ONLY}["default" if policy == CONTROL else policy]
 
 
-def summarize(reps: dict[str, list[Json]]) -> Json:
-    """Medians per policy, and each policy's per-repetition ratio and difference to
-    the default's run of the same repetition."""
-    base = reps["default"]
-    out: Json = {}
-    for policy, runs in reps.items():
-        metrics = [k for k, v in runs[0].items() if isinstance(v, int | float)]
-        out[policy] = {
-            "median": {k: median(r[k] for r in runs) for k in metrics},
-            "ratio_to_default": {k: spread([benchlib.ratio(r[k], b[k])
-                                            for r, b in zip(runs, base, strict=True)])
-                                 for k in metrics},
-            "delta_to_default": {k: spread([r[k] - b[k] for r, b in zip(runs, base, strict=True)])
-                                 for k in metrics},
-        }
-    return out
-
-
 async def measure_capacity(cost: CostModel, plan: Plan) -> tuple[float, float | None]:
     """Requests/s of short items, and items/s of mixed lengths (64 in flight) on a
     sleeping device (a computing one takes seconds per mixed forward: too long here)."""
@@ -522,7 +540,7 @@ async def measure_capacity(cost: CostModel, plan: Plan) -> tuple[float, float | 
     return float(short["throughput_rps"]), float(mixed["throughput_rps"])
 
 
-async def run(args: argparse.Namespace) -> Json:
+async def run(args: argparse.Namespace, began: float) -> Json:
     plans = QUICK if args.quick else PLANS
     data: Json = {"meta": benchlib.meta(sys.argv), "settings": {
         "reps": args.reps, "quick": args.quick, "turnaround_ms": args.turnaround_ms,
@@ -533,10 +551,8 @@ async def run(args: argparse.Namespace) -> Json:
         "quick_cpu_speedup": QUICK_SPEEDUP if args.quick else None,
         "plans": {k: asdict(plans[k]) for k in args.costs},
     }, "capacity_rps": {}, "mixed_capacity_items_per_s": {}, "results": {}}
-    data["formation"] = [formation_ms(n, starved) for n in (512, 4096)
-                         for starved in (False, True)] if not args.quick else [
-        formation_ms(4096, False, batches=50), formation_ms(4096, True, batches=50)]
-    began = time.perf_counter()
+    data["formation"] = [formation_ms(n, rule, batches=50 if args.quick else 2000)
+                         for n in ((4096,) if args.quick else (512, 4096)) for rule in FORMATIONS]
     for cost_name in args.costs:
         cost, plan = COSTS[cost_name], plans[cost_name]
         if args.quick and cost.mode == "compute":
@@ -562,18 +578,14 @@ async def run(args: argparse.Namespace) -> Json:
                   f"({time.perf_counter() - began:.0f} s)", file=sys.stderr, flush=True)
         data["results"][cost_name] = {
             s.name: {"kind": s.kind, "params": s.params, "reps": reps[s.name],
-                     "summary": summarize(reps[s.name])} for s in chosen}
-    data["meta"]["duration_s"] = round(time.perf_counter() - began, 1)
-    data["meta"]["loadavg_at_end"] = benchlib.loadavg()
+                     "summary": benchlib.summarize(reps[s.name], deltas=True)} for s in chosen}
     return data
 
 
 # -- the report -------------------------------------------------------------------------
 
 def _row(summary: Json, policy: str, metrics: Sequence[str], ratios: Sequence[str]) -> list[Any]:
-    entry = summary[policy]
-    return ([POLICY_LABELS[policy]] + [entry["median"][m] for m in metrics]
-            + [fmt_spread(entry["ratio_to_default"][m]) for m in ratios])
+    return summary_row(summary[policy], POLICY_LABELS[policy], metrics, ratios)
 
 
 def markdown(data: Json) -> str:
@@ -666,10 +678,10 @@ def markdown(data: Json) -> str:
 
 
 def formation_table(data: Json) -> str:
-    rows = [[f"{f['pending']:,}", "all starved" if f["starved"] else "none starved",
-             f["p50_ms"], f["p99_ms"], f["mean_ms"]] for f in data.get("formation", [])]
+    rows = [[f"{f['pending']:,}", FORMATIONS[f["rule"]], f["p50_ms"], f["p99_ms"], f["mean_ms"]]
+            for f in data.get("formation", [])]
     return ("### Formation (`BatchFormer.form`, mixed lengths, one batch of up to 64 items)\n\n"
-            + table(["pending items", "starvation", "p50 ms", "p99 ms", "mean ms"], rows) + "\n")
+            + table(["pending items", "rule", "p50 ms", "p99 ms", "mean ms"], rows) + "\n")
 
 
 def done_when(data: Json) -> str:
@@ -699,10 +711,8 @@ def done_when(data: Json) -> str:
             rows.append([cost_name, "open loop 120 %, mixed: gap between forwards p50 ms",
                          "< 0.2", mixed["gap_p50_ms"]])
     for f in data.get("formation", []):
-        if f["pending"] == 4096:
-            starved = "all starved" if f["starved"] else "none starved"
-            rows.append(["-", f"formation at 4,096 pending ({starved}), p50 ms", "<= 0.2",
-                         f["p50_ms"]])
+        if f["pending"] == 4096 and f["rule"] == "sweep":
+            rows.append(["-", "formation at 4,096 pending, p50 ms", "<= 0.2", f["p50_ms"]])
     return ("### Done when (issue 11), from this run\n\n"
             + table(["cost model", "measure", "target", "figure"], rows) + "\n")
 
@@ -764,13 +774,14 @@ def plot(data: Json, path: Path) -> None:
     plt.close(fig)
 
 
+FULL_REPS = 5
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke run of a few seconds")
-    parser.add_argument("--reps", type=int, default=None,
-                        help="repetitions (default 5; 1 with --quick)")
-    parser.add_argument("--out", type=Path, default=Path("docs/bench/scheduler.json"))
+    benchlib.add_common_args(parser, Path("docs/bench/scheduler.json"), FULL_REPS,
+                             "smoke run of a few seconds")
     parser.add_argument("--plot", type=Path, default=None,
                         help="PNG of latency against load (default "
                         "docs/bench/latency_vs_load.png; with --report, drawn only if given)")
@@ -782,42 +793,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "sequential,closed_c8); default: all")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
                         help="event loop (the server runs uvloop)")
-    parser.add_argument("--report", type=Path, default=None,
-                        help="print the markdown tables of an earlier JSON result and exit")
     args = parser.parse_args(argv)
     args.costs = [c for c in args.costs.split(",") if c]
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     if unknown := [c for c in args.costs if c not in COSTS]:
         parser.error(f"unknown cost models {unknown}; use gpu and/or cpu")
-    if args.reps is None:
-        args.reps = 1 if args.quick else 5
+    benchlib.resolve_reps(args, FULL_REPS)
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.report is not None:
-        import json
-
-        data = json.loads(args.report.read_text(encoding="utf-8"))
+        data = benchlib.read_json(args.report)
         print(markdown(data))
         if args.plot is not None:
             plot(data, args.plot)
         return 0
-    if args.plot is None:
-        args.plot = Path("docs/bench/latency_vs_load.png")
+    began = time.perf_counter()
     if args.loop == "uvloop":
         import uvloop
 
-        data = uvloop.run(run(args))
+        data = uvloop.run(run(args, began))
     else:
-        data = asyncio.run(run(args))
-    benchlib.write_json(args.out, data)
-    plot(data, args.plot)
-    print(markdown(data))
-    print(f"[scheduler] wrote {args.out} and {args.plot} in {data['meta']['duration_s']} s",
-          file=sys.stderr)
-    return 0
+        data = asyncio.run(run(args, began))
+    plot(data, args.plot or Path("docs/bench/latency_vs_load.png"))
+    return benchlib.finish(args.out, data, began, markdown(data), "scheduler")
 
 
 if __name__ == "__main__":

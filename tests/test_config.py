@@ -82,3 +82,16 @@ def test_a_models_batch_wait_moves_its_starvation_bound_unless_set(tmp_path: Pat
     assert catalog["me/slow"].worker_config(WorkerConfig()).starvation_s == 0.2  # 4 x 50 ms
     assert catalog["me/set"].worker_config(WorkerConfig()).starvation_s == 0.03
     assert WorkerConfig().starvation_s == 0.04
+
+
+def test_batching_settings_the_engine_no_longer_reads_load_with_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "old.yaml").write_text(
+        "name: me/old\nadapter: synthetic\ntasks: [encode]\n"
+        "batching: {coalesce_ms: 4, starvation_ms: 30, max_batch_items: 8}\n")
+    with caplog.at_level("WARNING", logger="ember.config"):
+        catalog = load_catalog([tmp_path])
+    assert catalog["me/old"].worker_config(WorkerConfig()).max_batch_items == 8
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("batching.coalesce_ms" in m for m in warned)
+    assert any("batching.starvation_ms" in m for m in warned)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -12,6 +13,7 @@ import yaml
 
 from ember.engine.config import WorkerConfig
 
+log = logging.getLogger("ember.config")
 BUILTIN_CATALOG = Path(__file__).parent / "catalog"
 # Adapter family named in a model YAML -> its module under ember.adapters.
 ADAPTERS = {"transformer": "transformer", "cross_encoder": "cross_encoder",
@@ -78,6 +80,10 @@ def _require(data: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
     return value
 
 
+# Settings older model files may carry: they still load, but the engine reads them no more.
+UNREAD_BATCHING = frozenset({"coalesce_ms", "starvation_ms"})
+
+
 def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None) -> ModelSpec:
     """Build a ModelSpec from a YAML mapping; relative paths are taken from `base_dir`."""
     if not isinstance(data, Mapping):
@@ -115,6 +121,9 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
     allowed = set(WorkerConfig.__dataclass_fields__)
     if not isinstance(batching, Mapping) or set(batching) - allowed:
         raise CatalogError(f"{where}: 'batching' accepts only {sorted(allowed)}")
+    for unread in sorted(set(batching) & UNREAD_BATCHING):
+        log.warning("%s: batching.%s is accepted but no longer used by the engine; "
+                    "remove it (docs/architecture.md, settings)", where, unread)
     backend = data.get("backend")
     if backend is not None and backend not in BACKENDS:
         raise CatalogError(f"{where}: backend {backend!r} is unknown; use one of "

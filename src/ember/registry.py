@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
+from ember import heap
 from ember.adapters.base import ModelAdapter, ModelInfo, Runtime
 from ember.config import ADAPTERS, ModelSpec, ServerSettings, resolve_source
 from ember.engine import (
@@ -187,6 +188,7 @@ class Registry(CatalogLookup):
         self.closing = True
         for name in list(self._loaded):
             await self._evict(name)
+        heap.settle()
 
     async def _load(self, spec: ModelSpec, done: asyncio.Future[LoadedModel]) -> None:
         try:
@@ -218,6 +220,7 @@ class Registry(CatalogLookup):
             done.exception()  # mark retrieved: a load nobody awaits any more is not an error
         finally:
             self._loading.pop(spec.name, None)
+            heap.settle()  # what the load made (and any model it evicted) settles
 
     async def _make_room(self, incoming_bytes: int) -> None:
         """Evict least recently used idle models until the new one fits the limits."""
@@ -243,6 +246,7 @@ class Registry(CatalogLookup):
         log.info("evicting model %s (draining its queue first)", name)
         started = time.monotonic()
         await model.worker.stop()
+        heap.thaw()  # its cycles are collected at the next settle (the next load, or close)
         model.adapter.close()
         log.info("evicted model %s in %.2f s (%.0f MB freed)", name,
                  time.monotonic() - started, model.memory_bytes / 1e6)

@@ -72,7 +72,8 @@ def test_scheduler_quick_run_writes_json_plot_and_tables(tmp_path: Path) -> None
             if scenario["kind"] == "closed":
                 policies.add("default-again")
             if scenario["kind"] == "open_mixed":
-                policies.add("nopad")  # the padding bound off, where lengths differ
+                # the earlier formation rule and the padding bound off, where lengths differ
+                policies |= {"earlyform", "nopad"}
             assert set(scenario["reps"]) == policies
             assert all(len(runs) == data["settings"]["reps"] for runs in scenario["reps"].values())
             check_summary(scenario["summary"], policies, SCHEDULER_METRICS[scenario["kind"]])
@@ -162,5 +163,23 @@ def test_frontend_quick_run_writes_json_and_tables(tmp_path: Path) -> None:
     assert "Closed loop" in run.stdout and "| texts/req |" in run.stdout
 
     report = bench("frontend.py", "--report", str(out))  # tables again, from the file
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert report.stdout.strip() == run.stdout.strip()
+
+
+def test_tokenizing_quick_run_in_process_writes_json_and_tables(tmp_path: Path) -> None:
+    out = tmp_path / "tokenize.json"
+    run = bench("tokenizing.py", "--quick", "--no-http", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    data = strict_json(out)
+    assert {"meta", "in_process"} <= set(data) and "http" not in data
+    (rep,) = data["in_process"]["reps"]
+    assert all(value > 0 for value in rep.values())
+    assert set(data["in_process"]["ratios"]) == {"short_new_over_old", "mb_new_over_old",
+                                                 "mb_pool_over_old"}
+    assert "| one short text |" in run.stdout
+
+    report = bench("tokenizing.py", "--report", str(out))
     assert report.returncode == 0, report.stderr[-3000:]
     assert report.stdout.strip() == run.stdout.strip()

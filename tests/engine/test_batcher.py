@@ -28,49 +28,80 @@ def costs(batch: Batch | None) -> list[int]:
 
 
 def test_formation_takes_cheapest_first_within_padded_token_budget() -> None:
-    former = BatchFormer(max_batch_tokens=100, max_batch_items=10, starvation_s=60)
+    former = BatchFormer(max_batch_tokens=100, max_batch_items=10, max_padding=0.0)
     add(former, [40, 10, 30, 12, 11])
-    first = former.form(now=0.0)
+    first = former.form()
     assert costs(first) == [10, 11, 12]  # 4 x 30 = 120 would pass 100
     assert first is not None and first.full  # at a limit: waiting would not add to it
-    second = former.form(now=0.0)
+    second = former.form()
     assert costs(second) == [30, 40]  # 2 x 40 = 80 fits
     assert second is not None and not second.full
-    assert former.pending_items == 0 and former.form(now=0.0) is None
+    assert former.pending_items == 0 and former.form() is None
 
 
 def test_formation_respects_the_item_limit_and_always_takes_one() -> None:
-    former = BatchFormer(max_batch_tokens=10, max_batch_items=2, starvation_s=60)
+    former = BatchFormer(max_batch_tokens=10, max_batch_items=2, max_padding=0.0)
     add(former, [1, 1, 1])
-    assert len(costs(former.form(now=0.0))) == 2
+    assert len(costs(former.form())) == 2
     add(former, [99], seq_start=10)
-    assert costs(former.form(now=0.0)) == [1]
-    assert costs(former.form(now=0.0)) == [99]  # over the budget, alone
+    assert costs(former.form()) == [99]  # over the budget, alone; the sweep goes on upward
+    assert costs(former.form()) == [1]  # then wraps to the cheapest
 
 
-def test_a_starved_item_leads_and_the_rest_packs_near_its_length() -> None:
-    former = BatchFormer(max_batch_tokens=400, max_batch_items=10, starvation_s=1.0)
-    add(former, [100], arrival=0.0)
-    add(former, [5, 5, 5, 96, 104, 300], arrival=1.1, seq_start=1)
-    # Not [100, 5, 5, 5] (the cheapest) nor arrival order: the neighbours in cost.
-    assert costs(former.form(now=1.2)) == [100, 96, 104]
-    assert costs(former.form(now=1.2)) == [5, 5, 5]  # nothing starved: cheapest up
+def test_batches_sweep_upward_from_where_the_last_one_ended_then_wrap() -> None:
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=64, max_padding=1.05)
+    add(former, [100, 10, 50, 11, 104, 52])
+    assert costs(former.form()) == [10, 11]  # a fresh sweep starts at the cheapest
+    add(former, [5], seq_start=10)  # behind the sweep: it waits for the wrap
+    assert costs(former.form()) == [50, 52]
+    assert costs(former.form()) == [100, 104]
+    assert costs(former.form()) == [5]
+    assert former.form() is None
 
 
-def test_without_starvation_the_oldest_long_item_waits_for_the_cheap_ones() -> None:
-    former = BatchFormer(max_batch_tokens=100, max_batch_items=10, starvation_s=1.0)
-    add(former, [90], arrival=0.0)
-    add(former, [10, 10], arrival=0.5, seq_start=1)
-    assert costs(former.form(now=0.6)) == [10, 10]
-    assert costs(former.form(now=0.6)) == [90]
+def test_a_stream_of_cheap_items_cannot_hold_back_a_long_one() -> None:
+    """Cheapest-first would serve the new short item every time; the sweep reaches the
+    long one on its next batch, whatever keeps arriving below it."""
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=64, max_padding=1.05)
+    add(former, [160])
+    taken: list[list[int]] = []
+    for n in range(4):
+        add(former, [10], seq_start=1 + n)
+        taken.append(costs(former.form()))
+    assert taken == [[10], [160], [10, 10], [10]]
+    assert former.pending_items == 0
+
+
+def test_a_backlog_at_many_lengths_drains_within_one_sweep_under_new_arrivals() -> None:
+    """No item is overtaken without end: with arrivals at every length after every
+    batch, each item of the first backlog leaves within one batch per length band."""
+    bands = [10, 20, 40, 80, 160, 320]  # far apart: the padding bound keeps them apart
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=64, max_padding=1.05)
+    owner = Owner()
+    backlog = add(former, bands, owner=owner)
+    for n in range(len(bands)):
+        assert former.form() is not None
+        add(former, bands, seq_start=100 * (n + 1))  # newer items at every length
+    assert not any(p.queued for p in backlog)
+    assert not former.holds(owner)
+
+
+def test_a_busy_bucket_cannot_hold_the_sweep() -> None:
+    """A batch that fills from one bucket moves the sweep past it."""
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=2, max_padding=0.0)
+    add(former, [30, 30, 30, 30, 90])
+    assert costs(former.form()) == [30, 30]
+    add(former, [30, 30], seq_start=10)
+    assert costs(former.form()) == [90]
+    assert costs(former.form()) == [30, 30]  # the oldest of the bucket first
 
 
 def test_a_batch_takes_only_the_head_group() -> None:
-    former = BatchFormer(max_batch_tokens=1000, max_batch_items=10, starvation_s=60)
+    former = BatchFormer(max_batch_tokens=1000, max_batch_items=10, max_padding=0.0)
     add(former, [5], group="q")
     add(former, [1, 2], group="p", seq_start=1)
-    assert [p.group for p in costs_items(former.form(now=0.0))] == ["q"]
-    assert [p.group for p in costs_items(former.form(now=0.0))] == ["p", "p"]
+    assert [p.group for p in costs_items(former.form())] == ["q"]
+    assert [p.group for p in costs_items(former.form())] == ["p", "p"]
 
 
 def costs_items(batch: Batch | None) -> list[PendingItem]:
@@ -79,23 +110,27 @@ def costs_items(batch: Batch | None) -> list[PendingItem]:
 
 
 def test_pending_counts_and_discarded_items() -> None:
-    former = BatchFormer(max_batch_tokens=1000, max_batch_items=10, starvation_s=60)
+    former = BatchFormer(max_batch_tokens=1000, max_batch_items=10, max_padding=0.0)
     alive = Owner()
     add(former, [1, 2], owner=alive)
     gone = add(former, [3], seq_start=2)
     assert former.pending_requests == 2 and former.pending_items == 3
     assert former.discard(gone[0]) and not former.discard(gone[0])  # once only
     assert former.pending_requests == 1 and former.pending_items == 2
-    assert {p.owner for p in costs_items(former.form(now=0.0))} == {alive}
+    assert {p.owner for p in costs_items(former.form())} == {alive}
 
 
-def test_a_deep_queue_drains_in_ascending_cost_order() -> None:
-    """In cost order up to a bucket's width (costs under 64 exact, above ~3 %)."""
-    former = BatchFormer(max_batch_tokens=10**9, max_batch_items=8, starvation_s=60)
+def test_a_deep_queue_drains_in_sweeps_of_ascending_cost() -> None:
+    """In cost order up to a bucket's width (costs under 64 exact, above ~3 %), sweep by
+    sweep: a batch starts at or above the bucket where the last one ended."""
+    former = BatchFormer(max_batch_tokens=10**9, max_batch_items=8, max_padding=0.0)
     add(former, [(i * 37) % 500 + 1 for i in range(4096)])
-    seen = 0
-    while (batch := former.form(now=0.0)) is not None:
+    seen, sweeps = -1, 1
+    while (batch := former.form()) is not None:
         keys = [cost_bucket(c) for c in costs(batch)]
-        assert keys == sorted(keys) and keys[0] >= seen
+        assert keys == sorted(keys)
+        if keys[0] < seen:  # wrapped to the cheapest
+            sweeps += 1
         seen = keys[-1]
+    assert sweeps > 1  # full batches of one bucket leave its rest to the next sweep
     assert former.pending_items == 0 and former.pending_requests == 0

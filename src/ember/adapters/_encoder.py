@@ -5,6 +5,7 @@ Each text becomes one value (a dense vector, a sparse vector, a token matrix). A
 family supplies `forward` and three hooks: `params` (its parameter group for one
 side), `encoded` (how a value is returned by encode) and `similarity` (how score
 compares the query's value with each document's); it may override `tokenize`.
+Large inputs are tokenized in the tokenizing pool (`_tokenize.off_loop`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from ember.adapters import _torch as common
 from ember.adapters._backend import Forward
+from ember.adapters._tokenize import TextTokenizer, off_loop
 from ember.adapters.base import (
     Encoded,
     EncodeOptions,
@@ -47,10 +49,11 @@ ValueT = TypeVar("ValueT")
 
 class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
     """One bi-encoder. Task methods run on the event loop; forward and set_lora in
-    the worker's thread. A family sets `max_seq_length`, `prompts` and `info`
-    (through `describe`) in its __init__."""
+    the worker's thread. A family sets `max_seq_length`, `tokens` (its tokenizer at
+    that limit), `prompts` and `info` (through `describe`) in its __init__."""
 
     max_seq_length: int
+    tokens: TextTokenizer
     prompts: dict[str, str]
 
     def __init__(self, spec: ModelSpec, family: str, tokenizer: Any, runtime: Runtime,
@@ -92,9 +95,9 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
     def tokenize(self, texts: Sequence[str], truncate: bool,
                  where: Sequence[str]) -> list[PreparedItem]:
         """Prepared items of token ids (cost = tokens after truncation), in one batch
-        call; over-long texts are cut or refused."""
-        rows, _ = common.tokenize(self.tokenizer, texts, self.max_seq_length, truncate, where)
-        return [PreparedItem(row, len(row), i) for i, row in enumerate(rows)]
+        call; over-long texts are cut or refused. Any thread may call it."""
+        encodings = self.tokens.encode(texts, truncate, where)
+        return [PreparedItem(e.ids, len(e), i) for i, e in enumerate(encodings)]
 
     # -- the request path (event loop) ----------------------------------------------
 
@@ -104,7 +107,8 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
 
     def prepare(self, texts: Sequence[str],
                 options: EncodeOptions) -> tuple[list[PreparedItem], ParamsT]:
-        """Prepared items (cost = tokens after truncation) and their parameter group."""
+        """Prepared items (cost = tokens after truncation) and their parameter group.
+        Any thread may call it."""
         params = self.params(options)
         where = [f"items[{i}].text" for i in range(len(texts))]
         return self.tokenize([params.prefix + t for t in texts], options.truncate,
@@ -115,7 +119,8 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         self._require("encode")
         common.require_items(len(texts))
         self.model.check_lora(options.lora)
-        items, params = self.prepare(texts, options)
+        items, params = await off_loop(sum(map(len, texts)),
+                                       lambda: self.prepare(texts, options))
         result = await submit(items, params, options.lora)
         return TaskOutput([self.encoded(v) for v in result.values], result.queue_ms,
                           result.inference_ms, sum(item.cost for item in items))
@@ -130,7 +135,8 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         d_params = self.params(EncodeOptions(is_query=False, output_types=output_types))
         where = ["query.text", *(f"items[{i}].text" for i in range(len(docs)))]
         texts = [q_params.prefix + query, *(d_params.prefix + d for d in docs)]
-        items = self.tokenize(texts, options.truncate, where)
+        items = await off_loop(sum(map(len, texts)),
+                               lambda: self.tokenize(texts, options.truncate, where))
         results, values = await common.submit_sides(submit, items, q_params, d_params,
                                                     options.lora)
         queue_ms, inference_ms = combine(results)
@@ -146,8 +152,7 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         common.require_items(len(rows))
         self.model.check_lora(options.lora)
         items = [PreparedItem(row, len(row), i) for i, row in
-                 enumerate(common.wrap_ids(self.tokenizer, rows, self.max_seq_length,
-                                           options.truncate, "input"))]
+                 enumerate(self.tokens.wrap_ids(rows, options.truncate, "input"))]
         result = await submit(items, self.params(options), options.lora)
         return TaskOutput([self.encoded(v) for v in result.values], result.queue_ms,
                           result.inference_ms, sum(item.cost for item in items))

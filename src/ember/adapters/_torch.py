@@ -25,7 +25,7 @@ from ember.adapters.base import (
 )
 from ember.config import ModelSpec
 from ember.engine.types import PreparedItem, RequestResult
-from ember.errors import InputTooLong, InvalidInput, ModelLoadError, UnsupportedTask
+from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
 
 if TYPE_CHECKING:
     from ember.adapters._backend import Forward
@@ -168,11 +168,6 @@ def attention_mask(rows: Sequence[Sequence[int]], device: torch.device) -> torch
     return (torch.arange(longest)[None, :] < lengths[:, None]).long().to(device)
 
 
-def over_limit(count: int, limit: int, param: str) -> InputTooLong:
-    return InputTooLong(f"{count} tokens exceeds max_seq_length {limit}; shorten the text "
-                        f"or set truncate=true", param)
-
-
 def require_items(count: int, param: str = "items") -> None:
     if count == 0:
         raise InvalidInput("at least one item is required; send 1 or more texts", param)
@@ -265,53 +260,6 @@ def check_output_types(requested: Sequence[str], supported: Sequence[str]) -> tu
         raise InvalidInput(f"output_types {list(requested)} not supported; this model "
                            f"returns {list(supported)}", "params.output_types")
     return tuple(dict.fromkeys(requested))
-
-
-def tokenize(tokenizer: Any, texts: Sequence[str], limit: int, truncate: bool,
-             where: Sequence[str]) -> tuple[list[list[int]], list[list[int]]]:
-    """Token ids of all texts in one batch call, and for each a mask with 1 where the
-    tokenizer's template added a special token ([CLS], [SEP]); over-long texts are cut
-    to `limit` or refused."""
-    encoded = tokenizer(list(texts), truncation=truncate, max_length=limit if truncate else None,
-                        return_attention_mask=False, return_token_type_ids=False,
-                        return_special_tokens_mask=True, verbose=False)
-    rows: list[list[int]] = encoded["input_ids"]
-    for row, param in zip(rows, where, strict=True):
-        if len(row) > limit:
-            raise over_limit(len(row), limit, param)
-    return rows, encoded["special_tokens_mask"]
-
-
-def special_frame(tokenizer: Any) -> tuple[list[int], list[int]]:
-    """The special tokens the tokenizer's template puts before and after a text's ids
-    (BERT: [CLS] and [SEP]), found by encoding one word with and without them."""
-    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
-    framed = tokenizer("a", add_special_tokens=True)["input_ids"]
-    for start in range(len(framed) - len(bare) + 1):
-        if framed[start:start + len(bare)] == bare:
-            return list(framed[:start]), list(framed[start + len(bare):])
-    return [], []
-
-
-def wrap_ids(tokenizer: Any, rows: Sequence[Sequence[int]], limit: int, truncate: bool,
-             field: str) -> list[list[int]]:
-    """Token-id rows as the tokenizer would have made them from text: its template's
-    special tokens around the ids (kept as they are when a row already has them), cut to
-    `limit` or refused."""
-    head, tail = special_frame(tokenizer)
-    room = limit - len(head) - len(tail)
-    out = []
-    for index, row in enumerate(rows):
-        ids = [int(token) for token in row]
-        if (head or tail) and ids[:len(head)] == head and ids[len(ids) - len(tail):] == tail \
-                and len(ids) >= len(head) + len(tail):
-            ids = ids[len(head):len(ids) - len(tail)]
-        if len(ids) > room:
-            if not truncate:
-                raise over_limit(len(ids) + len(head) + len(tail), limit, f"{field}[{index}]")
-            ids = ids[:room]
-        out.append([*head, *ids, *tail])
-    return out
 
 
 async def submit_sides(submit: Submit, items: Sequence[PreparedItem], query_params: Hashable,

@@ -16,6 +16,7 @@ import torch
 
 from ember.adapters import _torch as common
 from ember.adapters._backend import FEEDABLE, Forward, load_model
+from ember.adapters._tokenize import TextTokenizer, off_loop, over_limit
 from ember.adapters.base import (
     Encoded,
     EncodeOptions,
@@ -51,8 +52,8 @@ class Pair:
 
 
 class CrossEncoderAdapter(common.TorchModel):
-    """One reranker. `score` runs on the event loop; forward and set_lora in the
-    worker's thread."""
+    """One reranker. `score` runs on the event loop (large inputs are tokenized in the
+    tokenizing pool); forward and set_lora in the worker's thread."""
 
     def __init__(self, spec: ModelSpec, model: Forward, config: Any, tokenizer: Any,
                  runtime: Runtime) -> None:
@@ -67,7 +68,8 @@ class CrossEncoderAdapter(common.TorchModel):
                                             f"use one of {ACTIVATIONS}")
         self.params = ScoreParams("sigmoid" if activation == "sigmoid" else "none")
         self.max_seq_length = common.model_max_length(spec, config, tokenizer)
-        self.specials = int(tokenizer.num_special_tokens_to_add(pair=True))
+        self.tokens = TextTokenizer(tokenizer, self.max_seq_length, pairs=True)
+        self.specials = self.tokens.pair_specials
         if set(spec.tasks) - set(TASKS):
             raise ModelLoadError(spec.name, f"a cross-encoder does only {TASKS}, the spec "
                                             f"lists {list(spec.tasks)}")
@@ -96,31 +98,30 @@ class CrossEncoderAdapter(common.TorchModel):
     # -- the request path (event loop) ----------------------------------------------
 
     def prepare(self, query: str, docs: Sequence[str], truncate: bool) -> list[PreparedItem]:
-        """One item per document, cost = the pair's tokens after truncation."""
+        """One item per document, cost = the pair's tokens after truncation. Any thread
+        may call it."""
         limit = self.max_seq_length
-        query_tokens = len(self.tokenizer(query, add_special_tokens=False,
-                                          verbose=False)["input_ids"])
+        query_tokens = self.tokens.count(query)
         if not truncate and query_tokens + self.specials > limit:
-            raise common.over_limit(query_tokens + self.specials, limit, "query.text")
+            raise over_limit(query_tokens + self.specials, limit, "query.text")
         # only_second fails when the query alone fills the limit; then cut both.
         strategy = "only_second" if query_tokens + self.specials < limit else "longest_first"
-        encoded = self.tokenizer([query] * len(docs), list(docs),
-                                 truncation=strategy if truncate else False,
-                                 max_length=limit if truncate else None,
-                                 return_attention_mask=False, verbose=False)
-        types = encoded.get("token_type_ids")
+        encodings = self.tokens.encode_pairs(query, docs, strategy if truncate else None)
         items = []
-        for i, row in enumerate(encoded["input_ids"]):
-            if len(row) > limit:
-                raise common.over_limit(len(row), limit, f"items[{i}].text")
-            items.append(PreparedItem(Pair(row, types[i] if types else None), len(row), i))
+        for i, encoding in enumerate(encodings):
+            if len(encoding) > limit:
+                raise over_limit(len(encoding), limit, f"items[{i}].text")
+            types = encoding.type_ids if self.tokens.token_types else None
+            items.append(PreparedItem(Pair(encoding.ids, types), len(encoding), i))
         return items
 
     async def score(self, submit: Submit, query: str, docs: Sequence[str],
                     options: ScoreOptions) -> TaskOutput[list[float]]:
         common.require_items(len(docs))
         self.model.check_lora(options.lora)
-        items = self.prepare(query, docs, options.truncate)
+        # The query is tokenized once alone and again with each document.
+        chars = len(query) * (len(docs) + 1) + sum(map(len, docs))
+        items = await off_loop(chars, lambda: self.prepare(query, docs, options.truncate))
         result = await submit(items, self.params, options.lora)
         return TaskOutput([float(v) for v in result.values], result.queue_ms,
                           result.inference_ms, sum(item.cost for item in items))

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from ember.adapters import _torch as common
 from ember.adapters._backend import Forward, ForwardElsewhere, load_model
 from ember.adapters._encoder import BiEncoder
+from ember.adapters._tokenize import TextTokenizer
 from ember.adapters.base import Encoded, EncodeOptions, Runtime
 from ember.config import ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
@@ -118,6 +119,7 @@ class MultiVectorAdapter(BiEncoder[MultiVectorParams, Matrix]):
                                             f"{tuple(projection.shape)}; expected "
                                             f"(token_dims, {hidden_size})")
         self.max_seq_length = common.model_max_length(spec, config, tokenizer)
+        self.tokens = TextTokenizer(tokenizer, self.max_seq_length)
         self.prompts = dict(spec.prompts)
         self.token_dims = int(projection.shape[0])
         # Kept in float32 on the device; the encoder's (fp16 on CUDA) output is cast up.
@@ -157,10 +159,9 @@ class MultiVectorAdapter(BiEncoder[MultiVectorParams, Matrix]):
     def tokenize(self, texts: Sequence[str], truncate: bool,
                  where: Sequence[str]) -> list[PreparedItem]:
         """Prepared items of `TokenRow`s: the ids, and which positions' vectors to keep."""
-        ids, specials = common.tokenize(self.tokenizer, texts, self.max_seq_length, truncate,
-                                        where)
-        return [PreparedItem(TokenRow(row, [1 - s for s in special]), len(row), i)
-                for i, (row, special) in enumerate(zip(ids, specials, strict=True))]
+        return [PreparedItem(TokenRow(e.ids, [1 - s for s in e.special_tokens_mask]),
+                             len(e), i)
+                for i, e in enumerate(self.tokens.encode(texts, truncate, where))]
 
     def encoded(self, value: Matrix) -> Encoded:
         return Encoded(multivector=value)

@@ -42,6 +42,7 @@ import torch
 from ember.adapters import _torch as common
 from ember.adapters._backend import Forward, load_model
 from ember.adapters._encoder import BiEncoder
+from ember.adapters._tokenize import TextTokenizer
 from ember.adapters.base import Encoded, EncodeOptions, Runtime, SparseVector
 from ember.config import ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
@@ -109,6 +110,7 @@ class SparseAdapter(BiEncoder[SparseParams, SparseVector]):
         self.pruning = Pruning.from_options(spec.name, spec.options)
         self.vocab_size = int(config.vocab_size)
         self.max_seq_length = common.model_max_length(spec, config, tokenizer)
+        self.tokens = TextTokenizer(tokenizer, self.max_seq_length)
         self.prompts = dict(spec.prompts)
         self.logit_budget = LOGIT_BUDGET
         self.info = self.describe(self.vocab_size, OUTPUT_TYPES,

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ember.adapters import _torch as common
 from ember.adapters._backend import Forward, load_model
 from ember.adapters._encoder import BiEncoder
+from ember.adapters._tokenize import TextTokenizer
 from ember.adapters.base import Encoded, EncodeOptions, Runtime
 from ember.config import ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
@@ -118,6 +119,7 @@ class TransformerAdapter(BiEncoder[EncodeParams, Vector]):
         self.normalize = settings.normalize if spec.normalize is None else spec.normalize
         self.max_seq_length = common.model_max_length(spec, config, tokenizer,
                                                       settings.max_seq_length)
+        self.tokens = TextTokenizer(tokenizer, self.max_seq_length)
         self.lower_case = settings.lower_case
         self.prompts = {**settings.prompts, **spec.prompts}
         self.info = self.describe(int(config.hidden_size), OUTPUT_TYPES,

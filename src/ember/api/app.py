@@ -12,7 +12,7 @@ from fastapi import APIRouter, FastAPI
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp
 
-from ember import __version__
+from ember import __version__, heap
 from ember.api import cohere, errors, health, native, openai, rerank, tei
 from ember.api.metrics import Metrics
 from ember.api.middleware import (
@@ -68,13 +68,17 @@ def create_app(settings: ServerSettings, registry: Models) -> EmberAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        heap.settle()  # what start-up made lives as long as the process
         preload = asyncio.create_task(preload_models(registry, [settings.default_model,
                                                                  *settings.preload]))
         yield
         preload.cancel()
         await registry.close()
 
+    # Ember reports through /metrics and its logs; FastAPI's own OpenTelemetry hooks
+    # would look up the tracer and meter providers on every request.
     app = EmberAPI(state, title="Ember", version=__version__, lifespan=lifespan,
+                   telemetry={"tracing": False, "metrics": False, "logs": False},
                    description="Embeddings, reranking and entity extraction with dynamic "
                    "batching.")
     errors.install(app)

@@ -6,8 +6,10 @@ is in docs/architecture.md, "Metrics")."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -25,6 +27,14 @@ TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 PendingSource = Callable[[], Mapping[str, int]]
+
+
+@functools.lru_cache(maxsize=4096)
+def labelled(metric: Counter | Histogram, *values: str) -> Any:
+    """`metric.labels(*values)`, kept: `labels` checks and locks on every call, and the
+    request path asks for the same few label sets (routes, models, statuses) over and
+    over."""
+    return metric.labels(*values)
 
 
 class _PendingCollector(Collector):
@@ -118,7 +128,7 @@ class Metrics:
         return combined
 
     def rejected(self, reason: str) -> None:
-        self.rejections.labels(reason).inc()
+        labelled(self.rejections, reason).inc()
 
     def _loaded(self, model: LoadedModel) -> None:
         self.loads.labels(model.spec.name).inc()

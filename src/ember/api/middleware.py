@@ -13,6 +13,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api.errors import BodyTooLarge, error_response
+from ember.api.metrics import labelled
 from ember.api.state import ServerState
 from ember.logs import access_log
 
@@ -92,8 +93,8 @@ class RequestContextMiddleware(HttpMiddleware):
         route = state.get("route") or _route_template(scope)
         model = state.get("model", "")
         metrics = self.state().metrics
-        metrics.requests.labels(route, model, str(status)).inc()
-        metrics.request_seconds.labels(route).observe(seconds)
+        labelled(metrics.requests, route, model, str(status)).inc()
+        labelled(metrics.request_seconds, route).observe(seconds)
         queue_ms, inference_ms = state.get("timing", (0.0, 0.0))
         access_log(scope["method"], scope["path"], route, model, status,
                    state.get("items", 0), queue_ms, inference_ms, seconds * 1e3,

@@ -2,7 +2,9 @@
 
 Each parameter group keeps a deque per cost bucket (arrival order inside a bucket)
 and the sorted list of its non-empty buckets, so a formation walks only the
-buckets it takes from: O(batch), never a sort of the whole queue.
+buckets it takes from: O(batch), never a sort of the whole queue. Batches sweep
+the buckets upward from where the last one ended and wrap around at the top, so
+no item waits more than one sweep and neighbours in length drain together.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ember.engine.config import WorkerConfig
 from ember.engine.types import PreparedItem
 
 EXACT_COSTS = 64  # costs below this get a bucket each
@@ -112,12 +115,13 @@ class Batch:
 class _Group:
     """The queued items of one parameter group, bucketed by cost."""
 
-    __slots__ = ("buckets", "keys", "live")
+    __slots__ = ("buckets", "cursor", "keys", "live")
 
     def __init__(self) -> None:
         self.buckets: dict[int, deque[PendingItem]] = {}
         self.live: dict[int, int] = {}  # queued items per bucket (the deques keep tombstones)
         self.keys: list[int] = []  # buckets with a queued item, ascending
+        self.cursor = 0  # the sweep: the next batch starts at the first bucket >= this
 
     def add(self, pending: PendingItem) -> None:
         key = cost_bucket(pending.item.cost)
@@ -147,25 +151,29 @@ class _Group:
 
 
 class BatchFormer:
-    """Pending items of one LoRA, and the rule that turns them into batches.
+    """Pending items of one LoRA, and the rule that turns them into batches (R5).
 
-    A batch takes the parameter group of the oldest pending item (R6). If that item
-    has waited `starvation_s`, it leads the batch and the rest packs by cost around
-    its length; otherwise the batch packs from the cheapest item up. Items are added
-    while `items x longest <= max_batch_tokens`, the count stays within
-    `max_batch_items` and, with `max_padding`, the padded tokens stay within
-    `max_padding` x the real ones (+ PADDING_SLACK per item); a batch always has at
-    least one item (R5).
+    A batch takes the parameter group of the oldest pending item (R6) and packs
+    upward in cost from the group's sweep cursor: items are added while
+    `items x longest <= max_batch_tokens`, the count stays within `max_batch_items`
+    and, with `max_padding`, the padded tokens stay within `max_padding` x the real
+    ones (+ PADDING_SLACK per item); a batch always has at least one item. The
+    cursor then moves to the batch's top bucket (past it when the batch held one
+    bucket only), so it rises with every batch and wraps to the cheapest bucket at
+    the top: every item goes within one sweep of the buckets.
     """
 
-    def __init__(self, max_batch_tokens: int, max_batch_items: int, starvation_s: float,
+    def __init__(self, max_batch_tokens: int, max_batch_items: int,
                  max_padding: float = 0.0) -> None:
         self.limits = Limits(max_batch_tokens, max_batch_items, max_padding)
-        self.starvation_s = starvation_s
         self._groups: dict[Hashable, _Group] = {}
         self._arrivals: deque[PendingItem] = deque()  # arrival order; tombstones skipped lazily
         self._per_owner: dict[Owner, int] = {}
         self._count = 0
+
+    @classmethod
+    def for_config(cls, config: WorkerConfig) -> BatchFormer:
+        return cls(config.max_batch_tokens, config.max_batch_items, config.max_padding)
 
     @property
     def pending_items(self) -> int:
@@ -202,25 +210,24 @@ class BatchFormer:
         self._left(pending)
         return True
 
-    def form(self, now: float, lora: str | None = None) -> Batch | None:
+    def form(self, lora: str | None = None) -> Batch | None:
         """Take the next batch out of the queue (None when it is empty)."""
         head = self.oldest()
         if head is None:
             return None
         group = self._groups[head.group]
         batch = Batch(lora, head.group)
-        keys = group.keys
-        if now - head.arrival >= self.starvation_s:  # it leads; the rest packs near its length
-            group.head(cost_bucket(head.item.cost))  # drop tombstones ahead of it
-            group.buckets[cost_bucket(head.item.cost)].popleft()
-            batch.add(head)
-            low = bisect.bisect_left(keys, cost_bucket(head.item.cost))
-            high = low + 1
-        else:  # cheapest first
-            low, high = -1, 0
-        self._pack(batch, group, low, high)
+        start = bisect.bisect_left(group.keys, group.cursor)
+        if start == len(group.keys):  # the sweep reached the top: wrap to the cheapest
+            start = 0
+        bottom = group.keys[start]
+        self._pack(batch, group, -1, start)  # upward only: it must not fall behind the cursor
         for pending in batch.items:
             self._left(pending)
+        top = cost_bucket(batch.widest)
+        # Leftovers of the top bucket lead the next batch; a one-bucket batch moves on, so
+        # the cursor rises with every batch and a busy bucket cannot hold the sweep.
+        group.cursor = top + 1 if top == bottom else top
         return batch
 
     def _pack(self, batch: Batch, group: _Group, low: int, high: int) -> None:

@@ -10,7 +10,9 @@ class WorkerConfig:
     """Limits and windows of the dispatch rules (docs/architecture.md).
 
     `starvation_ms` left at None means 4 x `max_batch_wait_ms`, resolved when read
-    (`starvation_s`), so a per-model `max_batch_wait_ms` moves the bound with it.
+    (`starvation_s`). Formation no longer reads it: its sweep over cost buckets (R5)
+    bounds every wait. It is kept so model YAML that sets it still loads, and as the
+    constant of the benchmark's wait bound.
 
     `hold_fraction`: after a forward that carried several requests, the next batch
     of that LoRA waits for those senders to come back, at most this fraction of that
@@ -51,9 +53,7 @@ class WorkerConfig:
 
     @property
     def starvation_s(self) -> float:
-        """How long an item may wait before it leads the next batch (R5)."""
-        if 0 < self.max_padding < 1:
-            raise ValueError(f"max_padding must be 0 (off) or >= 1, got {self.max_padding}")
+        """The configured starvation bound (see the class docstring: no longer read by R5)."""
         if self.starvation_ms is not None:
             return self.starvation_ms / 1000
         # A few batch windows: long enough to batch, short enough to bound waiting.

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
@@ -83,10 +83,12 @@ class ModelWorker:
     """Queues prepared items per LoRA and runs them through one adapter in batches."""
 
     def __init__(self, adapter: Adapter, config: WorkerConfig | None = None,
-                 *, name: str = "model", policy: DispatchPolicy | None = None) -> None:
+                 *, name: str = "model", policy: DispatchPolicy | None = None,
+                 former: Callable[[WorkerConfig], BatchFormer] | None = None) -> None:
         self.adapter = adapter
         self.config = config or WorkerConfig()
         self.policy = policy or DispatchPolicy(self.config)
+        self._new_former = former or BatchFormer.for_config  # a lane's queue (R5)
         self.name = name
         self.stats = WorkerStats()
         self._lanes: dict[str | None, _Lane] = {}
@@ -252,7 +254,7 @@ class ModelWorker:
         if not heads:
             return
         lora = min(heads, key=lambda entry: entry[0])[1]
-        batch = self._lanes[lora].former.form(self._now(), lora)
+        batch = self._lanes[lora].former.form(lora)
         if batch is None:
             return
         self._queued -= len(batch.items)
@@ -455,9 +457,7 @@ class ModelWorker:
     def _lane(self, lora: str | None) -> _Lane:
         lane = self._lanes.get(lora)
         if lane is None:
-            cfg = self.config
-            lane = _Lane(BatchFormer(cfg.max_batch_tokens, cfg.max_batch_items,
-                                     cfg.starvation_s, cfg.max_padding))
+            lane = _Lane(self._new_former(self.config))
             self._lanes[lora] = lane
         return lane
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol, cast
 import zmq
 import zmq.asyncio
 
+from ember import heap
 from ember.adapters.base import ModelInfo, Runtime, TaskModel
 from ember.config import ADAPTERS, ModelSpec
 from ember.engine import PreparedItem, RequestResult, ShuttingDown
@@ -182,6 +183,7 @@ class RemoteModels(CatalogLookup):
         model = RemoteModel(spec, adapter, self.client,
                             max_queue_items=self._queue_limit(spec))
         self._fronts[spec.name] = model
+        heap.settle()
         return model
 
     @asynccontextmanager

@@ -1,0 +1,166 @@
+"""Tokenizing on the request path, for every transformers family.
+
+`TextTokenizer` calls the `tokenizers` library's own `Tokenizer` (the backend of the
+model's fast tokenizer) through `encode_batch_fast`, which releases the GIL. Each
+backend copy is set up once at load (truncation, padding) and never changed after, so
+any thread may call it. The transformers wrapper is not used here: every call re-sets
+its backend's truncation and padding (two threads at once fail with "Already
+borrowed"), and its Python costs about as much as tokenizing a short text does.
+
+`off_loop` runs large tokenizing in a small shared thread pool, so one long text never
+holds the event loop while the other requests wait (docs/benchmarks.md, Tokenizing).
+The pool's threads tokenize one text at a time, so a large request takes at most
+POOL_THREADS cores from the small ones, not every core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from tokenizers import Encoding, Tokenizer
+
+from ember.adapters.base import usable_cores
+from ember.errors import InputTooLong
+
+T = TypeVar("T")
+EncodeInput = str | tuple[str, str]
+
+# Tokenizing costs about 0.3 us a character and a hop to the pool about 50 us of CPU
+# and latency; below this total the text is tokenized in place (at most ~0.7 ms).
+OFFLOAD_CHARS = 2048
+# Half the cores, at most 4: the rest stay for the event loop and the forwards.
+POOL_THREADS = max(1, min(4, usable_cores() // 2))
+
+_pool: ThreadPoolExecutor | None = None
+_here = threading.local()
+
+
+def _start_thread() -> None:
+    _here.in_pool = True
+
+
+def pool() -> ThreadPoolExecutor:
+    """The process's tokenizing pool, started on first use (never before a fork)."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(POOL_THREADS, thread_name_prefix="ember-tokenize",
+                                   initializer=_start_thread)
+    return _pool
+
+
+def in_pool() -> bool:
+    return bool(getattr(_here, "in_pool", False))
+
+
+async def off_loop(chars: int, work: Callable[[], T]) -> T:
+    """`work()`, in place for `chars` under OFFLOAD_CHARS, else in the tokenizing pool
+    while the event loop serves the other requests."""
+    if chars < OFFLOAD_CHARS:
+        return work()
+    return await asyncio.get_running_loop().run_in_executor(pool(), work)
+
+
+def encode_batch(tokenizer: Tokenizer, inputs: list[EncodeInput],
+                 add_special_tokens: bool = True) -> list[Encoding]:
+    """One batch call, whose texts the library spreads over every core; in the pool, one
+    call a text, which runs on the calling thread: a 1 MB request spread over both
+    cores of a 2-core machine doubled the median of concurrent small requests."""
+    if in_pool():
+        return [tokenizer.encode_batch_fast([one], add_special_tokens=add_special_tokens)[0]
+                for one in inputs]
+    return tokenizer.encode_batch_fast(inputs, add_special_tokens=add_special_tokens)
+
+
+def over_limit(count: int, limit: int, param: str) -> InputTooLong:
+    return InputTooLong(f"{count} tokens exceeds max_seq_length {limit}; shorten the text "
+                        f"or set truncate=true", param)
+
+
+class TextTokenizer:
+    """A fast tokenizer's backend, copied and configured once per truncation strategy:
+    none, `longest_first` (one text, or a pair cut from the longer side) and, with
+    `pairs`, `only_second`; each cuts to `limit` tokens, special tokens included, from
+    the wrapper's `truncation_side`, as the transformers wrapper would."""
+
+    def __init__(self, wrapper: Any, limit: int, pairs: bool = False) -> None:
+        source: str = wrapper.backend_tokenizer.to_str()
+        self.limit = limit
+        self.token_types = "token_type_ids" in wrapper.model_input_names
+
+        def copy(strategy: str | None) -> Tokenizer:
+            tokenizer = Tokenizer.from_str(source)
+            tokenizer.no_padding()  # a tokenizer.json may carry padding; rows stay unpadded
+            if strategy is None:
+                tokenizer.no_truncation()
+            else:
+                tokenizer.enable_truncation(limit, stride=0, strategy=strategy,
+                                            direction=wrapper.truncation_side)
+            tokenizer.encode_special_tokens = bool(wrapper.split_special_tokens)
+            return tokenizer
+
+        self._whole = copy(None)
+        self._cut = copy("longest_first")
+        self._second = copy("only_second") if pairs else None
+        self.pair_specials = self._whole.num_special_tokens_to_add(is_pair=True)
+        self.head, self.tail = self._frame()
+
+    def encode(self, texts: Sequence[str], truncate: bool,
+               where: Sequence[str]) -> list[Encoding]:
+        """All texts in one batch call; over-long texts are cut to the limit or refused
+        (`where` names each text for the error)."""
+        tokenizer = self._cut if truncate else self._whole
+        encodings = encode_batch(tokenizer, list(texts))
+        for encoding, param in zip(encodings, where, strict=True):
+            if len(encoding) > self.limit:
+                raise over_limit(len(encoding), self.limit, param)
+        return encodings
+
+    def count(self, text: str) -> int:
+        """Tokens of one text without special tokens or truncation."""
+        return len(encode_batch(self._whole, [text], add_special_tokens=False)[0])
+
+    def encode_pairs(self, first: str, seconds: Sequence[str],
+                     strategy: str | None) -> list[Encoding]:
+        """(first, second) pairs in one batch call, cut by `strategy` ("only_second",
+        "longest_first") or, with None, whole."""
+        tokenizer = {None: self._whole, "longest_first": self._cut,
+                     "only_second": self._second}[strategy]
+        if tokenizer is None:
+            raise ValueError("this TextTokenizer was made without pairs=True")
+        return encode_batch(tokenizer, [(first, second) for second in seconds])
+
+    def _frame(self) -> tuple[list[int], list[int]]:
+        """The special tokens the template puts before and after a text's ids (BERT:
+        [CLS] and [SEP]), found by encoding one word with and without them."""
+        bare = self._whole.encode_batch_fast(["a"], add_special_tokens=False)[0].ids
+        framed = self._whole.encode_batch_fast(["a"])[0].ids
+        for start in range(len(framed) - len(bare) + 1):
+            if framed[start:start + len(bare)] == bare:
+                return framed[:start], framed[start + len(bare):]
+        return [], []
+
+    def wrap_ids(self, rows: Sequence[Sequence[int]], truncate: bool,
+                 field: str) -> list[list[int]]:
+        """Token-id rows as the tokenizer would have made them from text: the template's
+        special tokens around the ids (kept as they are when a row already has them),
+        cut to the limit or refused."""
+        head, tail = self.head, self.tail
+        room = self.limit - len(head) - len(tail)
+        out = []
+        for index, row in enumerate(rows):
+            ids = [int(token) for token in row]
+            if (head or tail) and ids[:len(head)] == head \
+                    and ids[len(ids) - len(tail):] == tail \
+                    and len(ids) >= len(head) + len(tail):
+                ids = ids[len(head):len(ids) - len(tail)]
+            if len(ids) > room:
+                if not truncate:
+                    raise over_limit(len(ids) + len(head) + len(tail), self.limit,
+                                     f"{field}[{index}]")
+                ids = ids[:room]
+            out.append([*head, *ids, *tail])
+        return out
