@@ -89,8 +89,9 @@ def test_a_loading_model_does_not_block_the_others(ray_server: ServerProcess) ->
 
 def test_a_replica_killed_under_load_loses_no_request(ray_server: ServerProcess) -> None:
     """16 clients keep 50 ms forwards busy on both replicas; one replica is killed (SIGKILL)
-    mid-way. Every request gets its own correct vector: those the dead replica held are
-    sent once more, to the other replica, and Serve starts a replacement."""
+    mid-way. Every request gets its own correct vector: those the dead replica was running
+    are sent once more by the ingress, those routed to it go to the other replica, and
+    Serve starts a replacement."""
     reference = SyntheticAdapter(dims=BUSY_DIMS)
     since = ray_server.log_size()
     texts = [f"under fire {i}" for i in range(240)]
@@ -114,8 +115,15 @@ def test_a_replica_killed_under_load_loses_no_request(ray_server: ServerProcess)
         answers = [future.result() for future in futures]  # any failure raises here
     for text, vector in zip(texts, answers, strict=True):
         np.testing.assert_allclose(vector, reference.vector(text), atol=1e-6)
-    log = ray_server.log_text(since)
-    assert "an engine replica died before answering submit" in log, log[-4000:]
+    # The death was met on the request path: calls it was running were sent again by the
+    # ingress, or calls bound for it were routed elsewhere by Ray's router (which says so).
+    # Which of the two depends on the moment of the kill; the lines reach the log late.
+    noticed = ("an engine replica died before answering submit",
+               "will not be considered for future requests because it has died")
+    deadline = time.monotonic() + 20
+    while not any(line in ray_server.log_text(since) for line in noticed):
+        assert time.monotonic() < deadline, ray_server.log_text(since)[-4000:]
+        time.sleep(0.2)
     wait_replicas(ray_server, 2, 90)  # Serve replaced it
     with httpx.Client() as client:
         np.testing.assert_allclose(encode(ray_server, client, BUSY, "after"),
