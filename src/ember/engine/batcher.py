@@ -221,7 +221,11 @@ class BatchFormer:
         if start == len(group.keys):  # the sweep reached the top: wrap to the cheapest
             start = 0
         bottom = group.keys[start]
-        self._pack(batch, group, -1, start)  # upward only: it must not fall behind the cursor
+        self._pack(batch, group, -1, start)  # upward first: the sweep's items lead
+        if not batch.full and start > 0:
+            # Room left above: the cheaper buckets too, so a request's items and a burst
+            # that fits one forward are not split by where the cursor stood.
+            self._pack(batch, group, start - 1, len(group.keys))
         for pending in batch.items:
             self._left(pending)
         top = cost_bucket(batch.widest)
