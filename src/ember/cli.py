@@ -99,8 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
          "can (CPU, no LoRAs), torch the rest; a model's YAML 'backend:' overrides it",
          choices=["torch", "onnx"])
     flag("cache-dir", str, None, "folder for ONNX exports (default ~/.cache/ember)")
-    flag("onnx-threads", int, None, "ONNX Runtime intra-op threads (default: all cores "
-         "but one)")
+    flag("onnx-threads", int, None, "ONNX Runtime intra-op threads (default: every core)")
     flag("onnx-spinning", bool, False, "let ONNX Runtime's threads spin-wait between "
          "forwards (off: spinning takes the core the front end needs)")
     for name, kind, default, text in WORKER_FLAGS:

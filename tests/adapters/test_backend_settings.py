@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ember.adapters._backend import choose_backend
-from ember.adapters.base import Runtime, default_threads, usable_cores
+from ember.adapters.base import Runtime, default_onnx_threads, default_threads, usable_cores
 from ember.cli import build_parser, settings_from
 from ember.config import CatalogError, ModelSpec, Source, parse_spec
 from ember.errors import ModelLoadError
@@ -54,8 +54,9 @@ def test_a_bad_backend_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str])
     assert "invalid choice: 'tensorrt'" in capsys.readouterr().err
 
 
-def test_threads_default_to_all_cores_but_one() -> None:
+def test_torch_threads_default_to_all_cores_but_one_and_onnx_threads_to_every_core() -> None:
     assert default_threads() == max(1, usable_cores() - 1)
+    assert default_onnx_threads() == usable_cores()
 
 
 @pytest.mark.parametrize(("spec", "runtime", "backend"), [

@@ -31,7 +31,7 @@ import onnxruntime as ort
 import torch
 
 from ember.adapters._torch import check_lora
-from ember.adapters.base import Runtime, default_threads
+from ember.adapters.base import Runtime, default_onnx_threads
 from ember.config import ModelSpec
 from ember.errors import ModelLoadError
 
@@ -130,10 +130,10 @@ class OnnxForward:
 
 def session(path: Path, runtime: Runtime) -> ort.InferenceSession:
     """A CPU session with Ember's thread settings: `onnx_threads` intra-op threads
-    (default all cores but one) and no spin-waiting, which on a busy machine burns
+    (default every core) and no spin-waiting, which on a busy machine burns
     the core the front end or a neighbour needs (README, Backends and threads)."""
     options = ort.SessionOptions()
-    options.intra_op_num_threads = runtime.onnx_threads or default_threads()
+    options.intra_op_num_threads = runtime.onnx_threads or default_onnx_threads()
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

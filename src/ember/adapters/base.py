@@ -146,9 +146,17 @@ def usable_cores() -> int:
 
 
 def default_threads() -> int:
-    """Intra-op threads for a forward: all cores but one, which stays free for the front
-    end (HTTP, tokenizing) and for neighbours; see README, Backends and threads."""
+    """torch's intra-op threads: all cores but one, which stays free for the front end
+    (HTTP, tokenizing) and for neighbours; see README, Backends and threads."""
     return max(1, usable_cores() - 1)
+
+
+def default_onnx_threads() -> int:
+    """ONNX Runtime's intra-op threads: every core. Its forward runs without the GIL and
+    its threads sleep between forwards, so the front end has the cores whenever no
+    forward runs; measured faster than all cores but one once the front end got cheap
+    (docs/benchmarks.md, Backends)."""
+    return usable_cores()
 
 
 @dataclass(frozen=True)
@@ -160,7 +168,7 @@ class Runtime:
     torch_threads: int | None = None  # None: default_threads()
     backend: Backend = "onnx"
     cache_dir: Path | None = None  # None: $EMBER_CACHE_DIR, else ~/.cache/ember
-    onnx_threads: int | None = None  # None: default_threads()
+    onnx_threads: int | None = None  # None: default_onnx_threads()
     onnx_spinning: bool = False
 
     @property
