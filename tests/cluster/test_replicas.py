@@ -151,3 +151,30 @@ def test_a_client_that_goes_away_cancels_its_call_on_the_engine_replica(
     while "gone-away-1 -- CALL / CANCELLED" not in ray_server.log_text(since):
         assert time.monotonic() < deadline, ray_server.log_text(since)[-4000:]
         time.sleep(0.2)
+
+
+def test_a_call_whose_replica_dies_mid_forward_is_sent_once_more(
+        ray_server: ServerProcess) -> None:
+    """A request is in its 300 ms forward when every engine replica is killed (SIGKILL):
+    its call fails on the dead replica, the ingress sends it once more, the call waits for
+    Serve's replacements, and the client gets its own correct answer."""
+    reference = SyntheticAdapter(dims=16)  # tests/api's slow model
+    url = f"{ray_server.url}/v1/encode/{SLOW}"
+    with httpx.Client() as client:  # loaded first, so the kill meets the forward
+        assert client.post(url, json=encode_body("warm"), timeout=60).status_code == 200
+    since = ray_server.log_size()
+    victims = engine_replicas(ray_server)
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, url, json=encode_body("mid-forward"), timeout=120)
+        time.sleep(0.15)  # inside the forward
+        for victim in victims:
+            os.kill(victim.pid, signal.SIGKILL)
+        response = answer.result()
+    assert response.status_code == 200, response.text
+    np.testing.assert_allclose(vectors(response.json())[0], reference.vector("mid-forward"),
+                               atol=1e-6)
+    deadline = time.monotonic() + 20
+    while "an engine replica died before answering submit" not in ray_server.log_text(since):
+        assert time.monotonic() < deadline, ray_server.log_text(since)[-4000:]
+        time.sleep(0.2)
+    wait_replicas(ray_server, 2, 90)  # the next tests find the pool whole again
