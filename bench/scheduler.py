@@ -84,13 +84,20 @@ class EarlierIdleRule(DispatchPolicy):
                    queue.oldest_arrival + cfg.max_batch_wait_ms / 1000)
 
 
+def starvation_s(config: WorkerConfig) -> float:
+    """The earlier R5's starvation bound: `starvation_ms`, or 4 x `max_batch_wait_ms`."""
+    if config.starvation_ms is not None:
+        return config.starvation_ms / 1000
+    return 4 * config.max_batch_wait_ms / 1000
+
+
 class EarlierFormation(BatchFormer):
     """The earlier R5 (benchmark only): cheapest first, unless the oldest item has waited
     `starvation_ms`; then it leads and the rest packs around its length."""
 
     def __init__(self, config: WorkerConfig, now: Callable[[], float] = time.perf_counter) -> None:
         super().__init__(config.max_batch_tokens, config.max_batch_items, config.max_padding)
-        self.starvation_s, self.now = config.starvation_s, now
+        self.starvation_s, self.now = starvation_s(config), now
 
     def form(self, lora: str | None = None) -> Batch | None:
         head = self.oldest()
@@ -432,7 +439,7 @@ async def open_mixed(worker: ModelWorker, plan: Plan, seed: int, *, rate: float)
     wait_p50, longest = percentile(waits, 50), max(waits, default=float("nan"))
     # The issue's bound: 2 x median wait + starvation_ms (40 ms by default). Formation no
     # longer reads starvation_ms (the sweep bounds waits itself); the bound keeps it.
-    starvation_ms = worker.config.starvation_s * 1000
+    starvation_ms = starvation_s(worker.config) * 1000
     return {"offered_rps": len(arrivals) / duration, "refused": refused,
             "items_per_s": forwards.rate(begin, end),
             "padded_per_real": forwards.padding(begin, end),

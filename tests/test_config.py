@@ -71,17 +71,15 @@ def test_a_directory_without_a_model_is_a_clear_error(tmp_path: Path) -> None:
         load_catalog(model_paths=[tmp_path])
 
 
-def test_a_models_batch_wait_moves_its_starvation_bound_unless_set(tmp_path: Path) -> None:
+def test_a_models_batching_overrides_the_servers_and_keeps_the_rest(tmp_path: Path) -> None:
     (tmp_path / "slow.yaml").write_text(
         "name: me/slow\nadapter: synthetic\ntasks: [encode]\n"
         "batching: {max_batch_wait_ms: 50}\n")
-    (tmp_path / "set.yaml").write_text(
-        "name: me/set\nadapter: synthetic\ntasks: [encode]\n"
-        "batching: {max_batch_wait_ms: 50, starvation_ms: 30}\n")
     catalog = load_catalog([tmp_path])
-    assert catalog["me/slow"].worker_config(WorkerConfig()).starvation_s == 0.2  # 4 x 50 ms
-    assert catalog["me/set"].worker_config(WorkerConfig()).starvation_s == 0.03
-    assert WorkerConfig().starvation_s == 0.04
+    server = WorkerConfig(max_batch_items=16, max_batch_wait_ms=10)
+    merged = catalog["me/slow"].worker_config(server)
+    assert merged.max_batch_wait_ms == 50 and merged.max_batch_items == 16
+    assert catalog["ember/synthetic"].worker_config(server) == server
 
 
 def test_batching_settings_the_engine_no_longer_reads_load_with_a_warning(

@@ -9,10 +9,8 @@ from dataclasses import dataclass
 class WorkerConfig:
     """Limits and windows of the dispatch rules (docs/architecture.md).
 
-    `starvation_ms` left at None means 4 x `max_batch_wait_ms`, resolved when read
-    (`starvation_s`). Formation no longer reads it: its sweep over cost buckets (R5)
-    bounds every wait. It is kept so model YAML that sets it still loads, and as the
-    constant of the benchmark's wait bound.
+    `starvation_ms` is no longer read: formation's sweep over cost buckets (R5) bounds
+    every wait. It is kept so model YAML that sets it still loads (with a warning).
 
     `hold_fraction`: after a forward that carried several requests, the next batch
     of that LoRA waits for those senders to come back, at most this fraction of that
@@ -50,11 +48,3 @@ class WorkerConfig:
             raise ValueError(f"max_padding must be 0 (off) or >= 1, got {self.max_padding}")
         if self.starvation_ms is not None and self.starvation_ms < 0:
             raise ValueError(f"starvation_ms must be >= 0 or None, got {self.starvation_ms}")
-
-    @property
-    def starvation_s(self) -> float:
-        """The configured starvation bound (see the class docstring: no longer read by R5)."""
-        if self.starvation_ms is not None:
-            return self.starvation_ms / 1000
-        # A few batch windows: long enough to batch, short enough to bound waiting.
-        return 4 * self.max_batch_wait_ms / 1000
