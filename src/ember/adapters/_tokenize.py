@@ -105,6 +105,8 @@ class TextTokenizer:
         self._whole = copy(None)
         self._cut = copy("longest_first")
         self._second = copy("only_second") if pairs else None
+        self._by_strategy = {None: self._whole, "longest_first": self._cut,
+                             "only_second": self._second}
         self.pair_specials = self._whole.num_special_tokens_to_add(is_pair=True)
         self.head, self.tail = self._frame()
 
@@ -127,8 +129,7 @@ class TextTokenizer:
                      strategy: str | None) -> list[Encoding]:
         """(first, second) pairs in one batch call, cut by `strategy` ("only_second",
         "longest_first") or, with None, whole."""
-        tokenizer = {None: self._whole, "longest_first": self._cut,
-                     "only_second": self._second}[strategy]
+        tokenizer = self._by_strategy[strategy]
         if tokenizer is None:
             raise ValueError("this TextTokenizer was made without pairs=True")
         return encode_batch(tokenizer, [(first, second) for second in seconds])
