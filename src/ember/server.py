@@ -16,6 +16,9 @@ from ember.config import ServerSettings
 
 log = logging.getLogger("ember")
 
+# Long enough for a request on a just-accepted connection to be read and answered.
+SETTLE_S = 0.1
+
 
 class DrainingServer(uvicorn.Server):
     """The first signal drains: /readyz and new requests answer 503, accepted requests
@@ -56,6 +59,13 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
+        await self.state.wait_idle()
+        # Stop accepting before exiting, then answer (503) what was accepted meanwhile: with
+        # several API processes on one socket, one that exits straight away would reset
+        # connections it had just accepted while the others still drain.
+        for server in self.servers:
+            server.close()
+        await asyncio.sleep(SETTLE_S)
         await self.state.wait_idle()
         await self.state.registry.close()
         log.info("drained in %.2f s; exiting", loop.time() - started)
