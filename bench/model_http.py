@@ -80,7 +80,8 @@ QUICK = ModelPlan(sequential=5, warmup_s=0.1, closed_s=0.4, mixed_s=0.4, limit_s
 # -- the in-process limit (a child process, so the bench never holds torch) ---------------
 
 def limit_measure(device: str, torch_threads: int | None, plan: ModelPlan,
-                  batch_sizes: Sequence[int], backend: str = "onnx") -> Json:
+                  batch_sizes: Sequence[int], backend: str = "onnx",
+                  onnx_threads: int | None = None) -> Json:
     """The model called directly: tokenize + forward, the adapter's own code. Each
     measure stops at its text count or its time budget, whichever comes first, so a
     machine slowed down by its neighbours cannot stretch the run."""
@@ -93,7 +94,8 @@ def limit_measure(device: str, torch_threads: int | None, plan: ModelPlan,
     torch_default = torch.get_num_threads()
     started = time.perf_counter()
     spec = load_catalog()[MODEL]
-    runtime = Runtime(device, torch_threads, backend)  # type: ignore[arg-type]
+    runtime = Runtime(device, torch_threads, backend,  # type: ignore[arg-type]
+                      onnx_threads=onnx_threads)
     adapter: Any = adapter_loader(spec.adapter)(spec, runtime)
     load_s = time.perf_counter() - started
     options = EncodeOptions()
@@ -143,6 +145,7 @@ def limit_measure(device: str, torch_threads: int | None, plan: ModelPlan,
                                                  if size == 1 else rate(by_length, size))
     result: Json = {
         "device": device, "load_s": load_s, "torch_threads": torch.get_num_threads(),
+        "onnx_threads": onnx_threads,
         "torch_default_threads": torch_default,
         "single_short_p50_ms": percentile(single, 50),
         "single_short_p99_ms": percentile(single, 99),
@@ -170,7 +173,7 @@ def run_limit(args: argparse.Namespace) -> Json:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "limit.json"
         command = [sys.executable, __file__, "--limit-only", str(out), "--device", args.device,
-                   "--backend", args.backend,
+                   "--backend", args.backend, "--onnx-threads", str(args.onnx_threads),
                    "--limit-batch-sizes", ",".join(map(str, args.limit_batch_sizes))]
         if args.torch_threads:
             command += ["--torch-threads", str(args.torch_threads)]
@@ -217,6 +220,8 @@ def serve_args(args: argparse.Namespace, folder: Path, names: dict[str, str]) ->
             out += ["--preload", name]
     if args.torch_threads:
         out += ["--torch-threads", str(args.torch_threads)]
+    if args.onnx_threads:
+        out += ["--onnx-threads", str(args.onnx_threads)]
     return out
 
 
@@ -329,7 +334,8 @@ def markdown(data: Json) -> str:
                       *(f"mixed sorted b{b}" for b in sizes)], rows))
     out.append(f"\nTokens per text: short {phases[0]['short_tokens_mean']:.1f}, mixed "
                f"{phases[0]['mixed_tokens_mean']:.1f} on average; torch threads "
-               f"{phases[0]['torch_threads']} (server and limit alike).\n")
+               f"{phases[0]['torch_threads']}, ONNX Runtime threads "
+               f"{phases[0].get('onnx_threads') or 'every core'} (server and limit alike).\n")
     probes = [p["default_threads_probe"] for p in phases if "default_threads_probe" in p]
     if probes:
         out.append(f"The same model with torch's own thread count "
@@ -395,6 +401,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "neighbour takes a core; see docs/benchmarks.md)")
     parser.add_argument("--backend", default="onnx", choices=("onnx", "torch"),
                         help="forward backend of the server and the limit alike")
+    parser.add_argument("--onnx-threads", type=int, default=0,
+                        help="ONNX Runtime intra-op threads of the server and the limit "
+                        "alike; 0: the server's default (every core)")
     parser.add_argument("--concurrency", default="8,32", help="closed-loop in-flight counts")
     parser.add_argument("--policies", default="default,idle0,nohold",
                         help="dispatch policies to serve side by side, of "
@@ -421,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.limit_only is not None:
         result = limit_measure(args.device, args.torch_threads or None, plan,
-                               args.limit_batch_sizes, args.backend)
+                               args.limit_batch_sizes, args.backend, args.onnx_threads or None)
         args.limit_only.write_text(json.dumps(result), encoding="utf-8")
         return 0
 
@@ -434,7 +443,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "concurrency": args.concurrency, "policies": {p: POLICY_BATCHING[p]
                                                       for p in args.policies},
         "plan": asdict(plan), "limit_batch_sizes": args.limit_batch_sizes,
-        "torch_threads": args.torch_threads, "url": args.url}}
+        "torch_threads": args.torch_threads, "onnx_threads": args.onnx_threads,
+        "url": args.url}}
     print("[model_http] in-process limit ...", file=sys.stderr, flush=True)
     data["limit"] = [run_limit(args)]
     with tempfile.TemporaryDirectory(prefix="ember-bench-") as tmp:

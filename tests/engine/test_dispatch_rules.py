@@ -58,6 +58,35 @@ async def test_r3b_sequential_requests_never_wait_for_a_window() -> None:
         assert forward_sizes(adapter) == [1, 1, 1, 1, 1]
 
 
+async def test_r3b_a_lone_request_over_the_item_limit_goes_in_full_forwards() -> None:
+    async with running(WorkerConfig(max_batch_items=4, idle_coalesce_ms=200.0,
+                                    max_batch_wait_ms=400.0)) as (worker, adapter):
+        result = await (await worker.submit(items(*[5] * 10), "p"))
+        assert forward_sizes(adapter) == [4, 4, 2]
+        assert result.forwards == 3 and len(result.values) == 10
+
+
+async def test_r3b_a_lone_request_on_a_paused_worker_waits_for_resume() -> None:
+    async with running(WINDOW_ON) as (worker, adapter):
+        worker.pause()
+        future = await worker.submit(items(5), "p")
+        await asyncio.sleep(0.05)
+        assert adapter.forward_log == [] and worker.pending_items == 1
+        worker.resume()
+        await future
+        assert forward_sizes(adapter) == [1]
+
+
+async def test_r3b_a_lone_request_arriving_during_a_forward_follows_it() -> None:
+    async with running(WINDOW_ON, overhead_ms=60.0) as (worker, adapter):
+        first = await worker.submit(items(5), "p")
+        await asyncio.sleep(0.02)  # the first forward runs
+        second = await worker.submit(items(6), "p")
+        assert worker.pending_items == 1  # not a second forward alongside the first
+        await asyncio.gather(first, second)
+        assert forward_sizes(adapter) == [1, 1]
+
+
 async def test_r3c_requests_queued_before_the_first_selection_fuse() -> None:
     async with running(WINDOW_ON) as (worker, adapter):
         worker.pause()

@@ -211,11 +211,13 @@ class ModelWorker:
             log.debug("%s: submit at=%.6f items=%d lora=%s", self.name, now, len(items), lora)
         if lane.probe_end >= now and lane.arrived >= lane.probe_target:
             lane.senders_return, lane.probe_end = True, -1.0
+        self._requests.add(request)
+        request.future.add_done_callback(partial(self._on_resolved, request))
+        if self._queued == 0 and self._idle() and self._dispatch_alone(request, params, lane):
+            return request.future  # the thread has it, and will wake the loop itself
         queued = self._revise_slot(lora, request.items)
         lane.former.add(queued)
         self._queued += len(queued)
-        self._requests.add(request)
-        request.future.add_done_callback(partial(self._on_resolved, request))
         self._wake.set()
         return request.future
 
@@ -282,6 +284,30 @@ class ModelWorker:
                     self._cond.notify_all()
             return None
         return at
+
+    def _dispatch_alone(self, request: _Request, params: Hashable, lane: _Lane) -> bool:
+        """R1, R3b: a request that finds the worker idle and empty is the whole next batch,
+        released from submit without a turn of the loop, if it fits one forward and the
+        policy lets it go now (a hold for the last forward's senders may not)."""
+        now = request.submitted_at
+        view = QueueView(pending_requests=1, full=False, oldest_arrival=now, last_arrival=now,
+                         arrived_since_forward=lane.arrived - lane.arrived_at_last_end,
+                         senders_return=lane.senders_return or now <= lane.probe_end)
+        at = self.policy.release_at(view, lane.last_forward, None, now)
+        if at is None or at > now:
+            return False
+        batch = Batch(request.lora, params)
+        limits = lane.former.limits
+        for pending in request.items:
+            if not batch.fits(pending.item.cost, limits):
+                for taken in batch.items:
+                    taken.queued = True
+                return False
+            batch.add(pending)
+        with self._cond:
+            self._slot, self._released = batch, True
+            self._cond.notify_all()
+        return True
 
     def _view(self, slot: Batch) -> QueueView:
         lane = self._lanes[slot.lora]
@@ -469,6 +495,11 @@ class ModelWorker:
             return former.pending_requests
         in_slot = {id(p.owner): p.owner for p in slot.items}
         return former.pending_requests + sum(not former.holds(o) for o in in_slot.values())
+
+    def _idle(self) -> bool:
+        """Nothing formed, running or awaiting delivery, and dispatch not held."""
+        return (self._slot is None and self._in_flight is None and not self._finished
+                and not self._paused and not self._stopping and self.running)
 
     def _drained(self) -> bool:
         with self._cond:
