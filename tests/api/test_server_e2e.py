@@ -192,19 +192,20 @@ def test_metrics_over_the_wire(live_server: ServerProcess) -> None:
 
 
 def test_a_client_that_goes_away_has_its_queued_work_dropped(live_server: ServerProcess) -> None:
-    """While one slow forward runs, a second request's client gives up: its item is
-    dropped before it reaches a forward."""
+    """While one slow forward runs and another request waits, a third request's client
+    gives up: its item is dropped before it reaches a forward (the watch starts once a
+    request has waited WATCH_AFTER_S; this one would wait ~0.5 s)."""
     url = live_server.url
     reason = r'ember_rejections_total\{reason="client_disconnected"\}'
     dropped = r'ember_dropped_items_total\{model="test/slow-synthetic"\}'
     rejected_before, dropped_before = metric(live_server, reason), metric(live_server, dropped)
     with ThreadPoolExecutor(2) as pool:
-        busy = pool.submit(httpx.post, f"{url}/v1/encode/{SLOW}", json=encode_body("busy"),
-                           timeout=60)
-        time.sleep(0.1)  # let the first request start its 300 ms forward
+        busy = [pool.submit(httpx.post, f"{url}/v1/encode/{SLOW}",
+                            json=encode_body(f"busy {i}"), timeout=60) for i in range(2)]
+        time.sleep(0.1)  # the first request runs its 300 ms forward, the second waits
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/v1/encode/{SLOW}", json=encode_body("abandoned"), timeout=0.1)
-        assert busy.result().status_code == 200
+        assert all(future.result().status_code == 200 for future in busy)
     deadline = time.monotonic() + 10
     while metric(live_server, reason) == rejected_before and time.monotonic() < deadline:
         time.sleep(0.05)
