@@ -53,8 +53,7 @@ class RequestContextMiddleware(HttpMiddleware):
     the access log once its response has started."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = Headers(scope=scope)
-        request_id = (headers.get("x-request-id") or headers.get("x-sie-request-id")
+        request_id = (_header(scope, b"x-request-id") or _header(scope, b"x-sie-request-id")
                       or os.urandom(16).hex())
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
@@ -142,7 +141,7 @@ class BodyLimitMiddleware(HttpMiddleware):
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         limit = self.state().settings.max_body_bytes
-        if _declared_length(Headers(scope=scope)) > limit:
+        if _declared_length(scope) > limit:
             await self.refuse("body_too_large", scope, receive, send, 413, "payload_too_large",
                               f"request body is over the limit of {limit} bytes; send fewer "
                               "or shorter items per request", "body")
@@ -171,8 +170,17 @@ def _authorized(header: str, key: str) -> bool:
                                                               key.encode())
 
 
-def _declared_length(headers: Headers) -> int:
+def _header(scope: Scope, name: bytes) -> str:
+    """The first value of the header `name` (lower case, as ASGI servers pass names), or
+    "" without one: a plain scan, cheaper than building `Headers` for one or two reads."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return ""
+
+
+def _declared_length(scope: Scope) -> int:
     try:
-        return int(headers.get("content-length", "0"))
+        return int(_header(scope, b"content-length") or "0")
     except ValueError:
         return 0

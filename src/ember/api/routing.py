@@ -85,15 +85,36 @@ class InferenceDispatcher:
         # Each route under the fixed part of its path: one string test rules out most.
         self.handlers = [(r.path.split("{", 1)[0], _Handler.of(r))
                          for r in routes if isinstance(r, InferenceRoute)]
+        # The paths served so far (a path names a route and a model: a few of them), so
+        # the routes' regular expressions run once per path, not once per request.
+        self._matched: dict[str, tuple[_Handler, Scope] | None] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             path: str = scope["path"]
-            for prefix, handler in self.handlers:
-                if path.startswith(prefix):
-                    match, child = handler.route.matches(scope)
-                    if match is Match.FULL:
-                        await handler({**scope, **child}, receive, send)
-                        return
+            found = self._matched.get(path, _UNSEEN)
+            if found is _UNSEEN:
+                found = self._match(scope)
+                if len(self._matched) >= MATCH_CACHE_SIZE:  # paths from arbitrary clients
+                    self._matched.clear()
+                self._matched[path] = found
+            if found is not None:
+                handler, child = found
+                params = dict(child.get("path_params", {}))  # each request its own copy
+                await handler({**scope, **child, "path_params": params}, receive, send)
+                return
         await self.app(scope, receive, send)
+
+    def _match(self, scope: Scope) -> tuple[_Handler, Scope] | None:
+        path: str = scope["path"]
+        for prefix, handler in self.handlers:
+            if path.startswith(prefix):
+                match, child = handler.route.matches(scope)
+                if match is Match.FULL:
+                    return handler, child
+        return None
+
+
+MATCH_CACHE_SIZE = 1024
+_UNSEEN: Any = object()
 
