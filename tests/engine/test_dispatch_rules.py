@@ -436,7 +436,9 @@ async def test_r4_returning_senders_are_awaited_once_seen_to_return() -> None:
     # come 1 ms apart, more than coalesce_ms: as over HTTP, no quiet window ends it.
     config = WorkerConfig(idle_coalesce_ms=0.0, coalesce_ms=0.5, max_batch_wait_ms=100.0)
     sizes = await staggered_clients(config)
-    assert sizes[:2] == [1, 3] and sum(sizes) == 16  # not yet seen to come back: split
+    # Not yet seen to come back: split. (The first sender, back at once, may still make
+    # the released batch of the other three if the forward thread has not taken it.)
+    assert sizes[0] == 1 and sizes[1] in (3, 4) and sum(sizes) == 16
     assert len(sizes) <= 6  # later rounds fuse (on a quiet machine: [1, 3, 1, 3, 4, 4])
 
 
