@@ -18,6 +18,10 @@ log = logging.getLogger("ember")
 
 # Long enough for a request on a just-accepted connection to be read and answered.
 SETTLE_S = 0.1
+# An idle keep-alive connection stays open longer than clients keep theirs in a pool
+# (httpx 5 s, aiohttp 15 s) and than load balancers' idle timeouts (often 60 s): with
+# uvicorn's 5 s, a client could send a request on a connection the server was closing.
+KEEP_ALIVE_S = 75
 
 
 class DrainingServer(uvicorn.Server):
@@ -82,5 +86,6 @@ def run_http(settings: ServerSettings, registry: Models,
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
                             http="httptools", log_level=settings.log_level, access_log=False,
                             log_config=None,  # uvicorn's lines go through Ember's format
-                            proxy_headers=False, timeout_graceful_shutdown=None)
+                            proxy_headers=False, timeout_graceful_shutdown=None,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     DrainingServer(config, app.state.ember, managed).run(sockets=sockets)

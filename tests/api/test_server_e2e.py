@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import re
 import signal
+import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -181,6 +182,19 @@ def test_concurrent_requests_each_get_their_own_vectors(live_server: ServerProce
         np.testing.assert_allclose(got, [reference.vector(t) for t in texts], atol=1e-6)
     forwards = metric(live_server, r'ember_batch_items_count\{model="ember/synthetic"\}')
     assert 1 <= forwards - before <= len(batches)
+
+
+def test_an_idle_keep_alive_connection_outlives_client_pools(live_server: ServerProcess) -> None:
+    """A connection idle for longer than httpx keeps one (5 s) still takes a request: the
+    server never closes a connection a client's pool may still hand out."""
+    host, port = live_server.url.removeprefix("http://").split(":")
+    request = f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        for pause in (0.0, 6.0):
+            time.sleep(pause)
+            conn.sendall(request)
+            answer = conn.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:80]
 
 
 def test_metrics_over_the_wire(live_server: ServerProcess) -> None:
