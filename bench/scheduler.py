@@ -85,9 +85,7 @@ class EarlierIdleRule(DispatchPolicy):
 
 
 def starvation_s(config: WorkerConfig) -> float:
-    """The earlier R5's starvation bound: `starvation_ms`, or 4 x `max_batch_wait_ms`."""
-    if config.starvation_ms is not None:
-        return config.starvation_ms / 1000
+    """The earlier R5's starvation bound, its default: 4 x `max_batch_wait_ms`."""
     return 4 * config.max_batch_wait_ms / 1000
 
 

@@ -80,7 +80,8 @@ def _require(data: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
     return value
 
 
-# Settings older model files may carry: they still load, but the engine reads them no more.
+# Batching settings older model files may carry: they still load (with a warning), but the
+# engine no longer has them (a hold ends when its senders are back; R5 sweeps).
 UNREAD_BATCHING = frozenset({"coalesce_ms", "starvation_ms"})
 
 
@@ -119,11 +120,12 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
         raise CatalogError(f"{where}: 'loras' must map adapter names to directories")
     batching = data.get("batching") or {}
     allowed = set(WorkerConfig.__dataclass_fields__)
-    if not isinstance(batching, Mapping) or set(batching) - allowed:
+    if not isinstance(batching, Mapping) or set(batching) - allowed - UNREAD_BATCHING:
         raise CatalogError(f"{where}: 'batching' accepts only {sorted(allowed)}")
     for unread in sorted(set(batching) & UNREAD_BATCHING):
         log.warning("%s: batching.%s is accepted but no longer used by the engine; "
                     "remove it (docs/architecture.md, settings)", where, unread)
+    batching = {key: value for key, value in batching.items() if key in allowed}
     backend = data.get("backend")
     if backend is not None and backend not in BACKENDS:
         raise CatalogError(f"{where}: backend {backend!r} is unknown; use one of "

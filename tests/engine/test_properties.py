@@ -38,7 +38,6 @@ configs = st.builds(
     max_batch_tokens=st.integers(64, 1024),
     max_batch_items=st.integers(1, 8),
     idle_coalesce_ms=st.sampled_from([0.0, 1.0, 3.0]),
-    coalesce_ms=st.sampled_from([0.0, 1.0]),
     max_batch_wait_ms=st.sampled_from([2.0, 5.0]),
 )
 

@@ -9,9 +9,6 @@ from dataclasses import dataclass
 class WorkerConfig:
     """Limits and windows of the dispatch rules (docs/architecture.md).
 
-    `starvation_ms` is no longer read: formation's sweep over cost buckets (R5) bounds
-    every wait. It is kept so model YAML that sets it still loads (with a warning).
-
     `hold_fraction`: after a forward that carried several requests, the next batch
     of that LoRA waits for those senders to come back, at most this fraction of that
     forward's duration (and at most `max_batch_wait_ms`; 0 turns the hold off).
@@ -20,19 +17,13 @@ class WorkerConfig:
     this many per real token (plus a few per item, so close lengths still share a
     forward); the item waits for a batch of its own length. 0 turns it off (for a
     device whose fixed cost per forward dwarfs its cost per padded token).
-
-    `coalesce_ms` is still accepted in a model's YAML (`batching:`) so older files load,
-    but no longer read: a hold ends when its senders are back or at its bound, not after
-    a quiet time. The server flag for it is gone.
     """
 
     max_batch_tokens: int = 16384
     max_batch_items: int = 64
     max_batch_wait_ms: float = 10.0
-    coalesce_ms: float = 2.0
     idle_coalesce_ms: float = 3.0
     max_queue_items: int = 4096
-    starvation_ms: float | None = None
     hold_fraction: float = 0.25
     max_padding: float = 1.05
 
@@ -40,11 +31,8 @@ class WorkerConfig:
         for name in ("max_batch_tokens", "max_batch_items", "max_queue_items"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_batch_wait_ms", "coalesce_ms", "idle_coalesce_ms", "hold_fraction",
-                     "max_padding"):
+        for name in ("max_batch_wait_ms", "idle_coalesce_ms", "hold_fraction", "max_padding"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if 0 < self.max_padding < 1:
             raise ValueError(f"max_padding must be 0 (off) or >= 1, got {self.max_padding}")
-        if self.starvation_ms is not None and self.starvation_ms < 0:
-            raise ValueError(f"starvation_ms must be >= 0 or None, got {self.starvation_ms}")
