@@ -78,6 +78,10 @@ class _Lane:
     probe_target: int = 0  # `arrived` that means they are all back
     probe_end: float = -1.0  # < 0: no probe running
 
+    def senders_may_return(self, now: float) -> bool:
+        """Seen to come back, or a probe still running: the policy's `senders_return`."""
+        return self.senders_return or now <= self.probe_end
+
 
 class ModelWorker:
     """Queues prepared items per LoRA and runs them through one adapter in batches."""
@@ -292,7 +296,7 @@ class ModelWorker:
         now = request.submitted_at
         view = QueueView(pending_requests=1, full=False, oldest_arrival=now, last_arrival=now,
                          arrived_since_forward=lane.arrived - lane.arrived_at_last_end,
-                         senders_return=lane.senders_return or now <= lane.probe_end)
+                         senders_return=lane.senders_may_return(now))
         at = self.policy.release_at(view, lane.last_forward, None, now)
         if at is None or at > now:
             return False
@@ -319,7 +323,7 @@ class ModelWorker:
             oldest_arrival=min(oldest, head.arrival) if head is not None else oldest,
             last_arrival=lane.last_arrival,
             arrived_since_forward=lane.arrived - lane.arrived_at_last_end,
-            senders_return=lane.senders_return or self._now() <= lane.probe_end,
+            senders_return=lane.senders_may_return(self._now()),
         )
 
     def _revise_slot(self, lora: str | None, items: list[PendingItem]) -> list[PendingItem]:
