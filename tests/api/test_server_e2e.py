@@ -5,9 +5,9 @@ InferenceClient."""
 from __future__ import annotations
 
 import base64
+import http.client
 import re
 import signal
-import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -188,13 +188,18 @@ def test_an_idle_keep_alive_connection_outlives_client_pools(live_server: Server
     """A connection idle for longer than httpx keeps one (5 s) still takes a request: the
     server never closes a connection a client's pool may still hand out."""
     host, port = live_server.url.removeprefix("http://").split(":")
-    request = f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
-    with socket.create_connection((host, int(port)), timeout=10) as conn:
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        sockets = []
         for pause in (0.0, 6.0):
             time.sleep(pause)
-            conn.sendall(request)
-            answer = conn.recv(65536)
-            assert answer.startswith(b"HTTP/1.1 200"), answer[:80]
+            conn.request("GET", "/healthz")
+            response = conn.getresponse()  # a closed connection raises here
+            assert response.status == 200 and response.read() == b'{"status":"ok"}'
+            sockets.append(conn.sock)
+        assert sockets[0] is sockets[1] is not None  # the same connection, kept open
+    finally:
+        conn.close()
 
 
 def test_metrics_over_the_wire(live_server: ServerProcess) -> None:
