@@ -403,6 +403,24 @@ async def test_r10_queue_and_inference_times_are_recorded() -> None:
         assert worker.stats.batch_sizes == [2]
 
 
+async def test_r10_queue_time_ends_when_the_device_frees_not_when_the_batch_is_formed(
+) -> None:
+    """A request that arrives during a forward is formed into the next batch at once
+    (prefetch), but it waits in the queue until that forward ends: its queue time
+    covers the wait, its inference time only its own forward."""
+    async with running(WorkerConfig(), overhead_ms=60.0) as (worker, _):
+        first = await worker.submit(items(1), "p")
+        await asyncio.sleep(0.015)
+        sent = time.perf_counter()
+        second = await worker.submit(items(1, text="s"), "p")
+        result = await second
+        total_ms = (time.perf_counter() - sent) * 1000
+        await first
+        assert result.queue_ms >= 30.0  # the rest of the first forward (~45 ms)
+        assert 55.0 <= result.inference_ms < 60.0 + WELL_UNDER_WINDOW_S * 1000
+        assert result.queue_ms + result.inference_ms <= total_ms + 1.0
+
+
 async def test_results_come_back_in_each_requests_input_order() -> None:
     config = WorkerConfig(idle_coalesce_ms=0.0, max_batch_items=2)
     async with running(config) as (worker, adapter):

@@ -78,6 +78,7 @@ class Batch:
     widest: int = 0
     real_tokens: int = 0
     full: bool = False
+    released_at: float = 0.0  # when the policy let it go to the device (R10)
 
     def fits(self, cost: int, limits: Limits) -> bool:
         """Whether one more item of `cost` keeps the batch within its limits (R5)."""

@@ -22,6 +22,7 @@ class BatchRecord:
     started: float = 0.0  # perf_counter seconds, for gaps between forwards
     ended: float = 0.0
     real_tokens: int = 0  # the items' own costs, before padding
+    dispatched: float = 0.0  # released with the device free; started - dispatched: hand-off
 
 
 @dataclass(frozen=True, slots=True)

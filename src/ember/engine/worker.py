@@ -55,6 +55,9 @@ class _Forward:
     """A released batch on its way through the forward thread."""
 
     batch: Batch
+    # R10: the batch left the queue when it was released and the device was free; the
+    # forward thread's wake-up after that is the engine's hand-off, counted as inference.
+    dispatched: float = 0.0
     started: float = 0.0
     ended: float = 0.0
     requests: int = 0
@@ -284,7 +287,7 @@ class ModelWorker:
         if at is not None and at <= now:
             with self._cond:
                 if self._slot is slot:
-                    self._released = True
+                    self._released, slot.released_at = True, now
                     self._cond.notify_all()
             return None
         return at
@@ -308,6 +311,7 @@ class ModelWorker:
                     taken.queued = True
                 return False
             batch.add(pending)
+        batch.released_at = self._now()  # after the policy and the batch: both are queue work
         with self._cond:
             self._slot, self._released = batch, True
             self._cond.notify_all()
@@ -348,6 +352,7 @@ class ModelWorker:
 
     def _forward_thread(self, loop: asyncio.AbstractEventLoop) -> None:
         """Take each released batch as soon as the previous forward ends; run it."""
+        device_free = 0.0
         while True:
             with self._cond:
                 while not (self._released or self._thread_exit):
@@ -356,8 +361,9 @@ class ModelWorker:
                     return
                 batch = cast(Batch, self._slot)
                 self._slot, self._released = None, False
-                forward = _Forward(batch, self._now(),
-                                   requests=len({id(p.owner) for p in batch.items}))
+                started = self._now()
+                forward = _Forward(batch, min(started, max(batch.released_at, device_free)),
+                                   started, requests=len({id(p.owner) for p in batch.items}))
                 self._in_flight = forward
             self._tell_loop(loop)  # so it forms the next batch while this one runs
             try:
@@ -371,7 +377,7 @@ class ModelWorker:
                                        f"for {len(batch.items)} items")
             except BaseException as exc:  # R9: the error belongs to this forward's requests
                 forward.error = exc
-            forward.ended = self._now()
+            forward.ended = device_free = self._now()
             with self._cond:
                 self._in_flight = None
                 self._finished.append(forward)
@@ -409,16 +415,19 @@ class ModelWorker:
         self.stats.record_batch(BatchRecord(len(batch.items), len(requests),
                                             batch.padded_tokens, batch.lora, elapsed * 1000,
                                             forward.error is not None, forward.started,
-                                            forward.ended, sum(p.item.cost for p in batch.items)))
+                                            forward.ended, sum(p.item.cost for p in batch.items),
+                                            forward.dispatched))
         if forward.error is None:
             for pending, value in zip(batch.items, forward.values, strict=True):
                 owner = cast(_Request, pending.owner)
                 owner.results[pending.item.index] = value
                 owner.remaining -= 1
         for request in requests:
+            # An item may join a released batch before the thread takes it.
+            dispatched = max(forward.dispatched, request.submitted_at)
             if request.first_dispatch_at is None:
-                request.first_dispatch_at = forward.started
-            request.inference_s += elapsed
+                request.first_dispatch_at = dispatched
+            request.inference_s += forward.ended - dispatched
             request.forwards += 1
             if forward.error is not None:
                 self._finish(request, forward.error)
