@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -59,7 +59,7 @@ class _Handler:
         scope.setdefault("state", {})["route"] = self.route.path  # metrics and access log
         request = Request(scope, receive)
         try:
-            data = codec.decode(await request.body(), request.headers)
+            data = codec.decode(await read_body(receive), request.headers)
             try:
                 body = self.body_model.model_validate(data)
             except ValidationError as exc:
@@ -74,6 +74,19 @@ class _Handler:
             response = error_response(error.status, error.kind, error.message, error.param,
                                       error.headers)
         await response(scope, receive, send)
+
+
+async def read_body(receive: Receive) -> bytes:
+    """The whole request body, read straight from the ASGI messages (most bodies come in
+    one), without Starlette's streaming generator; the next message is the disconnect."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class InferenceDispatcher:

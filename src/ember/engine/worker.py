@@ -44,6 +44,7 @@ class _Request:
     inference_s: float = 0.0
     forwards: int = 0
     recorded: bool = False
+    on_done: Callable[[asyncio.Future[RequestResult]], None] | None = None
 
     @property
     def live(self) -> bool:
@@ -219,7 +220,8 @@ class ModelWorker:
         if lane.probe_end >= now and lane.arrived >= lane.probe_target:
             lane.senders_return, lane.probe_end = True, -1.0
         self._requests.add(request)
-        request.future.add_done_callback(partial(self._on_resolved, request))
+        request.on_done = partial(self._on_resolved, request)
+        request.future.add_done_callback(request.on_done)
         if self._queued == 0 and self._idle() and self._dispatch_alone(request, params, lane):
             return request.future  # the thread has it, and will wake the loop itself
         queued = self._revise_slot(lora, request.items)
@@ -444,6 +446,11 @@ class ModelWorker:
         cancelled = request.future.cancelled()
         if not request.future.done():
             if error is None:
+                # Every item ran, so there is nothing to drop: settle here rather than
+                # through a callback the loop would schedule for each request.
+                if request.on_done is not None:
+                    request.future.remove_done_callback(request.on_done)
+                self._requests.discard(request)
                 request.future.set_result(RequestResult(request.results, queue_ms,
                                                         inference_ms, request.forwards))
             else:
