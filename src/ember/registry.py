@@ -6,8 +6,7 @@ import asyncio
 import importlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, cast
 
@@ -82,6 +81,30 @@ class LoadedModel:
         return await (await self.worker.submit(items, params, lora=lora))
 
 
+class ModelInUse:
+    """Holds a loaded model against eviction while its `async with` block runs. A plain
+    class rather than a generator-based context manager: every request enters one."""
+
+    __slots__ = ("_model", "_name", "_registry")
+
+    def __init__(self, registry: Registry, name: str) -> None:
+        self._registry = registry
+        self._name = name
+        self._model: LoadedModel | None = None
+
+    async def __aenter__(self) -> LoadedModel:
+        model = await self._registry.get(self._name)
+        model.in_use += 1
+        model.last_used = time.monotonic()
+        self._model = model
+        return model
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._model is not None:
+            self._model.in_use -= 1
+            self._model = None
+
+
 @dataclass
 class RegistryLimits:
     max_loaded_models: int = 4
@@ -151,16 +174,10 @@ class Registry(CatalogLookup):
     async def refresh(self) -> None:
         """Nothing to do: this registry's state is always current."""
 
-    @asynccontextmanager
-    async def use(self, name: str) -> AsyncIterator[LoadedModel]:
-        """The loaded model, held against eviction for the duration of a request."""
-        model = await self.get(name)
-        model.in_use += 1
-        model.last_used = time.monotonic()
-        try:
-            yield model
-        finally:
-            model.in_use -= 1
+    def use(self, name: str) -> ModelInUse:
+        """`async with registry.use(name) as model`: the loaded model, held against
+        eviction for the duration of a request."""
+        return ModelInUse(self, name)
 
     async def get(self, name: str) -> LoadedModel:
         spec = self.spec(name)
