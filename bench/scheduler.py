@@ -265,7 +265,6 @@ async def sequential(worker: ModelWorker, plan: Plan, seed: int) -> Json:
     queue: list[float] = []
     handoff: list[float] = []
     forwards = 0
-    records = Forwards(worker).records
     for i in range(plan.sequential + 5):
         sent = clock()
         result = await (await submit_one(worker))
@@ -274,7 +273,7 @@ async def sequential(worker: ModelWorker, plan: Plan, seed: int) -> Json:
             lat.append((got - sent) * 1000)
             queue.append(result.queue_ms)
             forwards += result.forwards
-            record = records[-1][1]
+            record = worker.stats.recent_batches[-1]
             handoff.append((record.started - record.dispatched) * 1000)
     return {"requests": len(lat), **benchlib.percentiles("queue", queue),
             **benchlib.percentiles("handoff", handoff),

@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api.errors import BodyTooLarge, error_response
@@ -134,7 +133,7 @@ class ApiKeyMiddleware(HttpMiddleware):
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         key = self.state().settings.api_key
         if key and scope["path"] not in OPEN_PATHS and not _authorized(
-                Headers(scope=scope).get("authorization", ""), key):
+                _header(scope, b"authorization"), key):
             await self.refuse("unauthorized", scope, receive, send, 401, "unauthorized",
                               "missing or wrong API key: send 'Authorization: Bearer <key>'",
                               headers={"WWW-Authenticate": "Bearer"})
