@@ -48,6 +48,19 @@ async def test_the_timeout_cancels_the_work() -> None:
     assert work.cancelled() and not client.gone.is_set()
 
 
+async def test_a_timeout_past_the_watch_still_cancels_the_work_in_time() -> None:
+    """A timeout longer than WATCH_AFTER_S is counted from the request's start, not from
+    when the watch began."""
+    client = Client()
+    loop = asyncio.get_running_loop()
+    work = loop.create_future()
+    started = loop.time()
+    with pytest.raises(TimeoutError):
+        await until_disconnect(client.request(), work, timeout=WATCH_AFTER_S * 2)
+    assert work.cancelled() and client.reads == 1
+    assert WATCH_AFTER_S * 2 - 0.01 <= loop.time() - started < WATCH_AFTER_S * 2 + 0.15
+
+
 async def test_work_answered_at_once_never_watches_the_client() -> None:
     client = Client()
 

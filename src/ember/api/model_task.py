@@ -65,6 +65,7 @@ async def until_disconnect(request: Request, work: Awaitable[T], timeout: float 
     loop = asyncio.get_running_loop()
     ended: list[BaseException] = []
     watchers: list[asyncio.Future[Message]] = []
+    timer: asyncio.TimerHandle
 
     def end(reason: BaseException) -> None:
         if not ended:
@@ -72,12 +73,19 @@ async def until_disconnect(request: Request, work: Awaitable[T], timeout: float 
             task.cancel()
 
     def watch() -> None:
+        nonlocal timer
         watcher = asyncio.ensure_future(request.receive())
         watcher.add_done_callback(lambda _: end(ClientGone()))
         watchers.append(watcher)
+        if timeout is not None:
+            timer = loop.call_later(timeout - WATCH_AFTER_S, end, TimeoutError())
 
-    start_watch = loop.call_later(WATCH_AFTER_S, watch)
-    timer = loop.call_later(timeout, end, TimeoutError()) if timeout is not None else None
+    # One timer a request (most end before it fires): the watch, which then sets the
+    # timeout's timer; or the timeout itself when it comes first.
+    if timeout is not None and timeout <= WATCH_AFTER_S:
+        timer = loop.call_later(timeout, end, TimeoutError())
+    else:
+        timer = loop.call_later(WATCH_AFTER_S, watch)
     try:
         return await work
     except asyncio.CancelledError:
@@ -86,11 +94,9 @@ async def until_disconnect(request: Request, work: Awaitable[T], timeout: float 
         raise
     finally:
         ended.append(asyncio.CancelledError())  # too late to end it now
-        start_watch.cancel()
+        timer.cancel()
         for watcher in watchers:
             watcher.cancel()
-        if timer is not None:
-            timer.cancel()
 
 
 _ITEM_PARAM = re.compile(r"items(\[\d+\])?(?:\.text)?")
