@@ -69,10 +69,11 @@ class SyntheticAdapter:
     """Deterministic vectors and a modelled forward time. For tests and benchmarks only."""
 
     def __init__(self, dims: int = 32, cost: CostModel | None = None,
-                 fault_marker: str = "__fail__") -> None:
+                 fault_marker: str = "__fail__", *, log_forwards: bool = True) -> None:
         self.dims = dims
         self.cost = cost or CostModel()
         self.fault_marker = fault_marker
+        self.log_forwards = log_forwards  # what tests read; a server would only accumulate it
         self.forward_log: list[ForwardCall] = []
         self._lora: str | None = None
         self._lock = threading.Lock()
@@ -89,8 +90,9 @@ class SyntheticAdapter:
     def forward(self, items: Sequence[PreparedItem],
                 params: Hashable) -> list[npt.NDArray[np.float32]]:
         texts = tuple(str(item.payload) for item in items)
-        with self._lock:
-            self.forward_log.append(ForwardCall(texts, params, self._lora))
+        if self.log_forwards:
+            with self._lock:
+                self.forward_log.append(ForwardCall(texts, params, self._lora))
         self._spend(self.cost.forward_seconds(len(items), max(item.cost for item in items)))
         if any(self.fault_marker in text for text in texts):
             raise SyntheticFault(f"synthetic fault injected by an input containing "
@@ -122,7 +124,9 @@ class SyntheticModel(SyntheticAdapter):
     """
 
     def __init__(self, info: ModelInfo, dims: int, cost: CostModel, fault_marker: str) -> None:
-        super().__init__(dims, cost, fault_marker)
+        # Served, it keeps no log of its forwards: a benchmark's millions of forwards
+        # would grow the heap, and every collection would walk them.
+        super().__init__(dims, cost, fault_marker, log_forwards=False)
         self.info = info
 
     async def encode(self, submit: Submit, texts: Sequence[str],
