@@ -75,9 +75,11 @@ class _Lane:
     arrived_at_last_end: int = 0
     last_arrival: float = 0.0
     last_forward: LastForward | None = None
-    # Whether senders come back: after each forward of several requests, did all of them
-    # return within max_batch_wait_ms? Closed-loop clients do; open-loop arrivals and
-    # one-off bursts do not. A forward of one request leaves the answer as it was.
+    # Whether senders come back: after each forward of several requests, did at least half
+    # of them return within the hold's own bound? Closed-loop clients on a busy device do;
+    # open-loop arrivals, one-off bursts and clients slowed by a front end that limits do
+    # not (a hold would only idle the device while they trickle in). A forward of one
+    # request leaves the answer as it was.
     senders_return: bool = False
     probe_target: int = 0  # `arrived` that means they are all back
     probe_end: float = -1.0  # < 0: no probe running
@@ -408,8 +410,8 @@ class ModelWorker:
                                         lane.senders_return)
         lane.arrived_at_last_end = lane.arrived
         if len(requests) >= 2:
-            lane.probe_target = lane.arrived + len(requests)
-            lane.probe_end = forward.ended + self.config.max_batch_wait_ms / 1000
+            lane.probe_target = lane.arrived + (len(requests) + 1) // 2
+            lane.probe_end = forward.ended + self.policy.hold_s(len(requests), elapsed)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s: forward started=%.6f ended=%.6f items=%d requests=%d padded=%d "
                       "senders_return=%s", self.name, forward.started, forward.ended,
