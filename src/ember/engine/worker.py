@@ -50,6 +50,12 @@ class _Request:
     def live(self) -> bool:
         return not self.future.done()
 
+    def release(self) -> None:
+        """Once resolved: let go of its items and callback, which point back at it, so
+        refcounting frees it at once instead of leaving a cycle to the collector."""
+        self.items = []
+        self.on_done = None
+
 
 @dataclass(eq=False)
 class _Forward:
@@ -455,6 +461,7 @@ class ModelWorker:
                 self._requests.discard(request)
                 request.future.set_result(RequestResult(request.results, queue_ms,
                                                         inference_ms, request.forwards))
+                request.release()
             else:
                 request.future.set_exception(error)
         self.stats.record_request(RequestRecord(len(request.results), queue_ms, inference_ms,
@@ -466,6 +473,7 @@ class ModelWorker:
         self._requests.discard(request)
         lane = self._lanes.get(request.lora)
         if lane is None or not (future.cancelled() or future.exception()):
+            request.release()
             return  # a result: every item already ran
         dropped = 0
         if lane.former.holds(request):
@@ -478,6 +486,7 @@ class ModelWorker:
                 dropped += slot.remove(request)
                 if not slot.items:
                     self._slot, self._released = None, False
+        request.release()
         if dropped:
             self.stats.record_dropped(dropped)
             self._wake.set()
