@@ -87,7 +87,7 @@ class _Lane:
     # not (a hold would only idle the device while they trickle in). A forward of one
     # request leaves the answer as it was.
     senders_return: bool = False
-    probe_target: int = 0  # `arrived` that means they are all back
+    probe_target: int = 0  # `arrived` that means half of them are back
     probe_end: float = -1.0  # < 0: no probe running
 
     def senders_may_return(self, now: float) -> bool:
