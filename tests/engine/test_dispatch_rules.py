@@ -501,10 +501,10 @@ async def test_r3c_ends_as_soon_as_the_senders_of_the_last_forward_are_back() ->
 async def test_r4_senders_slower_than_the_hold_itself_turn_it_off() -> None:
     """Senders that come back one by one, further apart than a hold could wait (as over
     HTTP when the front end is the limit): fewer than half return within the hold's bound
-    (25 % of an 80 ms forward: 20 ms), so no forward waits for them. With a hold, each
-    round's first returner would wait the 20 ms out on top of the forward it queues behind."""
-    config = WorkerConfig(idle_coalesce_ms=0.0, max_batch_wait_ms=100.0, hold_fraction=0.25)
-    async with running(config, overhead_ms=80.0) as (worker, _):
+    (25 % of a 160 ms forward: 40 ms), so no forward waits for them. With a hold, each
+    round's first returner would wait the 40 ms out on top of the forward it queues behind."""
+    config = WorkerConfig(idle_coalesce_ms=0.0, max_batch_wait_ms=300.0, hold_fraction=0.25)
+    async with running(config, overhead_ms=160.0) as (worker, _):
         worker.pause()
         burst = [await worker.submit(items(2), "p") for _ in range(4)]
         worker.resume()
@@ -513,14 +513,15 @@ async def test_r4_senders_slower_than_the_hold_itself_turn_it_off() -> None:
         async def client(rank: int, answer: asyncio.Future[RequestResult]) -> None:
             await answer
             for _ in range(4):
-                await asyncio.sleep(0.025 * rank)  # back 25 ms apart: one inside 20 ms
+                await asyncio.sleep(0.05 * rank)  # back 50 ms apart: one inside 40 ms
                 result = await (await worker.submit(items(2), "p"))
                 waits[rank].append(result.queue_ms)
 
         await asyncio.gather(*(client(rank, answer) for rank, answer in enumerate(burst)))
-        # Rank 3 comes back 75 ms into a forward of rank 0: queued ~5 ms, not 5 + 20.
-        assert max(waits[3][1:]) < 15.0, waits
-        assert max(waits[0][1:]) < 90.0, waits  # one 80 ms forward, no hold after it
+        # Rank 3 comes back 150 ms into a forward of rank 0: queued ~10 ms, not 10 + 40
+        # (the rule before this one: ~50 ms).
+        assert max(waits[3][1:]) < 30.0, waits
+        assert max(waits[0][1:]) < 180.0, waits  # one 160 ms forward, no hold after it
 
 
 async def test_r4_a_sequential_client_still_never_waits() -> None:
