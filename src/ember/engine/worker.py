@@ -472,9 +472,11 @@ class ModelWorker:
         that no forward took yet (R9)."""
         self._requests.discard(request)
         lane = self._lanes.get(request.lora)
-        if lane is None or not (future.cancelled() or future.exception()):
-            request.release()
-            return  # a result: every item already ran
+        if lane is not None and (future.cancelled() or future.exception()):
+            self._drop_pending(request, lane)  # a result means every item already ran
+        request.release()
+
+    def _drop_pending(self, request: _Request, lane: _Lane) -> None:
         dropped = 0
         if lane.former.holds(request):
             for pending in request.items:
@@ -486,7 +488,6 @@ class ModelWorker:
                 dropped += slot.remove(request)
                 if not slot.items:
                     self._slot, self._released = None, False
-        request.release()
         if dropped:
             self.stats.record_dropped(dropped)
             self._wake.set()
