@@ -427,3 +427,98 @@ def test_no_stack_trace_or_internal_path_in_error_bodies(sources: Sources,
     for error in got.values():
         assert_no_leak(json.dumps(error), leaks)
     figures("security_error_bodies", {"cases": len(got), "bodies": got})
+
+
+# -- msgpack bodies: data, never code --------------------------------------------------
+
+
+class _OpensAFile:
+    """Unpickling this creates `path`: the marker of code run from a request body."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        return (open, (str(self.path), "w"))
+
+
+def _object_array(marker: Path, bytes_keys: bool) -> dict[Any, Any]:
+    """An object-dtype array in msgpack-numpy's layout: its data is a pickle."""
+    fields = {"nd": True, "type": "|O", "kind": b"O", "shape": [1],
+              "data": pickle.dumps(_OpensAFile(marker))}
+    return {k.encode(): v for k, v in fields.items()} if bytes_keys else fields
+
+
+def _hostile_bodies(marker: Path) -> dict[str, Any]:
+    bodies: dict[str, Any] = {}
+    for keys in ("bytes", "str"):
+        bomb = _object_array(marker, keys == "bytes")
+        bodies[f"top level, {keys} keys"] = bomb
+        bodies[f"in an item, {keys} keys"] = {"items": [{"text": bomb}]}
+        bodies[f"in params, {keys} keys"] = {"items": [{"text": "a"}],
+                                            "params": {"instruction": bomb}}
+        bodies[f"params itself, {keys} keys"] = {"items": [{"text": "a"}], "params": bomb}
+        bodies[f"as items, {keys} keys"] = {"items": bomb}
+        bodies[f"as an item, {keys} keys"] = {"items": [bomb]}
+    structured = {b"nd": True, b"type": [["a", "<f4"]], b"kind": b"V", b"shape": [1],
+                  b"data": b"\0" * 4}
+    bodies["structured dtype"] = {"items": [{"text": structured}]}
+    return bodies
+
+
+@pytest.mark.parametrize("content_type", ["application/msgpack", "application/x-msgpack"])
+def test_msgpack_bodies_never_unpickle(input_server: ServerProcess, tmp_path: Path,
+                                       content_type: str) -> None:
+    """msgpack-numpy's decoder unpickles object arrays: a body must never reach it. Each
+    hostile body, wherever the array sits, is a 4xx naming the body, and nothing runs."""
+    import msgpack
+
+    marker = tmp_path / "ran"
+    headers = {"content-type": content_type}
+    with httpx.Client(base_url=input_server.url, timeout=30) as client:
+        for where, body in _hostile_bodies(marker).items():
+            raw = msgpack.packb(body, use_bin_type=True)
+            for path in (f"/v1/encode/{SYNTH}", f"/v1/score/{SYNTH}", "/v1/embeddings"):
+                response = client.post(path, content=raw, headers=headers)
+                assert 400 <= response.status_code < 500, (where, path, response.text)
+                assert not marker.exists(), f"a body {where} ran code on the server"
+        # An extension type the wire does not define is refused the same way.
+        ext = msgpack.packb({"items": [{"text": msgpack.ExtType(7, b"x")}]})
+        error = assert_error(client.post(f"/v1/encode/{SYNTH}", content=ext,
+                                         headers=headers), 422, param="body")
+        assert "extension" in error["message"]
+        # The contract's own arrays still decode: a numeric array is data.
+        ok = client.post(f"/v1/encode/{SYNTH}", headers=headers,
+                         content=msgpack.packb(encode_body("still serving"),
+                                               use_bin_type=True))
+        assert ok.status_code == 200, ok.text
+    assert not marker.exists()
+
+
+def _nested(depth: int, leaf: bytes, opener: bytes, closer: bytes = b"") -> bytes:
+    return opener * depth + leaf + closer * depth
+
+
+def test_nesting_and_length_bombs_get_a_4xx(input_server: ServerProcess) -> None:
+    """Bodies built to exhaust the decoder's stack or memory: each a 4xx, then the server
+    still serves."""
+    mp = {"content-type": "application/msgpack"}
+    js = {"content-type": "application/json"}
+    claims_2_31 = b"\x81\xa5items\xdd" + (2**31).to_bytes(4, "big")  # {"items": [2^31 ...]}
+    map_claim = b"\xdf" + (2**31).to_bytes(4, "big")
+    cases = [
+        ("msgpack lists nested 100,000 deep", _nested(100_000, b"\xc0", b"\x91"), mp),
+        ("msgpack maps nested 100,000 deep", _nested(100_000, b"\xc0", b"\x81\xa1a"), mp),
+        ("msgpack array header claiming 2^31 items", claims_2_31, mp),
+        ("msgpack map header claiming 2^31 pairs", map_claim, mp),
+        ("msgpack str header claiming 4 GB", b"\xdb\xff\xff\xff\xff", mp),
+        ("JSON lists nested 100,000 deep", _nested(100_000, b"1", b"[", b"]"), js),
+        ("JSON objects nested 100,000 deep", _nested(100_000, b"1", b'{"a":', b"}"), js),
+    ]
+    with httpx.Client(base_url=input_server.url, timeout=30) as client:
+        for what, raw, headers in cases:
+            response = client.post(f"/v1/encode/{SYNTH}", content=raw, headers=headers)
+            assert 400 <= response.status_code < 500, (what, response.status_code)
+            assert_no_leak(response.text)
+        ok = client.post(f"/v1/encode/{SYNTH}", json=encode_body("still serving"))
+        assert ok.status_code == 200, ok.text

@@ -4,11 +4,17 @@ JSON is written by orjson, which prints numpy arrays natively: a float32 vector 
 float32's shortest digits (about 10 bytes a value) instead of float64's 20. Request
 bodies are decoded once, straight into the route's model: msgpack never passes
 through JSON.
+
+A msgpack body is read by msgpack alone, never by `msgpack_numpy.decode` (which unpickles
+arrays of dtype kind `O`): maps, lists, strings, bytes, numbers, and arrays in
+msgpack-numpy's layout of numeric dtypes only. Anything else (an object or structured
+array, an extension type) is a 422 naming the body, before any other work.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import msgpack
@@ -68,12 +74,7 @@ def decode(raw: bytes, headers: Headers) -> Any:
     if not raw:
         return None
     if is_msgpack(headers):
-        try:
-            return msgpack.unpackb(raw, object_hook=msgpack_numpy.decode, raw=False,
-                                   strict_map_key=False)
-        except Exception:
-            raise ApiError(422, "invalid_request", "the request body is not valid msgpack",
-                           "body") from None
+        return decode_msgpack(raw)
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -89,3 +90,79 @@ def decode(raw: bytes, headers: Headers) -> Any:
         reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
         raise ApiError(422, "invalid_request", f"body: invalid JSON ({reason})",
                        "body") from None
+
+
+# msgpack-numpy's array map: {nd: True, type: dtype.str, kind: b"", shape, data}, its keys
+# bytes (as its encoder writes them) or str; {nd: False, type, data} is a numpy scalar.
+_ND = ("nd", b"nd")
+_ARRAY_KINDS = frozenset("biuf")  # bool, int, uint, float: what a vector or an id is made of
+_MAX_DIMS = 8
+
+
+class _Refused(Exception):
+    """A msgpack value outside the contract; its message names what was refused."""
+
+
+def _no_extensions(code: int, data: bytes) -> Any:
+    raise _Refused(f"msgpack extension type {code} is not accepted")
+
+
+def _field(obj: dict[Any, Any], name: str) -> Any:
+    if name in obj:
+        return obj[name]
+    return obj.get(name.encode())
+
+
+def _numeric_dtype(descr: Any) -> np.dtype[Any]:
+    if isinstance(descr, bytes):
+        descr = descr.decode("ascii", "replace")
+    if not isinstance(descr, str) or len(descr) > 8:
+        raise _Refused("an array's type must be a numeric dtype string such as '<f4'")
+    try:
+        dtype = np.dtype(descr)
+    except TypeError:
+        raise _Refused(f"unknown array dtype {descr!r}") from None
+    if dtype.kind not in _ARRAY_KINDS or dtype.shape != () or dtype.fields is not None:
+        raise _Refused(f"arrays of dtype {descr!r} are not accepted (numeric dtypes only: "
+                       "bool, int, uint, float)")
+    return dtype
+
+
+def _array_or_map(obj: dict[Any, Any]) -> Any:
+    """Each decoded map: a msgpack-numpy array is checked and rebuilt without pickle;
+    every other map stays a dict."""
+    if not any(key in obj for key in _ND):
+        return obj
+    kind = _field(obj, "kind")
+    if kind not in (None, b"", ""):
+        raise _Refused(f"arrays of kind {kind!r} are not accepted (numeric dtypes only)")
+    dtype = _numeric_dtype(_field(obj, "type"))
+    data = _field(obj, "data")
+    if not isinstance(data, bytes):
+        raise _Refused("an array's data must be bytes")
+    if _field(obj, "nd") is not True:  # a scalar
+        if len(data) != dtype.itemsize:
+            raise _Refused("a numpy scalar's data does not match its dtype")
+        return np.frombuffer(data, dtype=dtype)[0].item()
+    shape = _field(obj, "shape")
+    if (not isinstance(shape, list | tuple) or len(shape) > _MAX_DIMS
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                       for n in shape)):
+        raise _Refused(f"an array's shape must be a list of at most {_MAX_DIMS} sizes")
+    if math.prod(shape) * dtype.itemsize != len(data):
+        raise _Refused("an array's data does not match its shape and dtype")
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def decode_msgpack(raw: bytes) -> Any:
+    """A msgpack body under the contract above; anything else is a 422 naming the body.
+    Lengths are bounded by the body's own size (msgpack's defaults), so a header that
+    claims 2^31 elements fails before anything is allocated."""
+    try:
+        return msgpack.unpackb(raw, object_hook=_array_or_map, ext_hook=_no_extensions,
+                               raw=False, strict_map_key=False)
+    except _Refused as exc:
+        raise ApiError(422, "invalid_request", f"body: {exc}", "body") from None
+    except Exception:
+        raise ApiError(422, "invalid_request", "body: not valid msgpack (or nested too "
+                       "deep)", "body") from None
