@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     flag("memory-budget-mb", int, None, "weights in memory before LRU eviction")
     flag("api-key", str, None, "require 'Authorization: Bearer <key>' (all but /healthz, "
          "/readyz)")
+    flag("token-ids", str, "refuse", "token-id input on /v1/embeddings: refuse (a 422 "
+         "that says to send text: clients such as LangChain send OpenAI's tiktoken ids, "
+         "which no other model reads right), or model (read them as ids of the model's own "
+         "tokenizer)", choices=["refuse", "model"])
     ray = RaySettings()  # the defaults of the Ray flags (measured: docs/scaling.md)
     flag("ray", bool, False, "serve on Ray Serve: engine replicas (one per device) behind "
          "ingress replicas (--workers of them); needs the ray extra (docs/scaling.md)")
@@ -173,6 +177,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         max_items_per_request=args.max_items_per_request, max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout_s, max_loaded_models=args.max_loaded_models,
         memory_budget_mb=args.memory_budget_mb, api_key=args.api_key or None,
+        token_ids=args.token_ids,
         log_level=args.log_level.lower(), log_format=args.log_format.lower(),
         ray=ray_settings_from(args) if args.ray else None,
     )

@@ -293,6 +293,7 @@ class ServerSettings:
     max_loaded_models: int = 4
     memory_budget_mb: int | None = None
     api_key: str | None = None
+    token_ids: str = "refuse"  # refuse | model: how /v1/embeddings reads token-id input
     log_level: str = "info"
     log_format: str = "text"  # text | json (one JSON object a line, for log shippers)
     ray: RaySettings | None = None  # set: serve on Ray Serve (`ember serve --ray`)

@@ -99,10 +99,22 @@ async def test_health_and_info(shared: Served) -> None:
     assert "embedding" in info["model_type"]
 
 
-async def test_token_ids_need_a_tokenizer(shared: Served) -> None:
-    response = await shared.client.post("/v1/embeddings", json={"model": SYNTH,
-                                                                "input": [[1, 2]]})
-    assert_error(response, 422, "invalid_request", "input")
+async def test_token_ids_need_a_tokenizer(apps: AppFactory) -> None:
+    async with apps.serve(token_ids="model") as served:
+        response = await served.client.post("/v1/embeddings", json={"model": SYNTH,
+                                                                    "input": [[1, 2]]})
+    error = assert_error(response, 422, "invalid_request", "input")
+    assert "text only" in error["message"]
+
+
+async def test_token_ids_are_refused_by_default_with_the_client_fix(shared: Served) -> None:
+    """Ids name no vocabulary: read in the wrong one they give a 200 with wrong vectors."""
+    for ids in ([101, 7592, 102], [[101, 7592], [2088]]):
+        response = await shared.client.post("/v1/embeddings", json={"model": MINILM,
+                                                                    "input": ids})
+        error = assert_error(response, 422, "invalid_request", "input")
+        assert "check_embedding_ctx_length=False" in error["message"]
+        assert "--token-ids model" in error["message"]
 
 
 async def test_2048_inputs_by_default_and_not_one_more(shared: Served) -> None:

@@ -66,7 +66,7 @@ async def test_text_over_the_character_limit(apps: AppFactory) -> None:
     async with apps.serve(max_text_chars=100) as served:
         response = await served.client.post(f"/v1/encode/{SYNTH}",
                                             json=encode_body("short", "x" * 101))
-        error = assert_error(response, 422, "invalid_request", "items[1]")
+        error = assert_error(response, 422, "invalid_request", "items[1].text")
         assert "100" in error["message"]
 
 
@@ -249,7 +249,7 @@ async def test_request_timeout_is_504_and_drops_the_queued_work(apps: AppFactory
     (b"{", "body"),  # malformed JSON: the field is the body, not a character offset
     (b'{"items": [{"text": "caf\xe9"}]}', "body"),  # not UTF-8
     (b"[" * 5000 + b"]" * 5000, "body"),  # nests past the JSON reader's limit
-    (b'{"items": [{"text": "a\\ud800"}]}', "items[0]"),  # a lone surrogate is no text
+    (b'{"items": [{"text": "a\\ud800"}]}', "items[0].text"),  # a lone surrogate is no text
 ])
 async def test_undecodable_bodies_are_422_naming_the_body_or_item(
         shared: Served, content: bytes, param: str) -> None:

@@ -84,11 +84,11 @@ CASES = [
     Bad("not-json", ENC, raw=b"items=hello", param="body"),
     Bad("truncated-json", ENC, raw=b'{"items": [{"text": "hel', param="body"),
     Bad("lone-surrogate-encode", ENC, raw=b'{"items": [{"text": "a\\ud800"}]}',
-        param="items[0]"),
+        param="items[0].text"),
     Bad("lone-surrogate-minilm", ENC_MINILM, raw=b'{"items": [{"text": "\\udfff b"}]}',
-        param="items[0]"),
+        param="items[0].text"),
     Bad("lone-surrogate-query", f"/v1/score/{SYNTH}",
-        raw=b'{"query": {"text": "\\ud800"}, "items": [{"text": "a"}]}', param="query[0]"),
+        raw=b'{"query": {"text": "\\ud800"}, "items": [{"text": "a"}]}', param="query.text"),
     Bad("lone-surrogate-openai", "/v1/embeddings", raw=b'{"input": ["ok", "\\ud83d"]}',
         param="input[1]"),
     # wrong types
@@ -161,7 +161,35 @@ CASES = [
         {"items": [{"text": "word " * 400}], "params": {"options": {"truncate": False}}},
         status=(400,), kind="input_too_long", param="items[0].text"),  # SIE's INPUT_TOO_LONG
     Bad("text-over-char-limit", ENC, {"items": [{"text": "x" * 200_001}]},
-        param="items[0]"),
+        param="items[0].text"),
+    # empty or blank text: nothing to embed, score or search (OpenAI and TEI refuse it too)
+    Bad("empty-text-encode", ENC, {"items": [{"text": "a"}, {"text": ""}]},
+        param="items[1].text"),
+    Bad("blank-text-encode", ENC_MINILM, {"items": [{"text": " \n\t\u3000"}]},
+        param="items[0].text"),
+    Bad("empty-text-extract", f"/v1/extract/{SPACY}", {"items": [{"text": ""}]},
+        param="items[0].text"),
+    Bad("empty-query-score", f"/v1/score/{MINILM}",
+        {"query": {"text": ""}, "items": [{"text": "a"}]}, param="query.text"),
+    Bad("empty-input-string-openai", "/v1/embeddings", {"input": ""}, param="input[0]"),
+    Bad("blank-input-in-list-openai", "/v1/embeddings", {"input": ["a", "  "]},
+        param="input[1]"),
+    Bad("empty-texts-cohere", "/v2/embed",
+        {"model": SYNTH, "texts": [""], "input_type": "search_document"}, param="texts[0]"),
+    Bad("empty-inputs-tei-embed-string", "/embed", {"inputs": ""}, param="inputs[0]"),
+    Bad("empty-query-rerank", "/v1/rerank", {"query": "", "documents": ["a"]}, param="query"),
+    Bad("blank-query-tei-rerank", "/rerank", {"query": " ", "texts": ["a"]}, param="query"),
+    Bad("empty-query-cohere-rerank", "/v2/rerank",
+        {"model": SYNTH, "query": "", "documents": ["a"]}, param="query"),
+    # booleans are not token ids, and token ids name no vocabulary (refused by default)
+    Bad("booleans-as-token-ids", "/v1/embeddings", {"model": MINILM, "input": [True, False]}),
+    Bad("token-ids-by-default", "/v1/embeddings", {"model": MINILM, "input": [101, 102]},
+        param="input"),
+    # a named model must name one; only an omitted one means the default model
+    Bad("empty-model-openai", "/v1/embeddings", {"input": "a", "model": ""}, param="model"),
+    Bad("null-model-openai", "/v1/embeddings", {"input": "a", "model": None}, param="model"),
+    Bad("blank-model-rerank", "/v1/rerank", {"query": "q", "documents": ["a"], "model": " "},
+        param="model"),
 ]
 
 
@@ -217,8 +245,6 @@ class Edge:
 
 
 EDGES = [
-    Edge("empty-string-synthetic", SYNTH, ("",), 64),
-    Edge("empty-string-minilm", MINILM, ("", "x"), 384),
     Edge("100k-chars-synthetic", SYNTH, ("word " * 20_000,), 64),
     Edge("100k-chars-minilm", MINILM, ("word " * 20_000,), 384),
     Edge("100k-chars-no-spaces-minilm", MINILM, ("x" * 100_000,), 384),
@@ -237,11 +263,47 @@ def test_valid_edge_case_is_served(edge: Edge, client: httpx.Client,
     assert len(vectors) == len(edge.texts) and all(len(v) == edge.dims for v in vectors)
 
 
-def test_score_with_an_empty_query_is_served(client: httpx.Client) -> None:
-    response = client.post(f"/v1/score/{MINILM}",
-                           json={"query": {"text": ""}, "items": [{"text": "a"}]})
+def test_an_omitted_model_is_the_default_model(client: httpx.Client) -> None:
+    """The one documented rule: no `model` field means --default-model."""
+    response = client.post("/v1/embeddings", json={"input": "hello"})
     assert response.status_code == 200, response.text
-    assert len(response.json()["scores"]) == 1
+    assert response.json()["model"] == SYNTH
+
+
+def test_langchain_defaults_get_a_4xx_not_wrong_vectors(client: httpx.Client,
+                                                        input_server: ServerProcess) -> None:
+    """LangChain's OpenAIEmbeddings, as constructed by default, tokenizes with tiktoken and
+    sends ids. Read as all-MiniLM-L6-v2's ids they gave a 200 with vectors of cosine
+    0.06-0.17 to the text's. Offline, tiktoken cannot fetch cl100k_base's rank file, so the
+    encoding LangChain looks up is a real tiktoken Encoding over single bytes (ids 0-255,
+    every one inside MiniLM's vocabulary: the case that was silently wrong)."""
+    import tiktoken
+    import tiktoken.registry
+    from langchain_openai import OpenAIEmbeddings
+
+    byte_level = tiktoken.Encoding(name="cl100k_base", pat_str=r"\S+|\s+",
+                                   mergeable_ranks={bytes([b]): b for b in range(256)},
+                                   special_tokens={})
+    saved = dict(tiktoken.registry.ENCODINGS)
+    tiktoken.registry.ENCODINGS["cl100k_base"] = byte_level
+    try:
+        embedder = OpenAIEmbeddings(model=MINILM, base_url=f"{input_server.url}/v1",
+                                    api_key="unused", max_retries=0)
+        assert embedder.check_embedding_ctx_length  # the default: ids, not text
+        import openai
+
+        with pytest.raises(openai.UnprocessableEntityError) as caught:
+            embedder.embed_documents(["first document", "hello world"])
+        assert "check_embedding_ctx_length=False" in str(caught.value)
+    finally:
+        tiktoken.registry.ENCODINGS.clear()
+        tiktoken.registry.ENCODINGS.update(saved)
+    # The fix the error names gives the text's own vectors.
+    fixed = OpenAIEmbeddings(model=MINILM, base_url=f"{input_server.url}/v1",
+                             api_key="unused", check_embedding_ctx_length=False)
+    [vector] = fixed.embed_documents(["hello world"])
+    native = client.post(ENC_MINILM, json=encode_body("hello world")).json()
+    assert dense(native)[0] == pytest.approx(vector, abs=1e-5)
 
 
 @pytest.mark.parametrize("raw", [b'{"items": [{"text": "\xff"}]}',
@@ -264,7 +326,7 @@ def test_lone_surrogate_is_a_422(model: str, client: httpx.Client) -> None:
     '\\ud800') passed validation and failed in the model with a 500."""
     response = client.post(f"/v1/encode/{model}", content=b'{"items": [{"text": "a"}, '
                            b'{"text": "b\\ud800"}]}', headers={"content-type": JSON})
-    assert_error(response, 422, "invalid_request", "items[1]")
+    assert_error(response, 422, "invalid_request", "items[1].text")
 
 
 def test_chunked_msgpack_over_the_limit_is_a_clean_413(servers: ServerPool) -> None:

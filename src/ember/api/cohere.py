@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from ember.adapters.base import Encoded, EncodeOptions, ScoreOptions, TaskModel, TaskOutput
 from ember.api.codec import render
 from ember.api.errors import ApiError
-from ember.api.model_task import check_inputs, require_dense, run_task
+from ember.api.model_task import check_inputs, check_query, require_dense, run_task
 from ember.api.rerank import ranked
 from ember.api.routing import InferenceRoute
 from ember.api.state import ServedModel
@@ -115,7 +115,7 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
 async def rerank(body: CohereRerankRequest, request: Request) -> Response:
     refuse_unsupported({"max_tokens_per_doc": body.max_tokens_per_doc})
     check_inputs(request, body.documents, "documents")
-    check_inputs(request, [body.query], "query")
+    check_query(request, body.query)
     output = await run_task(request, body.model, "score",
                             lambda m, a: a.score(m.submit, body.query, body.documents,
                                                  ScoreOptions()),

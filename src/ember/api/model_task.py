@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from fastapi import Request
+from pydantic import BaseModel
 from starlette.types import Message
 
 from ember.adapters.base import TaskModel, TaskOutput
@@ -31,21 +32,49 @@ def check_count(request: Request, count: int, field: str = "items") -> None:
                        "per request (--max-items-per-request); split the request", field)
 
 
-def check_inputs(request: Request, texts: Sequence[str], field: str = "items") -> None:
-    """Limits a route applies before any work: item count (413) and text size (422)."""
-    settings = server_state(request).settings
+def check_inputs(request: Request, texts: Sequence[str], field: str = "items",
+                 suffix: str = "") -> None:
+    """Limits a route applies before any work: item count (413), and each text non-blank,
+    valid Unicode and within the size limit (422 naming `{field}[i]{suffix}`)."""
     check_count(request, len(texts), field)
+    limit = server_state(request).settings.max_text_chars
     for index, text in enumerate(texts):
-        if not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:  # a lone surrogate (valid JSON \ud800) is no text
-                raise ApiError(422, "invalid_request", "text is not valid Unicode (it "
-                               "holds a lone surrogate)", f"{field}[{index}]") from None
-        if len(text) > settings.max_text_chars:
-            raise ApiError(422, "invalid_request",
-                           f"text of {len(text)} characters is over the limit of "
-                           f"{settings.max_text_chars}; shorten it", f"{field}[{index}]")
+        check_text(text, limit, f"{field}[{index}]{suffix}")
+
+
+def check_query(request: Request, text: str, param: str = "query") -> None:
+    """A rerank or score query: one text under the same rules as the items."""
+    check_text(text, server_state(request).settings.max_text_chars, param)
+
+
+def check_text(text: str, limit: int, param: str) -> None:
+    # An empty text has nothing to embed: OpenAI and TEI refuse it too, and a vector for
+    # it would be the model's bias alone, silently wrong for a search index.
+    if not text or text.isspace():
+        raise ApiError(422, "invalid_request", "text is empty or blank; send text with at "
+                       "least one non-space character", param)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (valid JSON \ud800) is no text
+            raise ApiError(422, "invalid_request", "text is not valid Unicode (it "
+                           "holds a lone surrogate)", param) from None
+    if len(text) > limit:
+        raise ApiError(422, "invalid_request", f"text of {len(text)} characters is over the "
+                       f"limit of {limit}; shorten it", param)
+
+
+def requested_model(request: Request, body: BaseModel) -> str:
+    """A compatible route's `model`: omitted, the server's default model (--default-model);
+    given, it must name one (an empty or null name is a client bug, not a choice)."""
+    name: str | None = getattr(body, "model", None)
+    if "model" not in body.model_fields_set:
+        return server_state(request).settings.default_model
+    if name is None or not name.strip():
+        raise ApiError(422, "invalid_request", "model is empty: name a model (GET /v1/models "
+                       "lists them), or leave the field out to use the server's default "
+                       "model", "model")
+    return name
 
 
 # A client's disconnect is watched for only once its request has waited this long: the

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ember.adapters.base import Encoded, EncodeOptions, ExtractOptions, ScoreOptions
 from ember.api.codec import render
 from ember.api.errors import ApiError
-from ember.api.model_task import check_inputs, run_task
+from ember.api.model_task import check_inputs, check_query, run_task
 from ember.api.routing import InferenceRoute
 from ember.outputs import PACKED_BITS, quantize
 
@@ -164,7 +164,7 @@ def with_id(item: Item, body: dict[str, Any]) -> dict[str, Any]:
 @router.post("/v1/encode/{model:path}", summary="Embed items")
 async def encode(model: str, body: EncodeRequest, request: Request) -> Response:
     texts = [item.text for item in body.items]
-    check_inputs(request, texts)
+    check_inputs(request, texts, suffix=".text")
     options = encode_options(body.params)
     output = await run_task(request, model, "encode",
                             lambda m, a: a.encode(m.submit, texts, options), len(texts))
@@ -177,8 +177,8 @@ async def encode(model: str, body: EncodeRequest, request: Request) -> Response:
 @router.post("/v1/score/{model:path}", summary="Score items against a query")
 async def score(model: str, body: ScoreRequest, request: Request) -> Response:
     texts = [item.text for item in body.items]
-    check_inputs(request, texts)
-    check_inputs(request, [body.query.text], "query")
+    check_inputs(request, texts, suffix=".text")
+    check_query(request, body.query.text, "query.text")
     opts = score_options(body)
     options = ScoreOptions(truncate=opts.truncate, lora=opts.lora)
     output = await run_task(request, model, "score",
@@ -193,7 +193,7 @@ async def score(model: str, body: ScoreRequest, request: Request) -> Response:
 @router.post("/v1/extract/{model:path}", summary="Extract entities from items")
 async def extract(model: str, body: ExtractRequest, request: Request) -> Response:
     texts = [item.text for item in body.items]
-    check_inputs(request, texts)
+    check_inputs(request, texts, suffix=".text")
     labels = tuple(body.params.labels) if body.params.labels is not None else None
     options = ExtractOptions(labels=labels)
     output = await run_task(request, model, "extract",

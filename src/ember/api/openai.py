@@ -1,8 +1,11 @@
 """OpenAI-compatible POST /v1/embeddings.
 
 `input` takes every form of OpenAI's spec: a string, a list of strings, a list of token
-ids, or a list of token-id lists. Token ids are read as ids of the model's own vocabulary
-(as vLLM and TEI read them): each row goes to the model as the ids of a text, inside its
+ids, or a list of token-id lists. Token ids carry no name of the vocabulary they were made
+in, and the common clients (LangChain's OpenAIEmbeddings by default) send OpenAI's
+tiktoken ids, which read as another model's ids give wrong vectors with a 200. So token
+ids are refused by default with a 422 that says how to send text; `--token-ids model`
+reads them as ids of the model's own vocabulary (as vLLM and TEI do), each row inside its
 tokenizer's special tokens."""
 
 from __future__ import annotations
@@ -10,27 +13,35 @@ from __future__ import annotations
 import base64
 from typing import Any, Literal
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictInt
 
 from ember.adapters.base import Encoded, EncodeOptions, TaskModel, TaskOutput
 from ember.api.codec import render
 from ember.api.errors import ApiError
-from ember.api.model_task import check_count, check_inputs, require_dense, run_task
+from ember.api.model_task import (
+    check_count,
+    check_inputs,
+    requested_model,
+    require_dense,
+    run_task,
+)
 from ember.api.routing import InferenceRoute
 from ember.api.state import ServedModel, server_state
 
 router = APIRouter(tags=["openai"], route_class=InferenceRoute)
 
-TokenIds = list[int]
+TokenIds = list[StrictInt]  # a JSON true is no token id
 
 
 class EmbeddingsRequest(BaseModel):
     input: str | list[str] | TokenIds | list[TokenIds] = Field(
         description="a text, a list of texts, a list of token ids, or a list of token-id "
         "lists (ids of the model's own vocabulary)")
-    model: str | None = Field(None, description="catalog name; default: the server's model")
+    model: str | None = Field(None, description="catalog name; omitted: the server's default "
+                              "model")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, description="must equal the model's dims if given")
     user: str | None = None
@@ -50,6 +61,19 @@ def token_rows(value: str | list[str] | TokenIds | list[TokenIds]) -> list[Token
     return [row for row in value if isinstance(row, list)]
 
 
+LANGCHAIN_FIX = ("LangChain's OpenAIEmbeddings sends OpenAI's tiktoken ids by default: "
+                 "create it with check_embedding_ctx_length=False so it sends text")
+
+
+def refuse_token_ids(request: Request) -> None:
+    if server_state(request).settings.token_ids != "model":
+        raise ApiError(422, "invalid_request", "input holds token ids, and this server does "
+                       "not know which tokenizer made them (ids of another model's "
+                       f"vocabulary give wrong vectors): send text instead. {LANGCHAIN_FIX}. "
+                       "A server started with --token-ids model reads ids as the model's own.",
+                       "input")
+
+
 def check_tokens(model: ServedModel, rows: list[TokenIds], nested: bool) -> list[TokenIds]:
     """The token-id rows, each id checked against the model's own vocabulary; an id outside
     it is a 422 naming its place (`input[2][7]`, or `input[7]` for one flat list)."""
@@ -64,22 +88,31 @@ def check_tokens(model: ServedModel, rows: list[TokenIds], nested: bool) -> list
             where = f"input[{row_index}]" if nested else "input"
             raise ApiError(422, "invalid_request", "a token-id list must hold at least one id",
                            where)
-        for index, token in enumerate(row):
-            if not 0 <= token < vocabulary:
-                where = f"input[{row_index}][{index}]" if nested else f"input[{index}]"
-                raise ApiError(
-                    422, "invalid_request",
-                    f"token id {token} is outside the vocabulary of {name} (ids 0 to "
-                    f"{vocabulary - 1}): token ids are read as ids of the model's own "
-                    "tokenizer, not OpenAI's. LangChain's OpenAIEmbeddings sends OpenAI's "
-                    "tiktoken ids by default: create it with check_embedding_ctx_length=False "
-                    "so it sends text", where)
+        index = first_outside(row, vocabulary)
+        if index is not None:
+            where = f"input[{row_index}][{index}]" if nested else f"input[{index}]"
+            raise ApiError(
+                422, "invalid_request",
+                f"token id {row[index]} is outside the vocabulary of {name} (ids 0 to "
+                f"{vocabulary - 1}): token ids are read as ids of the model's own "
+                f"tokenizer, not OpenAI's. {LANGCHAIN_FIX}", where)
     return rows
+
+
+def first_outside(row: TokenIds, vocabulary: int) -> int | None:
+    """The index of the first id outside [0, vocabulary), checked in numpy: a request may
+    carry millions of ids, and the event loop must not walk them one by one."""
+    try:
+        ids = np.asarray(row, dtype=np.int64)
+    except OverflowError:  # an id past int64 is outside any vocabulary; find it the slow way
+        return next(i for i, token in enumerate(row) if not 0 <= token < vocabulary)
+    outside = np.flatnonzero((ids < 0) | (ids >= vocabulary))
+    return int(outside[0]) if outside.size else None
 
 
 @router.post("/v1/embeddings", summary="OpenAI-compatible embeddings")
 async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
-    model = body.model or server_state(request).settings.default_model
+    model = requested_model(request, body)
     rows = token_rows(body.input)
     texts = [body.input] if isinstance(body.input, str) else [
         text for text in body.input if isinstance(text, str)]
@@ -87,6 +120,7 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
         check_inputs(request, texts, "input")
         count = len(texts)
     else:
+        refuse_token_ids(request)
         count = len(rows)
         check_count(request, count, "input")
 

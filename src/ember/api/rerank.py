@@ -8,9 +8,8 @@ from pydantic import BaseModel, Field
 
 from ember.adapters.base import ScoreOptions
 from ember.api.codec import render
-from ember.api.model_task import check_inputs, run_task
+from ember.api.model_task import check_inputs, check_query, requested_model, run_task
 from ember.api.routing import InferenceRoute
-from ember.api.state import server_state
 
 router = APIRouter(tags=["rerank"], route_class=InferenceRoute)
 
@@ -35,10 +34,10 @@ def ranked(scores: list[float], top_n: int | None) -> list[int]:
 
 @router.post("/v1/rerank", summary="Rerank documents for a query (Cohere/Jina shape)")
 async def rerank(body: RerankRequest, request: Request) -> Response:
-    model = body.model or server_state(request).settings.default_model
+    model = requested_model(request, body)
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
     check_inputs(request, texts, "documents")
-    check_inputs(request, [body.query], "query")
+    check_query(request, body.query)
     output = await run_task(request, model, "score",
                             lambda m, a: a.score(m.submit, body.query, texts, ScoreOptions()),
                             len(texts) + 1, "documents")

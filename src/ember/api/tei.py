@@ -14,7 +14,7 @@ from pydantic import BaseModel, RootModel, ValidationError
 from ember.adapters.base import Encoded, EncodeOptions, ScoreOptions, TaskModel, TaskOutput
 from ember.api.codec import render
 from ember.api.errors import ApiError, validation_error
-from ember.api.model_task import check_inputs, require_dense, run_task
+from ember.api.model_task import check_inputs, check_query, require_dense, run_task
 from ember.api.rerank import ranked
 from ember.api.routing import InferenceRoute
 from ember.api.state import ServedModel, server_state
@@ -105,7 +105,7 @@ async def similarity(body: SimilarityRequest, request: Request) -> Response:
 async def tei_rerank(body: TeiRerankRequest, request: Request) -> Response:
     model = server_state(request).settings.default_model
     check_inputs(request, body.texts, "texts")
-    check_inputs(request, [body.query], "query")
+    check_query(request, body.query)
     encode_options(body.truncate, body.truncation_direction, None)  # refuses Left
     options = ScoreOptions(truncate=body.truncate)
     output = await run_task(request, model, "score",
