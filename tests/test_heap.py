@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import time
 import weakref
 
 from ember.config import ModelSpec, parse_spec
-from ember.registry import Registry, RegistryLimits
+from ember.registry import IDLE_COLLECT_AFTER_S, Registry, RegistryLimits
 
 
 def synthetic(name: str) -> ModelSpec:
@@ -34,8 +36,39 @@ async def test_an_evicted_model_in_a_reference_cycle_is_freed() -> None:
     gone = weakref.ref(model.adapter)
     del model
     await registry.get("b")  # evicts a
+    # Freed by the whole-heap collection once the registry has been idle a moment, not on
+    # the spot: that walk would stall every other model's dispatch.
+    deadline = time.monotonic() + 10 * IDLE_COLLECT_AFTER_S
+    while gone() is not None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     assert gone() is None
     await registry.close()
+
+
+async def test_no_whole_heap_collection_while_requests_are_in_flight() -> None:
+    """A load or eviction under load leaves the collector alone until the requests stop."""
+    registry = Registry({"a": synthetic("a"), "b": synthetic("b")},
+                        limits=RegistryLimits(max_loaded_models=1))
+    await registry.get("a")
+    full: list[float] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(time.monotonic())
+
+    gc.callbacks.append(count)
+    try:
+        async with registry.use("a"):  # a request in flight ...
+            await registry.get("b")  # a load under load
+            await asyncio.sleep(3 * IDLE_COLLECT_AFTER_S)
+            assert full == []  # ... holds it off
+        deadline = time.monotonic() + 10 * IDLE_COLLECT_AFTER_S
+        while not full and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert full, "the idle collection never ran"
+    finally:
+        gc.callbacks.remove(count)
+        await registry.close()
 
 
 def test_a_settled_heap_collects_rarely_but_still_collects() -> None:

@@ -24,6 +24,8 @@ from ember.engine import (
 from ember.errors import ModelLoadError, ModelNotFound
 
 log = logging.getLogger("ember.registry")
+# A load or eviction leaves the whole-heap collection for when nothing has run this long.
+IDLE_COLLECT_AFTER_S = 1.0
 LoadFunction = Callable[[ModelSpec, Runtime], ModelAdapter]
 
 
@@ -154,6 +156,7 @@ class Registry(CatalogLookup):
         self.on_evict: list[Callable[[str], None]] = []
         self.on_worker: list[Callable[[LoadedModel], None]] = []
         self.closing = False
+        self._idle_collection: asyncio.Task[None] | None = None
 
     @property
     def loaded(self) -> dict[str, LoadedModel]:
@@ -205,7 +208,9 @@ class Registry(CatalogLookup):
         self.closing = True
         for name in list(self._loaded):
             await self._evict(name)
-        heap.settle()
+        if self._idle_collection is not None:
+            self._idle_collection.cancel()
+        heap.collect_all()
 
     async def _load(self, spec: ModelSpec, done: asyncio.Future[LoadedModel]) -> None:
         try:
@@ -237,7 +242,8 @@ class Registry(CatalogLookup):
             done.exception()  # mark retrieved: a load nobody awaits any more is not an error
         finally:
             self._loading.pop(spec.name, None)
-            heap.settle()  # what the load made (and any model it evicted) settles
+            heap.freeze_new()  # what the load made leaves the collector's generations
+            self._collect_when_idle()  # its garbage, and any evicted model's cycles
 
     async def _make_room(self, incoming_bytes: int) -> None:
         """Evict least recently used idle models until the new one fits the limits."""
@@ -263,12 +269,37 @@ class Registry(CatalogLookup):
         log.info("evicting model %s (draining its queue first)", name)
         started = time.monotonic()
         await model.worker.stop()
-        heap.thaw()  # its cycles are collected at the next settle (the next load, or close)
         model.adapter.close()
         log.info("evicted model %s in %.2f s (%.0f MB freed)", name,
                  time.monotonic() - started, model.memory_bytes / 1e6)
         for hook in self.on_evict:
             hook(name)
+        self._collect_when_idle()  # the model's reference cycles are frozen until then
+
+    def _collect_when_idle(self) -> None:
+        if self._idle_collection is None or self._idle_collection.done():
+            self._idle_collection = asyncio.get_running_loop().create_task(
+                self._collect_once_idle(), name="idle-collection")
+
+    def _busy(self) -> bool:
+        return bool(self._loading) or any(m.in_use for m in self._loaded.values())
+
+    async def _collect_once_idle(self) -> None:
+        """The whole-heap collection, run once no request has been in flight and no load
+        under way for IDLE_COLLECT_AFTER_S: an arrival meets at most one such walk."""
+        quiet_since: float | None = None
+        while not self.closing:
+            await asyncio.sleep(IDLE_COLLECT_AFTER_S / 4)
+            now = time.monotonic()
+            if self._busy():
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= IDLE_COLLECT_AFTER_S:
+                started = time.perf_counter()
+                heap.collect_all()
+                log.debug("idle collection in %.0f ms", (time.perf_counter() - started) * 1e3)
+                return
 
 
 async def preload_models(models: Preloadable, names: Sequence[str]) -> None:

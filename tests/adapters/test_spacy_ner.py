@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -102,3 +103,18 @@ async def test_info_costs_and_refusals(ner: SpacyNerAdapter, serve: ServeFactory
             await ner.encode(served.submit, ["text"], EncodeOptions())
         with pytest.raises(InvalidInput, match="at least one"):
             await ner.extract(served.submit, [], ExtractOptions())
+
+
+def test_the_cost_estimate_of_a_long_text_is_sampled_and_close() -> None:
+    from ember.adapters.spacy_ner import SAMPLE_CHARS, TOKEN_ESTIMATE, estimate_tokens
+
+    short = "Ada Lovelace, born 1815, wrote notes."
+    assert estimate_tokens(short) == len(TOKEN_ESTIMATE.findall(short)) == 9
+    long = ("Charles Babbage met Ada in London. " + "word, " * 5) * 20_000
+    exact = len(TOKEN_ESTIMATE.findall(long))
+    assert len(long) > 100 * SAMPLE_CHARS
+    assert abs(estimate_tokens(long) - exact) / exact < 0.05
+    started = time.perf_counter()
+    for _ in range(100):
+        estimate_tokens(long)
+    assert time.perf_counter() - started < 0.5  # 100 samples, not 100 walks of 0.8 MB

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ember import __version__
 from ember.api.errors import as_api_error, error_response
-from ember.api.state import Models, server_state
+from ember.api.state import STATUS_TIMEOUT_S, Models, server_state
 from ember.config import FAMILY_OUTPUTS
 from ember.errors import ModelNotFound
 from ember.outputs import DTYPES
@@ -31,7 +31,9 @@ async def readyz(request: Request) -> JSONResponse:
     default = state.settings.default_model
     if state.draining:
         return error_response(503, "unavailable", "draining before shutdown")
-    await state.registry.refresh()
+    if not await state.recent_status():
+        return error_response(503, "not_ready", "the engine did not answer within "
+                              f"{STATUS_TIMEOUT_S:g} s")
     if state.registry.state(default) != "loaded":
         return error_response(503, "not_ready", f"default model {default!r} is "
                               f"{state.registry.state(default)}")

@@ -64,6 +64,10 @@ class Models(Protocol):
     async def close(self) -> None: ...
 
 
+STATUS_MAX_AGE_S = 1.0  # /readyz answers from a status this recent ...
+STATUS_TIMEOUT_S = 1.0  # ... and waits this long for a fresh one
+
+
 @dataclass
 class ServerState:
     settings: ServerSettings
@@ -73,6 +77,8 @@ class ServerState:
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     on_metrics: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    status_at: float = float("-inf")  # when the registry's status was last brought up to date
+    _refreshing: asyncio.Task[None] | None = None
 
     def enter(self) -> None:
         self.in_flight += 1
@@ -82,6 +88,22 @@ class ServerState:
         self.in_flight -= 1
         if self.in_flight == 0:
             self.idle.set()
+
+    async def recent_status(self) -> bool:
+        """The registry's status, at most STATUS_MAX_AGE_S old: one refresh shared by every
+        caller, awaited at most STATUS_TIMEOUT_S. False: the engine did not answer in time
+        (a wedged engine makes /readyz a 503, not a hang)."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - self.status_at <= STATUS_MAX_AGE_S:
+            return True
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = loop.create_task(self._refresh())
+        done, _ = await asyncio.wait([self._refreshing], timeout=STATUS_TIMEOUT_S)
+        return bool(done) and self._refreshing.exception() is None
+
+    async def _refresh(self) -> None:
+        await self.registry.refresh()
+        self.status_at = asyncio.get_running_loop().time()
 
     async def wait_idle(self) -> None:
         """Until every accepted HTTP request has had its response."""

@@ -1,0 +1,111 @@
+"""No request stalls others: a wedged engine makes /readyz a 503 within its timeout, and
+one 16 MB extract request beside a stream of model loads leaves small requests' p99
+within twice its quiet value. Real `ember serve` processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import psutil  # type: ignore[import-untyped]
+import pytest
+
+from tests.reliability.support import SPACY, SYNTH, ServerPool, encode_body, synthetic_model
+
+CHURN = [f"test/churn-{i}" for i in range(3)]  # loaded in turn, two at a time: each load evicts
+
+
+def small_latencies(url: str, count: int) -> list[float]:
+    """Sequential one-text requests to the synthetic model: seconds each."""
+    times = []
+    with httpx.Client(base_url=url, timeout=30) as client:
+        client.post(f"/v1/encode/{SYNTH}", json=encode_body("warm up")).raise_for_status()
+        for i in range(count):
+            started = time.perf_counter()
+            response = client.post(f"/v1/encode/{SYNTH}", json=encode_body(f"small {i}"))
+            times.append(time.perf_counter() - started)
+            assert response.status_code == 200, response.text
+    return times
+
+
+def p99(times: list[float]) -> float:
+    return float(np.percentile(times, 99))
+
+
+def test_big_extract_and_model_loads_leave_small_requests_alone(servers: ServerPool) -> None:
+    models = {f"churn{i}.yaml": synthetic_model(name, dims=8) for i, name in enumerate(CHURN)}
+    server = servers.start("--default-model", SYNTH, "--preload", SPACY,
+                           "--max-loaded-models", "3", "--request-timeout-s", "60",
+                           models=models, name="stalls")
+    url = server.url
+    quiet = [p99(small_latencies(url, 150)) for _ in range(2)]
+    stop = threading.Event()
+    loads: list[int] = []
+    extract_status: list[int] = []
+
+    def churn() -> None:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            while not stop.is_set():
+                for name in CHURN:
+                    client.post(f"/v1/encode/{name}", json=encode_body("x")).raise_for_status()
+                    loads.append(1)
+
+    def big_extract() -> None:
+        # 16 MB of text in 200,000-character items (the per-text limit).
+        text = ("Ada Lovelace met Charles Babbage in London in 1833. " * 4000)[:199_000]
+        body = {"items": [{"text": text} for _ in range(16 * 1024 * 1024 // 200_000)]}
+        try:
+            with httpx.Client(base_url=url, timeout=15) as client:
+                extract_status.append(client.post(f"/v1/extract/{SPACY}",
+                                                  json=body).status_code)
+        except httpx.TimeoutException:
+            extract_status.append(0)  # still running when the client gave up: fine
+
+    threads = [threading.Thread(target=churn), threading.Thread(target=big_extract)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(1.0)  # the extract's body is read and its items are queued
+        busy = p99(small_latencies(url, 150))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert len(loads) >= 6, "the model loads did not run beside the small requests"
+    baseline = min(quiet)
+    assert busy <= 2 * baseline, (f"p99 {busy * 1e3:.1f} ms under a 16 MB extract and "
+                                  f"{len(loads)} loads, quiet {baseline * 1e3:.1f} ms")
+
+
+@pytest.fixture
+def multi_process(servers: ServerPool) -> Iterator[tuple[str, psutil.Process]]:
+    server = servers.start("--default-model", SYNTH, "--workers", "1", name="wedged")
+    engine = next(p for p in psutil.Process(server.pid).children(recursive=True)
+                  if "engine" in " ".join(p.cmdline()) or "engine" in p.name())
+    yield server.url, engine
+    if engine.is_running():
+        os.kill(engine.pid, signal.SIGCONT)
+
+
+def test_readyz_answers_503_in_time_when_the_engine_is_wedged(
+        multi_process: tuple[str, psutil.Process]) -> None:
+    url, engine = multi_process
+    with httpx.Client(base_url=url, timeout=10) as client:
+        assert client.get("/readyz").status_code == 200
+        os.kill(engine.pid, signal.SIGSTOP)
+        time.sleep(1.2)  # past the status's age: the next /readyz must ask the engine
+        started = time.monotonic()
+        response = client.get("/readyz")
+        took = time.monotonic() - started
+        assert response.status_code == 503, response.text
+        assert took < 3.0, f"/readyz took {took:.1f} s with the engine wedged"
+        os.kill(engine.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while client.get("/readyz").status_code != 200:
+            assert time.monotonic() < deadline, "/readyz did not recover"
+            time.sleep(0.1)
