@@ -22,6 +22,10 @@ SETTLE_S = 0.1
 # (httpx 5 s, aiohttp 15 s) and than load balancers' idle timeouts (often 60 s): with
 # uvicorn's 5 s, a client could send a request on a connection the server was closing.
 KEEP_ALIVE_S = 75
+# At the end of a drain, a keep-alive connection whose last response came before it (so
+# without `Connection: close`) may be carrying a request right now: it stays open this
+# long for the client to send (answered 503, `Connection: close`) or to close it.
+IDLE_GRACE_S = 1.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -71,9 +75,20 @@ class DrainingServer(uvicorn.Server):
             server.close()
         await asyncio.sleep(SETTLE_S)
         await self.state.wait_idle()
+        await self._let_idle_connections_go(IDLE_GRACE_S)
+        await self.state.wait_idle()
         await self.state.registry.close()
         log.info("drained in %.2f s; exiting", loop.time() - started)
         self.should_exit = True
+
+
+    async def _let_idle_connections_go(self, grace_s: float) -> None:
+        """Wait until every connection has closed (each answer in a drain says `Connection:
+        close`) or `grace_s` passed; uvicorn's shutdown closes the rest."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.server_state.connections and loop.time() < deadline:
+            await asyncio.sleep(0.02)
 
 
 def run_http(settings: ServerSettings, registry: Models,
