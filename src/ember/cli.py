@@ -128,9 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
          "from this many")
     flag("max-replicas", int, ray.max_replicas, "with --ray, autoscale the engine replicas "
          "up to this many")
-    flag("max-ongoing-requests", int, ray.max_ongoing_requests, "with --ray, requests one "
-         "engine replica holds at once before Ray's router queues them (keep it above any "
-         "load: queueing there costs most of a replica's throughput, docs/scaling.md)")
+    flag("max-ongoing-requests", int, None, "with --ray, requests one engine replica holds "
+         "at once (default: --max-queue-items, so Ember's own queue answers 429 when a "
+         "replica is full; docs/scaling.md)")
+    flag("max-queued-requests", int, None, "with --ray, requests Ray's router holds while "
+         "every engine replica is full, before it answers 429 (default: --max-batch-items)")
     flag("target-ongoing-requests", float, ray.target_ongoing_requests, "with --ray and "
          "autoscaling, the ongoing requests per engine replica to scale towards (default: "
          "2 x --max-batch-items, two full batches of one-text requests)")
@@ -188,6 +190,7 @@ def ray_settings_from(args: argparse.Namespace) -> RaySettings:
         address=args.ray_address or None, replicas=args.replicas,
         min_replicas=args.min_replicas, max_replicas=args.max_replicas,
         max_ongoing_requests=args.max_ongoing_requests,
+        max_queued_requests=args.max_queued_requests,
         target_ongoing_requests=args.target_ongoing_requests,
         upscale_delay_s=args.upscale_delay_s, downscale_delay_s=args.downscale_delay_s,
         num_cpus=args.ray_cpus)
@@ -200,9 +203,10 @@ def check_ray(ray: RaySettings) -> str | None:
         return "--replicas, --min-replicas and --max-replicas must be 1 or more"
     if low is not None and high is not None and low > high:
         return f"--min-replicas {low} is over --max-replicas {high}"
-    if ray.max_ongoing_requests < 1 or (ray.target_ongoing_requests is not None
-                                        and ray.target_ongoing_requests <= 0):
-        return "--max-ongoing-requests and --target-ongoing-requests must be positive"
+    counts = (ray.max_ongoing_requests, ray.max_queued_requests, ray.target_ongoing_requests)
+    if any(count is not None and count <= 0 for count in counts):
+        return ("--max-ongoing-requests, --max-queued-requests and --target-ongoing-requests "
+                "must be positive")
     return None
 
 

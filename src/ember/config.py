@@ -244,13 +244,19 @@ class RaySettings:
     bound is set. The two request settings follow measurements (docs/scaling.md): a
     replica's batches are full once two batches' worth of items are ongoing on it (the
     autoscaling target), and Ray's router must never be the queue (the cap stays above
-    any load a replica holds; Ember's own queue limit answers 429 before it)."""
+    any load a replica holds; Ember's own queue limit answers 429 before it, and what
+passes every replica's cap waits in the router only up to a bound, then gets 429)."""
 
     address: str | None = None  # None: start a local Ray instance; else join this cluster
     replicas: int = 1
     min_replicas: int | None = None
     max_replicas: int | None = None
-    max_ongoing_requests: int = 1024  # per engine replica, before Ray's router queues
+    # Requests one engine replica holds at once; None: the model's --max-queue-items, so
+    # a replica is full when Ember's own queue is, and Ember answers 429 (R7).
+    max_ongoing_requests: int | None = None
+    # Requests Ray's router holds while every replica is full, before it pushes back (an
+    # ingress answers 429 with Retry-After); None: one batch, --max-batch-items.
+    max_queued_requests: int | None = None
     target_ongoing_requests: float | None = None  # None: 2 x max_batch_items (one-text requests)
     upscale_delay_s: float = 10.0
     downscale_delay_s: float = 120.0
@@ -259,6 +265,12 @@ class RaySettings:
     @property
     def autoscaling(self) -> bool:
         return self.min_replicas is not None or self.max_replicas is not None
+
+    def ongoing(self, max_queue_items: int) -> int:
+        return self.max_ongoing_requests or max_queue_items
+
+    def queued(self, max_batch_items: int) -> int:
+        return self.max_queued_requests or max_batch_items
 
     def target(self, max_batch_items: int) -> float:
         """Ongoing requests per replica that autoscaling aims at: two full batches of

@@ -43,8 +43,9 @@ def test_the_serve_config_file_builds_the_engine_and_the_ingress() -> None:
     engine, ingress = built[ENGINE_APP], built["ember"]
     assert engine.name == ENGINE and ingress.name == INGRESS
     assert engine.num_replicas == 1
-    assert engine.max_ongoing_requests == config["applications"][0]["args"]["ray"][
-        "max_ongoing_requests"]
+    ray = config["applications"][0]["args"]["ray"]
+    assert engine.max_ongoing_requests == ray["max_ongoing_requests"]
+    assert engine.max_queued_requests == ray["max_queued_requests"]
     assert "num_gpus" not in engine.ray_actor_options  # device: cpu
     ingress_app = config["applications"][1]
     assert ingress_app["args"]["engine_app"] == ENGINE_APP

@@ -38,6 +38,11 @@ def test_engine_options_follow_the_settings() -> None:
     assert gpu["autoscaling_config"]["min_replicas"] == 1
     assert gpu["autoscaling_config"]["max_replicas"] == 4
     assert gpu["autoscaling_config"]["target_ongoing_requests"] == 128  # 2 x 64 items
+    # A replica is full when Ember's queue is; Ray's router then holds one batch, not more.
+    assert fixed["max_ongoing_requests"] == 4096 and fixed["max_queued_requests"] == 64
+    set_by_hand = RaySettings(max_ongoing_requests=100, max_queued_requests=7)
+    mine = engine_options(ServerSettings(ray=set_by_hand))
+    assert mine["max_ongoing_requests"] == 100 and mine["max_queued_requests"] == 7
     quick = autoscaling_config(RaySettings(min_replicas=1, max_replicas=2,
                                            upscale_delay_s=1, downscale_delay_s=3), 8)
     assert quick["look_back_period_s"] == 1 and quick["metrics_interval_s"] == 0.5
@@ -48,6 +53,7 @@ def test_engine_options_follow_the_settings() -> None:
     (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 is over"),
     (["--replicas", "0"], "must be 1 or more"),
     (["--max-ongoing-requests", "0"], "must be positive"),
+    (["--max-queued-requests", "-1"], "must be positive"),
 ])
 def test_bad_ray_flags_are_refused_before_ray_starts(
         flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

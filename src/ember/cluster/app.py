@@ -60,7 +60,8 @@ def engine_options(settings: ServerSettings) -> dict[str, Any]:
     options: dict[str, Any] = {
         "name": ENGINE,
         "logging_config": logging_config(settings),
-        "max_ongoing_requests": ray.max_ongoing_requests,
+        "max_ongoing_requests": ray.ongoing(settings.worker.max_queue_items),
+        "max_queued_requests": ray.queued(settings.worker.max_batch_items),
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
         "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
         # One replica per device: a GPU replica asks Ray for a whole GPU.

@@ -10,9 +10,10 @@ import logging
 from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from ember.engine import WorkerFailed
+from ember.engine import QueueFull, WorkerFailed
 from ember.ipc.wire import error_from_wire
 
 log = logging.getLogger("ember.cluster")
@@ -21,6 +22,17 @@ ATTEMPTS = 2  # a call whose replica died is sent once more, to another replica
 
 class ReplicaLost(Exception):
     """The engine replica died (or could not be reached) before it answered."""
+
+
+class ReplicasFull(QueueFull):
+    """Every engine replica holds its cap of requests, and Ray's router its bounded queue:
+    answered as Ember's own full queue is (429, Retry-After)."""
+
+    def __init__(self, requested: int) -> None:
+        self.pending, self.requested, self.limit = -1, requested, -1
+        Exception.__init__(self, "queue full: every engine replica is at its request cap "
+                           "(--max-ongoing-requests) and Ray's router queue "
+                           "(--max-queued-requests) is full; retry shortly")
 
 
 def replica_lost(exc: BaseException) -> bool:
@@ -58,6 +70,10 @@ class RayEngineClient:
             except asyncio.CancelledError:
                 response.cancel()  # type: ignore[no-untyped-call]  # awaiting a response does not cancel it by itself
                 raise
+            except BackPressureError:
+                # Every replica is at its cap and the router's bounded queue is full: the
+                # same answer as Ember's own full queue, a 429 with Retry-After.
+                raise ReplicasFull(len(fields.get("items", ()))) from None
             except Exception as exc:
                 if not replica_lost(exc):
                     raise
