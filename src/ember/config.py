@@ -18,7 +18,8 @@ BUILTIN_CATALOG = Path(__file__).parent / "catalog"
 # Adapter family named in a model YAML -> its module under ember.adapters.
 ADAPTERS = {"transformer": "transformer", "cross_encoder": "cross_encoder",
             "spacy": "spacy_ner", "sparse": "sparse", "multivector": "multivector",
-            "synthetic": "synthetic"}
+            "synthetic": "synthetic",
+            "clip": "clip"}
 # What each family's encode returns (before it is loaded; after, its ModelInfo says).
 FAMILY_OUTPUTS: dict[str, tuple[str, ...]] = {
     "transformer": ("dense",), "sparse": ("sparse",), "multivector": ("multivector",),
