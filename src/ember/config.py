@@ -290,6 +290,7 @@ class ServerSettings:
     max_items_per_request: int = 2048  # OpenAI's own limit; the engine splits into forwards
     max_body_bytes: int = 16 * 1024 * 1024
     max_text_chars: int = 200_000
+    max_images_per_request: int = 32
     request_timeout_s: float | None = None
     max_loaded_models: int = 4
     memory_budget_mb: int | None = None

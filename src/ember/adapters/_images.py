@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image, ImageFile
 
-from ember.adapters.base import EncodeOptions, Encoded, ScoreOptions, Submit, TaskOutput
+from ember.adapters.base import Encoded, EncodeOptions, ScoreOptions, Submit, TaskOutput
 from ember.errors import InvalidInput
 
 # 40 megapixels (e.g. 8000 x 5000) decode to 120 MB of RGB; beyond it a request is refused.

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ember.adapters import _torch as common
 from ember.adapters._backend import ForwardElsewhere, choose_backend
-from ember.adapters._images import ImageInput, ItemInput, Preprocessor, decode
+from ember.adapters._images import ItemInput, Preprocessor, decode
 from ember.adapters._tokenize import TextTokenizer, off_loop, pool
 from ember.adapters.base import (
     Encoded,
