@@ -143,8 +143,8 @@ CLIP = "test/tiny-clip"
 @pytest.fixture(scope="module")
 def image_report(sie_python: Path, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[tuple[dict[str, Any], ServerProcess, Path]]:
-    """A server of its own whose default model is a tiny CLIP (random weights), and what
-    the SDK's image calls got from it."""
+    """A server of its own (two API processes and the engine) whose default model is a
+    tiny CLIP (random weights), and what the SDK's image calls got from it."""
     from tests.adapters.tiny_clip import build_clip, clip_yaml
 
     root = tmp_path_factory.mktemp("sie-images")
@@ -157,8 +157,9 @@ def image_report(sie_python: Path, tmp_path_factory: pytest.TempPathFactory
         pixels = np.random.default_rng(seed).integers(0, 256, (30 + seed * 10, 40, 3),
                                                       np.uint8)
         Image.fromarray(pixels).save(images / f"{seed}.png")
+    # Two API processes: images are decoded there, and their pixels cross the IPC.
     process = start_server(root / "server.log", ["--model-dir", str(root / "catalog"),
-                                                 "--default-model", CLIP])
+                                                 "--default-model", CLIP, "--workers", "2"])
     try:
         out = root / "report.json"
         run = subprocess.run([str(sie_python), str(IMAGES_SCRIPT), process.url, CLIP,
