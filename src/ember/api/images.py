@@ -65,8 +65,8 @@ def texts_of(items: Sequence[ItemFields], field: str = "items",
             raise ApiError(422, "invalid_request", f"{why}; remove the images",
                            f"{param}.images")
         if item.text is None:
-            raise ApiError(422, "invalid_request", "text is required (or images, on a "
-                           "model that takes them)", f"{param}.text")
+            raise ApiError(422, "invalid_request", f"{param}.text is required (or images, "
+                           "on a model that takes them)", f"{param}.text")
         texts.append(item.text)
     return texts
 
