@@ -125,6 +125,13 @@ async def test_encode_images_and_texts_in_json_and_msgpack(app: Served,
     assert body["items"][1]["id"] == "t" and body["items"][0]["dense"]["dims"] == 24
     assert np.all(cosines(dense(body), want) >= 0.9999)
 
+    # Base64 wrapped in lines (what `base64 photo.png` prints) reads the same.
+    wrapped = "\n".join(b64(IMAGES[0])[i:i + 76] for i in range(0, len(b64(IMAGES[0])), 76))
+    response = await app.client.post(f"/v1/encode/{CLIP}",
+                                     json={"items": [{"images": [{"data": wrapped}]}]})
+    assert response.status_code == 200, response.text
+    assert cosines(dense(response.json()), want[:1])[0] >= 0.9999
+
     # What sie-sdk sends: msgpack, the image's raw bytes in a bin value.
     packed = {"items": [{"images": [{"data": IMAGES[0], "format": "png"}]},
                         {"text": texts[0]}], "params": {"output_dtype": "float32"}}

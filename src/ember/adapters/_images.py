@@ -143,7 +143,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
              "image_mean": [0.48145466, 0.4578275, 0.40821073],
              "image_std": [0.26862954, 0.26130258, 0.27577711]},
     "siglip": {"size": {"height": 224, "width": 224}, "do_center_crop": False,
-               "resample": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
+               "resample": 3, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
 }
 
 

@@ -80,6 +80,10 @@ def image_bytes(data: bytes | str | None, param: str) -> bytes:
     try:
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
+        pass
+    try:  # base64 wrapped in lines, as the base64 tool writes it by default
+        return base64.b64decode("".join(data.split()), validate=True)
+    except (binascii.Error, ValueError):
         raise ApiError(422, "invalid_request", "data is not valid base64; send the image's "
                        "bytes base64-encoded (or raw bytes in msgpack)", param) from None
 
