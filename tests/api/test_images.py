@@ -125,6 +125,15 @@ async def test_encode_images_and_texts_in_json_and_msgpack(app: Served,
     assert body["items"][1]["id"] == "t" and body["items"][0]["dense"]["dims"] == 24
     assert np.all(cosines(dense(body), want) >= 0.9999)
 
+    # Ember's output dtypes apply to image vectors as to text ones.
+    response = await app.client.post(f"/v1/encode/{CLIP}", json={
+        "items": items[:1], "params": {"output_dtype": "binary"}})
+    assert response.status_code == 200, response.text
+    packed = response.json()["items"][0]["dense"]
+    assert packed["dtype"] == "binary" and len(packed["values"]) == 24 // 8
+    assert np.array_equal(np.unpackbits(np.array(packed["values"], np.uint8)),
+                          (want[0] > 0).astype(np.uint8))
+
     # Base64 wrapped in lines (what `base64 photo.png` prints) reads the same.
     wrapped = "\n".join(b64(IMAGES[0])[i:i + 76] for i in range(0, len(b64(IMAGES[0])), 76))
     response = await app.client.post(f"/v1/encode/{CLIP}",
@@ -271,8 +280,13 @@ async def test_cohere_embed_takes_image_data_uris(app: Served,
                           (["data:image/png;base64,%%%"], "images[0]")):
         assert_error(await app.client.post("/v2/embed", json={
             "model": CLIP, "input_type": "image", "images": images}), 422, param=param)
-    assert_error(await app.client.post("/v2/embed", json={
-        "model": CLIP, "input_type": "image", "images": uris, "texts": ["a"]}), 422)
+    for body, param in (({"images": uris, "texts": ["a"]}, "texts"),
+                        ({"images": [uris[0], "data:image/png;base64," + b64(bmp())]},
+                         "images[1]"),
+                        ({"images": uris, "input_type": "search_query"}, "input_type"),
+                        ({}, "images")):
+        assert_error(await app.client.post("/v2/embed", json={
+            "model": CLIP, "input_type": "image", **body}), 422, param=param)
 
 
 async def test_cohere_sdk_embeds_images(app: Served, clip_dir: tuple[Path, Path]) -> None:

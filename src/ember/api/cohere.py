@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 from typing import Any, Literal
 
 import numpy as np
@@ -117,10 +118,14 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
 
 async def embed_images(body: CohereEmbedRequest, request: Request) -> Response:
     """input_type image: one vector a data URI."""
-    if body.texts is not None or body.images is None or body.input_type != "image":
-        raise ApiError(422, "invalid_request", "images go with input_type image and without "
-                       "texts; send texts and images in separate requests", "images"
-                       if body.images is None or body.input_type != "image" else "texts")
+    if body.images is None:
+        raise ApiError(422, "invalid_request", "input_type image needs images (data URIs)",
+                       "images")
+    if body.input_type != "image":
+        raise ApiError(422, "invalid_request", "images need input_type image", "input_type")
+    if body.texts is not None:
+        raise ApiError(422, "invalid_request", "send texts and images in separate requests",
+                       "texts")
     check_count(request, len(body.images), "images")
     check_image_count(request, len(body.images), "images")
     takes_images(request, body.model, "images")
@@ -132,7 +137,13 @@ async def embed_images(body: CohereEmbedRequest, request: Request) -> Response:
         return await image_model(adapter, body.model, "images").encode_items(
             m.submit, inputs, EncodeOptions())
 
-    output = await run_task(request, body.model, "encode", encode, len(inputs), "images")
+    try:
+        output = await run_task(request, body.model, "encode", encode, len(inputs), "images")
+    except ApiError as error:  # the adapter names items[3].images[0].data: here images[3]
+        found = re.match(r"items(\[\d+\])\.images", error.param or "")
+        if found:
+            error.param = f"images{found.group(1)}"
+        raise
     vectors = [encoded.dense for encoded in output.values if encoded.dense is not None]
     embeddings = {kind: by_type(vectors, kind)
                   for kind in dict.fromkeys(body.embedding_types or ["float"])}
