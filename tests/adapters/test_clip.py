@@ -9,7 +9,7 @@ import asyncio
 import io
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +225,11 @@ def test_onnx_is_refused_and_falls_back_to_torch(tiny: Tiny,
     assert adapter.info.extra["backend"] == "torch"
     assert any("onnx refused" in r.getMessage() and "runs on torch" in r.getMessage()
                for r in caplog.records)
+    # A YAML that asks for onnx by name gets a warning, and torch.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ember.clip"):
+        adapter = load(replace(tiny.adapter.spec, backend="onnx"), Runtime(backend="torch"),
+                       weights=False)
+    assert adapter.info.extra["backend"] == "torch"
+    assert [r.levelno for r in caplog.records if "onnx refused" in r.getMessage()] == \
+        [logging.WARNING]

@@ -360,3 +360,16 @@ async def test_text_p99_on_another_model_holds_while_images_stream(app: Served) 
             return
     raise AssertionError(f"text p99 over 2x its quiet value, (quiet ms, busy ms, image "
                          f"requests) in each try: {tries}")
+
+
+def test_max_images_per_request_is_a_flag_and_a_variable(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    from ember.cli import build_parser, settings_from
+
+    def parsed(*argv: str) -> ServerSettings:
+        return settings_from(build_parser().parse_args(["serve", *argv]))
+
+    assert parsed().max_images_per_request == 32
+    assert parsed("--max-images-per-request", "4").max_images_per_request == 4
+    monkeypatch.setenv("EMBER_MAX_IMAGES_PER_REQUEST", "7")
+    assert parsed().max_images_per_request == 7
