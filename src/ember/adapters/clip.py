@@ -255,15 +255,16 @@ def _config(spec: ModelSpec, model_dir: Path) -> Any:
     return config
 
 
-def _backend(spec: ModelSpec, runtime: Runtime) -> str:
+def say_onnx_is_refused(spec: ModelSpec, runtime: Runtime) -> None:
+    """Where onnx would have run this model, the log says it runs on torch, and why (a
+    warning when its YAML asked for onnx by name)."""
     try:
         wanted = choose_backend(spec, runtime)
-    except ModelLoadError:
-        wanted = "onnx"  # quantize or LoRAs with onnx: the log below says what runs
+    except ModelLoadError:  # onnx asked for beside LoRAs or quantize: still onnx wanted
+        wanted = "onnx"
     if wanted == "onnx":
         level = logging.WARNING if (spec.backend == "onnx" or spec.quantize) else logging.INFO
         log.log(level, "%s: onnx refused: %s", spec.name, ONNX_REFUSED)
-    return "torch"
 
 
 def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> ClipAdapter:
@@ -275,7 +276,7 @@ def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> ClipAdapter
     config = _config(spec, model_dir)
     tokenizer = common.load_tokenizer(spec, model_dir)
     preprocess = Preprocessor.from_directory(model_dir, str(config.model_type))
-    backend = _backend(spec, runtime)
+    say_onnx_is_refused(spec, runtime)
     forward: Any
     if weights:
         common.apply_runtime(runtime)
@@ -283,9 +284,7 @@ def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> ClipAdapter
         forward = common.TorchForward(model, {}, runtime, "pooler_output")
     else:
         forward = ForwardElsewhere("torch", ())
-    adapter = ClipAdapter(spec, forward, config, tokenizer, preprocess, runtime)
-    log.debug("%s: %s on %s", spec.name, config.model_type, backend)
-    return adapter
+    return ClipAdapter(spec, forward, config, tokenizer, preprocess, runtime)
 
 
 def load_front(spec: ModelSpec, runtime: Runtime) -> ClipAdapter:
