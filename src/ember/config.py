@@ -18,7 +18,8 @@ BUILTIN_CATALOG = Path(__file__).parent / "catalog"
 # Adapter family named in a model YAML -> its module under ember.adapters.
 ADAPTERS = {"transformer": "transformer", "cross_encoder": "cross_encoder",
             "spacy": "spacy_ner", "sparse": "sparse", "multivector": "multivector",
-            "synthetic": "synthetic"}
+            "synthetic": "synthetic",
+            "clip": "clip"}
 # What each family's encode returns (before it is loaded; after, its ModelInfo says).
 FAMILY_OUTPUTS: dict[str, tuple[str, ...]] = {
     "transformer": ("dense",), "sparse": ("sparse",), "multivector": ("multivector",),
@@ -301,6 +302,7 @@ class ServerSettings:
     max_items_per_request: int = 2048  # OpenAI's own limit; the engine splits into forwards
     max_body_bytes: int = 16 * 1024 * 1024
     max_text_chars: int = 200_000
+    max_images_per_request: int = 32
     request_timeout_s: float | None = None
     max_loaded_models: int = 4
     memory_budget_mb: int | None = None

@@ -7,13 +7,17 @@ says why."""
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
 
 from tests.clients.conftest import (
     MINILM,
@@ -23,7 +27,7 @@ from tests.clients.conftest import (
     cosine,
     native_vectors,
 )
-from tests.live_server import ServerProcess
+from tests.live_server import ServerProcess, start_server
 
 SCRIPT = Path(__file__).with_name("sie_client.py")
 QUERY = "how do plants make food"
@@ -128,3 +132,72 @@ def test_get_requests_with_a_msgpack_content_type(server: ServerProcess) -> None
     for path in ("/healthz", "/readyz", "/v1/models", f"/v1/models/{MINILM}"):
         response = httpx.get(server.url + path, headers=headers, timeout=30)
         assert response.status_code == 200, (path, response.text)
+
+
+# -- images: sie-sdk's image items against a tiny CLIP model --------------------------------
+
+IMAGES_SCRIPT = Path(__file__).with_name("sie_images.py")
+CLIP = "test/tiny-clip"
+
+
+@pytest.fixture(scope="module")
+def image_report(sie_python: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[tuple[dict[str, Any], ServerProcess, Path]]:
+    """A server of its own (two API processes and the engine) whose default model is a
+    tiny CLIP (random weights), and what the SDK's image calls got from it."""
+    from tests.adapters.tiny_clip import build_clip, clip_yaml
+
+    root = tmp_path_factory.mktemp("sie-images")
+    model = build_clip(root / "clip")
+    (root / "catalog").mkdir()
+    (root / "catalog" / "clip.yaml").write_text(clip_yaml(CLIP, model), encoding="utf-8")
+    images = root / "images"
+    images.mkdir()
+    for seed in range(2):
+        pixels = np.random.default_rng(seed).integers(0, 256, (30 + seed * 10, 40, 3),
+                                                      np.uint8)
+        Image.fromarray(pixels).save(images / f"{seed}.png")
+    # Two API processes: images are decoded there, and their pixels cross the IPC.
+    process = start_server(root / "server.log", ["--model-dir", str(root / "catalog"),
+                                                 "--default-model", CLIP, "--workers", "2"])
+    try:
+        out = root / "report.json"
+        run = subprocess.run([str(sie_python), str(IMAGES_SCRIPT), process.url, CLIP,
+                              str(images), str(out)], capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, f"{run.stdout}\n{run.stderr}\n{process.log_tail()}"
+        yield json.loads(out.read_text()), process, images
+    finally:
+        assert process.stop() == 0, process.log_tail()
+
+
+def native_images(server: ServerProcess, images: list[bytes]) -> np.ndarray:
+    items = [{"images": [{"data": base64.b64encode(data).decode()}]} for data in images]
+    response = httpx.post(f"{server.url}/v1/encode/{CLIP}", json={"items": items}, timeout=60)
+    assert response.status_code == 200, response.text
+    return np.array([item["dense"]["values"] for item in response.json()["items"]])
+
+
+def test_sdk_image_items_encode_as_the_native_route_does(
+        image_report: tuple[dict[str, Any], ServerProcess, Path]) -> None:
+    report, server, images = image_report
+    assert report["ids"] == ["p", None, "t"]
+    pngs = [(images / f"{i}.png").read_bytes() for i in range(2)]
+    for got, want in zip(report["vectors"][:2], native_images(server, pngs), strict=True):
+        assert cosine(got, want) > 0.9999
+    text = native_vectors(server, CLIP, ["a cat on a tree"])[0]
+    assert cosine(report["vectors"][2], text) > 0.9999
+    jpeg = base64.b64decode(report["pil_jpeg"])  # what the SDK made of the PIL image
+    assert cosine(report["pil_vector"], native_images(server, [jpeg])[0]) > 0.9999
+
+
+def test_sdk_scores_image_items(image_report: tuple[dict[str, Any], ServerProcess, Path]
+                                ) -> None:
+    scores = image_report[0]["scores"]
+    assert scores[0]["item_id"] == "same" and scores[0]["score"] == pytest.approx(1, abs=1e-5)
+    assert {s["item_id"] for s in scores} == {"same", "other", "text"}
+
+
+def test_sdk_surfaces_a_bad_image_as_a_request_error(
+        image_report: tuple[dict[str, Any], ServerProcess, Path]) -> None:
+    assert image_report[0]["truncated"] == {"status": 422, "param": "items[0].images[0].data"}

@@ -1,13 +1,15 @@
 """Cohere v2 compatible POST /v2/embed and POST /v2/rerank (what `cohere.ClientV2` calls).
 
-Text only. `input_type` "search_query" encodes the query side; the others the document
-side. What Ember cannot honour (images, a token cap, another output size, cutting the
-start of a text) is refused with a 422 naming the field, never ignored."""
+`input_type` "search_query" encodes the query side; the others the document side;
+"image" embeds `images`, data URIs, on a model that takes images. What Ember cannot
+honour (mixed `inputs`, a token cap, another output size, cutting the start of a text)
+is refused with a 422 naming the field, never ignored."""
 
 from __future__ import annotations
 
 import base64
 import os
+import re
 from typing import Any, Literal
 
 import numpy as np
@@ -15,10 +17,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
+from ember.adapters._images import ItemInput
 from ember.adapters.base import Encoded, EncodeOptions, ScoreOptions, TaskModel, TaskOutput
 from ember.api.codec import render
 from ember.api.errors import ApiError
-from ember.api.model_task import check_inputs, check_query, require_dense, run_task
+from ember.api.images import check_image_count, data_uri, image_model, takes_images
+from ember.api.model_task import check_count, check_inputs, check_query, require_dense, run_task
 from ember.api.rerank import ranked
 from ember.api.routing import InferenceRoute
 from ember.api.state import ServedModel
@@ -34,7 +38,7 @@ InputType = Literal["search_document", "search_query", "classification", "cluste
 class CohereEmbedRequest(BaseModel):
     model: str
     texts: list[str] | None = None
-    images: list[Any] | None = None
+    images: list[str] | None = Field(None, description="data URIs, with input_type image")
     inputs: list[Any] | None = None
     input_type: InputType = "search_document"
     embedding_types: list[EmbeddingType] | None = Field(None, description="default: float")
@@ -80,11 +84,12 @@ def by_type(vectors: list[np.ndarray], kind: str) -> list[Any]:
 
 @router.post("/v2/embed", summary="Cohere v2 compatible embeddings")
 async def embed(body: CohereEmbedRequest, request: Request) -> Response:
-    refuse_unsupported({"images": body.images, "inputs": body.inputs,
-                        "max_tokens": body.max_tokens})
-    if body.texts is None or body.input_type == "image":
-        raise ApiError(422, "invalid_request", "texts is required: Ember's Cohere route "
-                       "embeds text only", "texts")
+    refuse_unsupported({"inputs": body.inputs, "max_tokens": body.max_tokens})
+    if body.input_type == "image" or body.images is not None:
+        return await embed_images(body, request)
+    if body.texts is None:
+        raise ApiError(422, "invalid_request", "texts is required (or images with "
+                       "input_type image)", "texts")
     if body.truncate == "START":
         raise ApiError(422, "invalid_request", "truncate START is not supported: Ember cuts "
                        "the end of a long text; send END or NONE", "truncate")
@@ -109,6 +114,42 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
     return render(request.headers, {
         "id": os.urandom(16).hex(), "response_type": "embeddings_by_type",
         "embeddings": embeddings, "texts": texts, "meta": meta(input_tokens=output.tokens)})
+
+
+async def embed_images(body: CohereEmbedRequest, request: Request) -> Response:
+    """input_type image: one vector a data URI."""
+    if body.images is None:
+        raise ApiError(422, "invalid_request", "input_type image needs images (data URIs)",
+                       "images")
+    if body.input_type != "image":
+        raise ApiError(422, "invalid_request", "images need input_type image", "input_type")
+    if body.texts is not None:
+        raise ApiError(422, "invalid_request", "send texts and images in separate requests",
+                       "texts")
+    check_count(request, len(body.images), "images")
+    check_image_count(request, len(body.images), "images")
+    takes_images(request, body.model, "images")
+    inputs = [ItemInput(images=(data_uri(uri, f"images[{i}]"),))
+              for i, uri in enumerate(body.images)]
+
+    async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
+        require_dense(m, "/v2/embed")
+        return await image_model(adapter, body.model, "images").encode_items(
+            m.submit, inputs, EncodeOptions())
+
+    try:
+        output = await run_task(request, body.model, "encode", encode, len(inputs), "images")
+    except ApiError as error:  # the adapter names items[3].images[0].data: here images[3]
+        found = re.match(r"items(\[\d+\])\.images", error.param or "")
+        if found:
+            error.param = f"images{found.group(1)}"
+        raise
+    vectors = [encoded.dense for encoded in output.values if encoded.dense is not None]
+    embeddings = {kind: by_type(vectors, kind)
+                  for kind in dict.fromkeys(body.embedding_types or ["float"])}
+    return render(request.headers, {
+        "id": os.urandom(16).hex(), "response_type": "embeddings_by_type",
+        "embeddings": embeddings, "texts": [], "meta": meta(images=len(inputs))})
 
 
 @router.post("/v2/rerank", summary="Cohere v2 compatible rerank")

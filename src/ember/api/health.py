@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ember import __version__
 from ember.api.errors import as_api_error, error_response
+from ember.api.images import IMAGE_FAMILIES
 from ember.api.state import STATUS_TIMEOUT_S, Models, server_state
 from ember.config import FAMILY_OUTPUTS
 from ember.errors import ModelNotFound
@@ -43,6 +44,10 @@ async def readyz(request: Request) -> JSONResponse:
 STARTED = int(time.time())  # OpenAI's model objects carry a `created` time
 
 
+def inputs(family: str) -> list[str]:
+    return ["text", "image"] if family in IMAGE_FAMILIES else ["text"]
+
+
 def model_entry(registry: Models, name: str) -> dict[str, Any]:
     """One model in both dialects at once: OpenAI's model object (`id`, `object`,
     `created`, `owned_by`), SIE's ModelInfo (`name`, `loaded`, `state`, `inputs`,
@@ -51,7 +56,7 @@ def model_entry(registry: Models, name: str) -> dict[str, Any]:
     state = registry.state(name)
     entry: dict[str, Any] = {
         "id": name, "object": "model", "created": STARTED, "owned_by": "ember",
-        "name": name, "loaded": state == "loaded", "state": state, "inputs": ["text"],
+        "name": name, "loaded": state == "loaded", "state": state, "inputs": inputs(spec.adapter),
         "adapter": spec.adapter, "tasks": list(spec.tasks), "description": spec.description,
         "loras": sorted(spec.loras), "max_seq_length": spec.max_seq_length, "dims": None,
         "output_types": list(FAMILY_OUTPUTS.get(spec.adapter, ())),

@@ -16,6 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from ember.adapters.base import Encoded, EncodeOptions, ExtractOptions, ScoreOptions
 from ember.api.codec import render
 from ember.api.errors import ApiError
+from ember.api.images import (
+    ImagePart,
+    first_images,
+    has_images,
+    image_model,
+    item_inputs,
+    takes_images,
+    texts_of,
+)
 from ember.api.model_task import check_inputs, check_query, run_task
 from ember.api.routing import InferenceRoute
 from ember.outputs import PACKED_BITS, quantize
@@ -31,7 +40,10 @@ class Strict(BaseModel):
 
 class Item(Strict):
     id: str | None = None
-    text: str
+    text: str | None = None
+    images: list[ImagePart] | None = Field(None, description="[{data, format?}]: bytes in "
+                                           "msgpack, base64 in JSON; for models that take "
+                                           "images")
 
 
 class PairOptions(Strict):
@@ -126,6 +138,11 @@ def score_options(body: ScoreRequest) -> PairOptions:
     return body.options or body.params.options or PairOptions()
 
 
+def score_options_of(body: ScoreRequest) -> ScoreOptions:
+    opts = score_options(body)
+    return ScoreOptions(truncate=opts.truncate, lora=opts.lora)
+
+
 def encoded_wire(encoded: Encoded, dtype: str) -> dict[str, Any]:
     """SIE's shapes: dense `{dims, dtype, values}`, sparse `{dims, dtype, indices, values}`,
     multivector `{token_dims, num_tokens, dtype, values}`; `scale` with int8. Values stay
@@ -163,11 +180,18 @@ def with_id(item: Item, body: dict[str, Any]) -> dict[str, Any]:
 
 @router.post("/v1/encode/{model:path}", summary="Embed items")
 async def encode(model: str, body: EncodeRequest, request: Request) -> Response:
-    texts = [item.text for item in body.items]
-    check_inputs(request, texts, suffix=".text")
-    options = encode_options(body.params)
-    output = await run_task(request, model, "encode",
-                            lambda m, a: a.encode(m.submit, texts, options), len(texts))
+    if has_images(body.items):
+        inputs, where = item_inputs(request, body.items), first_images(body.items)
+        takes_images(request, model, where)
+        options = encode_options(body.params)
+        output = await run_task(request, model, "encode", lambda m, a: image_model(
+            a, model, where).encode_items(m.submit, inputs, options), len(inputs))
+    else:
+        texts = texts_of(body.items)
+        check_inputs(request, texts, suffix=".text")
+        options = encode_options(body.params)
+        output = await run_task(request, model, "encode",
+                                lambda m, a: a.encode(m.submit, texts, options), len(texts))
     dtype = body.params.output_dtype
     items = [with_id(item, encoded_wire(enc, dtype))
              for item, enc in zip(body.items, output.values, strict=True)]
@@ -176,15 +200,25 @@ async def encode(model: str, body: EncodeRequest, request: Request) -> Response:
 
 @router.post("/v1/score/{model:path}", summary="Score items against a query")
 async def score(model: str, body: ScoreRequest, request: Request) -> Response:
-    texts = [item.text for item in body.items]
-    check_inputs(request, texts, suffix=".text")
-    check_query(request, body.query.text, "query.text")
-    opts = score_options(body)
-    options = ScoreOptions(truncate=opts.truncate, lora=opts.lora)
-    output = await run_task(request, model, "score",
-                            lambda m, a: a.score(m.submit, body.query.text, texts, options),
-                            len(texts) + 1)
-    order = sorted(range(len(texts)), key=lambda i: -output.values[i])
+    count = len(body.items)
+    if has_images([body.query, *body.items]):
+        inputs = item_inputs(request, body.items)
+        query = item_inputs(request, [body.query], "query")[0]
+        where = first_images([body.query], "query") if body.query.images else \
+            first_images(body.items)
+        takes_images(request, model, where)
+        options = score_options_of(body)
+        output = await run_task(request, model, "score", lambda m, a: image_model(
+            a, model, where).score_items(m.submit, query, inputs, options), count + 1)
+    else:
+        texts, query_text = texts_of(body.items), texts_of([body.query], "query")[0]
+        check_inputs(request, texts, suffix=".text")
+        check_query(request, query_text, "query.text")
+        options = score_options_of(body)
+        output = await run_task(request, model, "score",
+                                lambda m, a: a.score(m.submit, query_text, texts, options),
+                                count + 1)
+    order = sorted(range(count), key=lambda i: -output.values[i])
     scores = [{"item_id": body.items[i].id if body.items[i].id is not None else str(i),
                "score": output.values[i], "rank": rank} for rank, i in enumerate(order)]
     return render(request.headers, {"model": model, "scores": scores})
@@ -192,7 +226,7 @@ async def score(model: str, body: ScoreRequest, request: Request) -> Response:
 
 @router.post("/v1/extract/{model:path}", summary="Extract entities from items")
 async def extract(model: str, body: ExtractRequest, request: Request) -> Response:
-    texts = [item.text for item in body.items]
+    texts = texts_of(body.items, why="extract reads text only")
     check_inputs(request, texts, suffix=".text")
     labels = tuple(body.params.labels) if body.params.labels is not None else None
     options = ExtractOptions(labels=labels)

@@ -1,0 +1,236 @@
+"""Images on the request path: decoding untrusted bytes with Pillow, and the vision
+preprocessing of CLIP and SigLIP checkpoints (resize, center crop, rescale, normalize) as
+their own image processors do it, read from the model's preprocessor_config.json.
+
+Decoding is guarded: the format is sniffed from the bytes and only PNG, JPEG, WebP and
+GIF (its first frame) are opened, each with its one Pillow plugin; the dimensions are
+checked against MAX_PIXELS from the header, before any pixel is decoded, so a small
+file that would inflate to gigabytes is refused; a truncated or corrupt file is an
+error, never a partial image. Every refusal is an InvalidInput (422) naming the field.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+from PIL import Image, ImageFile
+
+from ember.adapters.base import Encoded, EncodeOptions, ScoreOptions, Submit, TaskOutput
+from ember.errors import InvalidInput
+
+# 40 megapixels (e.g. 8000 x 5000) decode to 120 MB of RGB; beyond it a request is refused.
+MAX_PIXELS = 40_000_000
+MAX_SIDE = 20_000  # a 1 x 40M strip is no photo either
+# Pillow's own guard, as a second line behind the header check below.
+Image.MAX_IMAGE_PIXELS = MAX_PIXELS
+ImageFile.LOAD_TRUNCATED_IMAGES = False  # a cut file is an error, never a grey half
+
+# Accepted formats: the names a request may give -> Pillow's plugin.
+FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP", "gif": "GIF"}
+ACCEPTED = "png, jpeg, webp or gif"
+Pixels = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a request: its bytes and the format the client named, if any."""
+
+    data: bytes
+    format: str | None = None
+
+
+@dataclass(frozen=True)
+class ItemInput:
+    """One item of a request that may carry images: its text, its images, or both."""
+
+    text: str | None = None
+    images: tuple[ImageInput, ...] = ()
+
+
+@runtime_checkable
+class ImageModel(Protocol):
+    """A model whose items may carry images (the request path's half)."""
+
+    takes_images: bool
+
+    async def encode_items(self, submit: Submit, items: Sequence[ItemInput],
+                           options: EncodeOptions) -> TaskOutput[list[Encoded]]: ...
+
+    async def score_items(self, submit: Submit, query: ItemInput, items: Sequence[ItemInput],
+                          options: ScoreOptions) -> TaskOutput[list[float]]: ...
+
+
+def sniff(data: bytes) -> str | None:
+    """The format the bytes' signature says, or None when it is none of the accepted."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "jpeg"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "gif"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return None
+
+
+def decode(image: ImageInput, param: str) -> Image.Image:
+    """The image as RGB (alpha composited over white, as the processors do), or an
+    InvalidInput naming `param`. Any thread may call it; Pillow releases the GIL."""
+    declared = None
+    if image.format is not None:
+        declared = FORMATS.get(image.format.strip().lower().removeprefix("image/"))
+        if declared is None:
+            raise InvalidInput(f"image format {image.format!r} is not accepted; send "
+                               f"{ACCEPTED}", f"{param}.format")
+    found = sniff(image.data)
+    if found is None:
+        raise InvalidInput(f"the image data is not a {ACCEPTED} file (its first bytes "
+                           "match none of them); send one of those formats", f"{param}.data")
+    if declared is not None and declared != FORMATS[found]:
+        raise InvalidInput(f"format says {image.format!r} but the data is {found}; fix "
+                           "format or leave it out", f"{param}.format")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            opened = Image.open(io.BytesIO(image.data), formats=[FORMATS[found]])
+            width, height = opened.size  # from the header: nothing is decoded yet
+            if width * height > MAX_PIXELS or max(width, height) > MAX_SIDE:
+                raise too_large(f"{width} x {height} pixels", param)
+            opened.seek(0)  # an animated GIF or WebP: its first frame
+            opened.load()
+            return to_rgb(opened)
+    except InvalidInput:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise too_large("its size", param) from None
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise InvalidInput(f"the {found} image could not be decoded ({_reason(exc)}): it "
+                           "is corrupt or truncated", f"{param}.data") from None
+
+
+def too_large(size: str, param: str) -> InvalidInput:
+    return InvalidInput(f"image of {size} is over the limit of {MAX_PIXELS:,} pixels "
+                        f"({MAX_SIDE} a side); send a smaller image", f"{param}.data")
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:120]
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, with any transparency composited over white (what the processors' own
+    convert-to-RGB does)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+# The image processors' defaults for keys a preprocessor_config.json leaves out.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "clip": {"size": {"shortest_edge": 224}, "crop_size": {"height": 224, "width": 224},
+             "do_center_crop": True, "resample": 3,
+             "image_mean": [0.48145466, 0.4578275, 0.40821073],
+             "image_std": [0.26862954, 0.26130258, 0.27577711]},
+    "siglip": {"size": {"height": 224, "width": 224}, "do_center_crop": False,
+               "resample": 3, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]},
+}
+
+
+@dataclass(frozen=True)
+class Preprocessor:
+    """A checkpoint's image preprocessing: resize (the shortest edge to `shortest_edge`,
+    or to `height` x `width`), center crop, rescale, normalize; CHW float32 out."""
+
+    height: int | None
+    width: int | None
+    shortest_edge: int | None
+    resample: int
+    crop: tuple[int, int] | None
+    rescale: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], kind: str) -> Preprocessor:
+        settings = {**_DEFAULTS[kind], **config}
+        size = settings["size"]
+        if isinstance(size, int):
+            size = {"shortest_edge": size} if kind == "clip" else {"height": size, "width": size}
+        crop = settings.get("crop_size") or {}
+        if isinstance(crop, int):
+            crop = {"height": crop, "width": crop}
+        normalize = settings.get("do_normalize", True)
+        return cls(
+            height=size.get("height"), width=size.get("width"),
+            shortest_edge=size.get("shortest_edge") if settings.get("do_resize", True) else None,
+            resample=int(settings.get("resample", 3)),
+            crop=(int(crop["height"]), int(crop["width"]))
+            if settings.get("do_center_crop") and crop else None,
+            rescale=float(settings.get("rescale_factor", 1 / 255))
+            if settings.get("do_rescale", True) else None,
+            mean=tuple(settings["image_mean"]) if normalize else None,
+            std=tuple(settings["image_std"]) if normalize else None)
+
+    @classmethod
+    def from_directory(cls, model_dir: Path, kind: str) -> Preprocessor:
+        path = model_dir / "preprocessor_config.json"
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        return cls.from_config(config, kind)
+
+    @property
+    def output_size(self) -> tuple[int, int] | None:
+        """(height, width) of every output, when fixed."""
+        if self.crop is not None:
+            return self.crop
+        if self.height and self.width and self.shortest_edge is None:
+            return self.height, self.width
+        return None
+
+    def __call__(self, image: Image.Image) -> Pixels:
+        width, height = image.size
+        if self.shortest_edge is not None:
+            short, long = (width, height) if width <= height else (height, width)
+            new_short, new_long = self.shortest_edge, int(self.shortest_edge * long / short)
+            size = (new_short, new_long) if width <= height else (new_long, new_short)
+            image = image.resize(size, resample=Image.Resampling(self.resample))
+        elif self.height and self.width:
+            image = image.resize((self.width, self.height),
+                                 resample=Image.Resampling(self.resample))
+        array = np.asarray(image).transpose(2, 0, 1)  # HWC uint8 -> CHW
+        if self.crop is not None:
+            array = center_crop(array, *self.crop)
+        pixels: Pixels
+        if self.rescale is not None:
+            pixels = (array.astype(np.float64) * self.rescale).astype(np.float32)
+        else:
+            pixels = array.astype(np.float32)
+        if self.mean is not None and self.std is not None:
+            mean = np.array(self.mean, dtype=np.float32)[:, None, None]
+            std = np.array(self.std, dtype=np.float32)[:, None, None]
+            pixels = ((pixels - mean) / std).astype(np.float32)
+        return np.ascontiguousarray(pixels)
+
+
+def center_crop(array: npt.NDArray[Any], height: int, width: int) -> npt.NDArray[Any]:
+    """The centre `height` x `width` of a CHW array; zero padding where it is smaller
+    (the processors' own rule: the top-left of the centre, rounding down)."""
+    _, rows, cols = array.shape
+    if rows < height or cols < width:
+        padded = np.zeros((array.shape[0], max(rows, height), max(cols, width)),
+                          dtype=array.dtype)
+        top, left = -(-(padded.shape[1] - rows) // 2), -(-(padded.shape[2] - cols) // 2)
+        padded[:, top:top + rows, left:left + cols] = array
+        array, rows, cols = padded, padded.shape[1], padded.shape[2]
+    top, left = (rows - height) // 2, (cols - width) // 2
+    return array[:, top:top + height, left:left + width]

@@ -1,0 +1,159 @@
+"""Image decoding (formats, hostile bytes) and preprocessing, which must equal the
+checkpoint's own AutoProcessor output on the same images."""
+
+from __future__ import annotations
+
+import io
+import struct
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from transformers import AutoProcessor
+
+from ember.adapters._images import (
+    MAX_PIXELS,
+    ImageInput,
+    Preprocessor,
+    decode,
+    sniff,
+)
+from ember.errors import InvalidInput
+from tests.adapters.tiny_clip import build_clip, build_siglip
+
+
+def picture(width: int, height: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    bands = len(mode) if mode in ("RGB", "RGBA") else 1
+    array = rng.integers(0, 256, (height, width, bands), dtype=np.uint8)
+    return Image.fromarray(array.squeeze(-1) if bands == 1 else array, mode)
+
+
+def encoded(image: Image.Image, fmt: str, **save: object) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format=fmt, **save)
+    return out.getvalue()
+
+
+def two_frame_gif() -> bytes:
+    red, blue = Image.new("RGB", (8, 8), (255, 0, 0)), Image.new("RGB", (8, 8), (0, 0, 255))
+    return encoded(red, "GIF", save_all=True, append_images=[blue], duration=50)
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims `width` x `height` with a few bytes of pixel data: what a
+    decompression bomb looks like before it is decoded."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (struct.pack(">I", len(body)) + kind + body
+                + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF))
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(b"\0" * 1024)) + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("fmt, name", [("PNG", "png"), ("JPEG", "jpeg"), ("WEBP", "webp"),
+                                       ("GIF", "gif")])
+def test_each_accepted_format_decodes_and_is_sniffed(fmt: str, name: str) -> None:
+    source = picture(20, 12)
+    data = encoded(source, fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    assert sniff(data) == name
+    for declared in (None, name, f"image/{name}", name.upper()):
+        image = decode(ImageInput(data, declared), "items[0].images[0]")
+        assert image.mode == "RGB" and image.size == (20, 12)
+    if fmt == "PNG":  # lossless: the very pixels
+        assert np.array_equal(np.asarray(decode(ImageInput(data), "x")), np.asarray(source))
+
+
+def test_gif_gives_its_first_frame() -> None:
+    image = decode(ImageInput(two_frame_gif()), "items[0].images[0]")
+    assert image.getpixel((3, 3)) == (255, 0, 0)
+
+
+def test_transparency_is_composited_over_white() -> None:
+    clear = Image.new("RGBA", (4, 4), (10, 20, 30, 0))
+    image = decode(ImageInput(encoded(clear, "PNG")), "x")
+    assert image.getpixel((0, 0)) == (255, 255, 255)
+
+
+def refusal(data: bytes, fmt: str | None = None) -> InvalidInput:
+    with pytest.raises(InvalidInput) as caught:
+        decode(ImageInput(data, fmt), "items[2].images[0]")
+    return caught.value
+
+
+def test_a_format_outside_the_list_is_refused() -> None:
+    bmp = encoded(picture(8, 8), "BMP")
+    error = refusal(bmp)
+    assert error.param == "items[2].images[0].data" and "png, jpeg, webp or gif" in error.message
+    error = refusal(encoded(picture(8, 8), "PNG"), "bmp")
+    assert error.param == "items[2].images[0].format" and "'bmp'" in error.message
+    assert refusal(b"").param == "items[2].images[0].data"
+    assert refusal(b"<svg xmlns='http://www.w3.org/2000/svg'/>").param.endswith(".data")
+
+
+def test_a_declared_format_that_the_bytes_contradict_is_refused() -> None:
+    error = refusal(encoded(picture(8, 8), "PNG"), "jpeg")
+    assert "png" in error.message and error.param.endswith(".format")
+
+
+def test_corrupt_and_truncated_bytes_are_refused() -> None:
+    png = encoded(picture(64, 64), "PNG")
+    jpeg = encoded(picture(64, 64), "JPEG")
+    for broken in (png[:len(png) // 2], jpeg[:len(jpeg) // 2], png[:40],
+                   b"\x89PNG\r\n\x1a\n" + bytes(200), b"\xff\xd8\xff" + bytes(50),
+                   b"GIF89a" + b"\xff" * 30, b"RIFF\0\0\0\0WEBPVP8 " + bytes(20)):
+        error = refusal(broken)
+        assert "could not be decoded" in error.message or "not a" in error.message, broken[:12]
+        assert error.param == "items[2].images[0].data"
+
+
+def test_a_decompression_bomb_is_refused_from_its_header() -> None:
+    started = time.monotonic()
+    error = refusal(png_claiming(100_000, 100_000))
+    assert "over the limit" in error.message and f"{MAX_PIXELS:,}" in error.message
+    refusal(png_claiming(30_000, 1))  # a side over the limit
+    assert time.monotonic() - started < 5  # refused, not decoded (10^10 pixels)
+
+
+# -- preprocessing ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["clip", "siglip"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+              ) -> tuple[str, Path]:
+    build = build_clip if request.param == "clip" else build_siglip
+    return request.param, build(tmp_path_factory.mktemp(request.param))
+
+
+SHAPES = [(32, 32, "RGB"), (50, 21, "RGB"), (17, 90, "RGB"), (7, 5, "RGB"),
+          (333, 200, "RGB"), (40, 40, "RGBA"), (31, 64, "L")]
+
+
+def test_preprocessing_equals_the_checkpoints_autoprocessor(model_dir: tuple[str, Path]
+                                                            ) -> None:
+    kind, folder = model_dir
+    processor = AutoProcessor.from_pretrained(str(folder))
+    mine = Preprocessor.from_directory(folder, kind)
+    for index, (width, height, mode) in enumerate(SHAPES):
+        source = picture(width, height, mode, seed=index)
+        data = encoded(source, "PNG")
+        want = processor(images=Image.open(io.BytesIO(data)),
+                         return_tensors="np")["pixel_values"][0]
+        got = mine(decode(ImageInput(data), "x"))
+        assert got.dtype == np.float32 and got.shape == want.shape == (3, 32, 32)
+        assert np.allclose(got, want, atol=1e-5), (kind, width, height, mode,
+                                                   float(np.abs(got - want).max()))
+
+
+def test_preprocessing_reads_real_checkpoint_settings() -> None:
+    """openai/clip-vit-base-patch32's preprocessor_config.json, as it ships."""
+    config = {"crop_size": 224, "do_center_crop": True, "do_normalize": True,
+              "do_resize": True, "feature_extractor_type": "CLIPFeatureExtractor",
+              "image_mean": [0.48145466, 0.4578275, 0.40821073],
+              "image_std": [0.26862954, 0.26130258, 0.27577711], "resample": 3, "size": 224}
+    mine = Preprocessor.from_config(config, "clip")
+    pixels = mine(picture(640, 480))
+    assert pixels.shape == (3, 224, 224) and mine.output_size == (224, 224)
