@@ -284,9 +284,9 @@ def spec_from_hub(ref: HubRef, download: bool | None = None, base: ModelSpec | N
     """A catalog entry for a Hub id: a curated entry (`base`) at the revision asked for,
     or a plain one named after the repository, its family read from the downloaded files
     (as for a local directory)."""
-    if base is not None:
-        source = replace(base.source, revision=ref.revision or base.source.revision)
-        return replace(base, source=source)
+    if base is not None:  # from the Hub, whatever else the curated entry names
+        pinned = base.source.revision if base.source.hub == ref.repo else None
+        return replace(base, source=Source(hub=ref.repo, revision=ref.revision or pinned))
     from ember import hub
 
     folder = hub.snapshot(ref, wanted or Wanted(), download)
