@@ -71,9 +71,10 @@ class Wanted:
     allow_pickle: bool = False
     trust_remote_code: bool = False
     onnx: bool = False
+    weights: bool = True  # False: config and tokenizer only (a GLiNER model's backbone)
 
     def patterns(self, pickle: bool) -> list[str]:
-        patterns = list(BASE_FILES)
+        patterns = [p for p in BASE_FILES if self.weights or p != "*.safetensors"]
         if pickle:
             patterns += PICKLE_FILES
         if self.onnx:
@@ -120,7 +121,7 @@ def cached(ref: HubRef, wanted: Wanted) -> Path | None:
         except (LocalEntryNotFoundError, OSError, ValueError):
             continue
         configured = any((folder / name).is_file() for name in CONFIG_FILES)
-        if configured and has_weights(folder, pickle):
+        if configured and (not wanted.weights or has_weights(folder, pickle)):
             return folder
     return None
 
@@ -188,6 +189,8 @@ def _download(ref: HubRef, wanted: Wanted) -> Path:
     sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or []}
     has_safetensors = any(name.endswith(".safetensors") for name in sizes)
     pickled = [n for n in sizes if any(_match(n, p) for p in PICKLE_FILES)]
+    if not wanted.weights:
+        has_safetensors, pickled = True, []
     if not has_safetensors and pickled and not wanted.allow_pickle:
         raise HubError(f"model {ref} has pickle weights only ({', '.join(sorted(pickled))}); "
                        "Ember loads safetensors unless the model's YAML says "
