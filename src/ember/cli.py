@@ -8,7 +8,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -223,11 +223,20 @@ def serve(settings: ServerSettings) -> int:
 
     configure_logging(settings)
     try:
-        settings = with_hub_models(settings)
+        known = load_catalog(settings.model_dirs)
+    except CatalogError as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        settings = with_hub_models(settings, known)
         catalog = load_catalog(settings.model_dirs, settings.model_paths)
         prefetch(settings, catalog)
     except CatalogError as exc:
-        log.error("%s", exc)
+        if settings.default_model in known or not hub.parse_hub_id(settings.default_model):
+            log.error("%s", exc)
+        else:  # perhaps a catalog name mistyped: say which there are
+            log.error("default model %r is not in the catalog (known: %s); as a Hub id: %s",
+                      settings.default_model, ", ".join(sorted(known)), exc)
         return 2
     # From here on a process of this server downloads only what a request may name.
     os.environ[hub.ALLOW_ENV] = "1" if settings.allow_hub_models else "0"
@@ -258,10 +267,10 @@ def serve(settings: ServerSettings) -> int:
     return 0
 
 
-def with_hub_models(settings: ServerSettings) -> ServerSettings:
+def with_hub_models(settings: ServerSettings,
+                    known: Mapping[str, ModelSpec]) -> ServerSettings:
     """Hub ids named by --default-model or --preload that no YAML describes are served as
     if named by --model, so every process of the server finds them in its catalog."""
-    known = load_catalog(settings.model_dirs)
     named = {str(p) for p in settings.model_paths}
     extra = [Path(name) for name in dict.fromkeys((settings.default_model, *settings.preload))
              if name not in known and name not in named and hub.parse_hub_id(name)]
