@@ -158,3 +158,26 @@ def test_pickle_weights_load_only_when_allowed(gliner_dir: Path, tmp_path: Path)
 def test_a_gliner_folder_is_recognised(gliner_dir: Path) -> None:
     spec = spec_from_directory(gliner_dir)
     assert spec.adapter == "gliner" and spec.tasks == ("extract",)
+
+
+async def test_the_native_extract_route_answers_any_labels(gliner_dir: Path,
+                                                           reference: Any) -> None:
+    from ember.config import ServerSettings
+    from tests.api.conftest import SYNTH, serving
+
+    settings = ServerSettings(default_model=SYNTH, model_paths=(gliner_dir,), backend="torch")
+    async with serving(settings) as served:
+        response = await served.client.post("/v1/extract/local/model", json={
+            "items": [{"id": "a", "text": TEXTS[0]}, {"text": TEXTS[2]}],
+            "params": {"labels": LABELS}})
+        assert response.status_code == 200, response.text
+        items = response.json()["items"]
+        assert items[0]["id"] == "a"
+        for item, text in zip(items, (TEXTS[0], TEXTS[2]), strict=True):
+            got = [Entity(**e) for e in item["entities"]]
+            same(got, expected(reference, text, LABELS))
+        refused = await served.client.post("/v1/extract/local/model",
+                                           json={"items": [{"text": "x"}]})
+        assert refused.status_code == 422 and "params.labels" in refused.text
+        listed = (await served.client.get("/v1/models/local/model")).json()
+        assert listed["adapter"] == "gliner" and listed["tasks"] == ["extract"]
