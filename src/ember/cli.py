@@ -290,8 +290,10 @@ def prefetch(settings: ServerSettings, catalog: dict[str, ModelSpec]) -> None:
     for name in dict.fromkeys(names):
         spec = catalog[name]
         try:
-            hub.snapshot(hub_ref(spec), hub_wanted(spec, settings.backend, settings.device),
-                         download=True)
+            folder = hub.snapshot(hub_ref(spec), hub_wanted(spec, settings.backend,
+                                                           settings.device), download=True)
+            if (companion := hub.backbone(folder)) is not None:  # a GLiNER's tokenizer
+                hub.snapshot(companion, hub.Wanted(weights=False), download=True)
         except FileNotFoundError as exc:
             if name in settings.preload and name != settings.default_model:
                 log.error("could not fetch %s: %s", name, exc)

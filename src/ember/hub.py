@@ -264,6 +264,24 @@ def progress_class(label: str) -> type:
     return LogProgress
 
 
+def backbone(folder: Path) -> HubRef | None:
+    """The Hub repository a GLiNER folder takes its backbone's config and tokenizer from,
+    when it does not carry them itself (GLiNER v2 repositories ship their own weights and
+    config only); None when it needs none."""
+    import json
+
+    config_file = folder / "gliner_config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    name = str(config.get("model_name", ""))
+    self_contained = ((folder / "tokenizer_config.json").is_file()
+                      and bool(config.get("encoder_config")))
+    if self_contained or Path(name).expanduser().is_dir():
+        return None
+    return parse_hub_id(name)
+
+
 def snapshot_bytes(folder: Path) -> int:
     """Bytes of a snapshot's files (the blobs its links point at)."""
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())

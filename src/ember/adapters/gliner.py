@@ -212,21 +212,14 @@ def check_weights(spec: ModelSpec, folder: Path) -> None:
     raise ModelLoadError(spec.name, f"{folder} holds no GLiNER weights (model.safetensors)")
 
 
-def ensure_backbone(folder: Path) -> None:
+def ensure_backbone(folder: Path, download: bool | None = None) -> None:
     """The backbone's config and tokenizer in the Hub's cache, when the model folder names
-    a Hub id for them (GLiNER v2 repositories ship only their own weights and config)."""
+    a Hub id for them (ember.hub.backbone)."""
     from ember import hub
 
-    config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
-    name = str(config.get("model_name", ""))
-    self_contained = ((folder / "tokenizer_config.json").is_file()
-                      and bool(config.get("encoder_config")))
-    if self_contained or Path(name).expanduser().is_dir():
-        return
-    ref = hub.parse_hub_id(name)
-    if ref is None:
-        return
-    hub.snapshot(ref, hub.Wanted(weights=False))
+    ref = hub.backbone(folder)
+    if ref is not None:
+        hub.snapshot(ref, hub.Wanted(weights=False), download)
 
 
 def _load(spec: ModelSpec, runtime: Runtime) -> Any:
