@@ -118,13 +118,14 @@ class HubStandIn:
                     hub.requests.append((self.command, path, self.headers.get("Range", "")))
                 return path
 
-            def _json(self, payload: object, status: int = 200) -> None:
+            def _json(self, payload: object, status: int = 200,
+                      error: str = "RepoNotFound") -> None:
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 if status == 404:
-                    self.send_header("X-Error-Code", "RepoNotFound")
+                    self.send_header("X-Error-Code", error)
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
@@ -180,8 +181,10 @@ class HubStandIn:
 
             def _file(self, repo: str, revision: str, name: str, body: bool) -> None:
                 found = self._commit(repo, revision)
-                if found is None or not (found[1] / name).is_file() or ".." in name:
-                    return self._json({"error": "Entry not found"}, 404)
+                if found is None:
+                    return self._json({"error": "Repository not found"}, 404)
+                if not (found[1] / name).is_file() or ".." in name:
+                    return self._json({"error": "Entry not found"}, 404, "EntryNotFound")
                 sha, folder = found
                 data = (folder / name).read_bytes()
                 start, status = 0, 200

@@ -20,6 +20,7 @@ from tests.live_server import REPO, server_env, start_server
 
 PICKLED = "someone/pickled-only"
 TINY = "someone/tiny-encoder"
+GLINER = "someone/gliner-tiny"
 TEXTS = ["How do I reset my password?", "Paris is the capital of France."]
 
 
@@ -39,6 +40,17 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubStandIn]:
     (pickled / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
     (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
     hub.add(PICKLED, pickled)
+    # A GLiNER repository as the v2 ones are: its weights and config, the backbone's
+    # tokenizer and config taken from another repository (TINY) named in its config.
+    from tests.adapters.test_gliner import build_gliner
+
+    gliner = build_gliner(root / "gliner", seed=4)
+    config = json.loads((gliner / "gliner_config.json").read_text())
+    (gliner / "gliner_config.json").write_text(json.dumps({**config, "model_name": TINY}))
+    for extra in gliner.iterdir():
+        if extra.name not in ("gliner_config.json", "model.safetensors"):
+            extra.unlink()
+    hub.add(GLINER, gliner)
     hub.start()
     yield hub
     hub.stop()
@@ -254,3 +266,25 @@ def test_hub_ids_with_and_without_a_revision() -> None:
     assert parse_hub_id("BAAI/bge-small-en-v1.5") == HubRef("BAAI/bge-small-en-v1.5")
     assert parse_hub_id("org/name@main") == HubRef("org/name", "main")
     assert str(parse_hub_id("org/name@" + "a" * 40)) == "org/name@" + "a" * 40
+
+
+def test_a_gliner_from_the_hub_brings_its_backbones_tokenizer_not_its_weights(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    code = f"""
+import json
+from ember.adapters.base import ExtractOptions, Runtime
+from ember.adapters.gliner import load
+from ember.config import load_catalog
+spec = load_catalog(model_paths=[{GLINER!r}])[{GLINER!r}]
+adapter = load(spec, Runtime(backend="torch"))
+items = adapter.prepare(["the cat is in paris"], adapter.params(ExtractOptions(labels=("city",))))
+print(json.dumps({{"adapter": spec.adapter, "entities": [
+    [e.label for e in found] for found in adapter.forward(items, adapter.params(
+        ExtractOptions(labels=("city",), threshold=0.0)))]}}))
+"""
+    weights_before = standin.gets("model.safetensors")
+    result = run(standin, tmp_path / "hf", code)
+    found = result["entities"][0]  # type: ignore[index]
+    assert result["adapter"] == "gliner" and found and set(found) == {"city"}
+    assert standin.gets("model.safetensors") == weights_before + 1  # the GLiNER's own only
+    assert (tmp_path / "hf" / "hub" / f"models--{TINY.replace('/', '--')}").is_dir()

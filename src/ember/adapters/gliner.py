@@ -16,6 +16,7 @@ its `gliner_config.json` names (`model_name`), through the Hub's cache.
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,14 +213,22 @@ def check_weights(spec: ModelSpec, folder: Path) -> None:
     raise ModelLoadError(spec.name, f"{folder} holds no GLiNER weights (model.safetensors)")
 
 
-def ensure_backbone(folder: Path, download: bool | None = None) -> None:
-    """The backbone's config and tokenizer in the Hub's cache, when the model folder names
-    a Hub id for them (ember.hub.backbone)."""
+def ensure_backbone(folder: Path, download: bool | None = None) -> Path | None:
+    """The local folder of the backbone's config and tokenizer (from the Hub's cache, or
+    downloaded), when the model folder names a Hub id for them (ember.hub.backbone)."""
     from ember import hub
 
     ref = hub.backbone(folder)
-    if ref is not None:
-        hub.snapshot(ref, hub.Wanted(weights=False), download)
+    return None if ref is None else hub.snapshot(ref, hub.Wanted(weights=False), download)
+
+
+def read_config(folder: Path, backbone: Path | None) -> dict[str, Any]:
+    """gliner_config.json, its backbone named by its local folder when it has one, so
+    nothing loads from the network."""
+    fields: dict[str, Any] = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    if backbone is not None:
+        fields["model_name"] = str(backbone)
+    return fields
 
 
 def _load(spec: ModelSpec, runtime: Runtime) -> Any:
@@ -229,14 +238,36 @@ def _load(spec: ModelSpec, runtime: Runtime) -> Any:
     if not (folder / CONFIG_FILE).is_file():
         raise ModelLoadError(spec.name, f"{folder} is not a GLiNER model (no {CONFIG_FILE})")
     check_weights(spec, folder)
-    ensure_backbone(folder)
+    backbone = ensure_backbone(folder)
     common.apply_runtime(runtime)
-    model = GLiNER.from_pretrained(str(folder), local_files_only=True,
-                                   map_location=runtime.device)
+    with tempfile.TemporaryDirectory(prefix="ember-gliner-") as staged:
+        # gliner reads the backbone's name from the config: a folder that names its
+        # local copy, beside links to the model's own files.
+        for path in folder.iterdir():
+            if path.name != CONFIG_FILE:
+                (Path(staged) / path.name).symlink_to(path.resolve())
+        (Path(staged) / CONFIG_FILE).write_text(json.dumps(read_config(folder, backbone)),
+                                                encoding="utf-8")
+        model = GLiNER.from_pretrained(staged, local_files_only=True,
+                                       map_location=runtime.device)
+    add_markers(spec, model.data_processor.transformer_tokenizer, model.config,
+                model._get_special_tokens())
     if runtime.half:
         model.model.half()
     model.eval()
     return model
+
+
+def add_markers(spec: ModelSpec, tokenizer: Any, config: Any, markers: Sequence[str]) -> None:
+    """GLiNER's prompt markers in a backbone's tokenizer (a folder without a tokenizer of
+    its own has none), at the ids the model was trained with."""
+    if config.ent_token not in tokenizer.get_vocab():
+        tokenizer.add_tokens(list(markers), special_tokens=True)
+    found = tokenizer.convert_tokens_to_ids(config.ent_token)
+    if config.class_token_index not in (-1, found):
+        raise ModelLoadError(spec.name, f"the tokenizer puts {config.ent_token} at {found}, "
+                                        f"the model was trained with "
+                                        f"{config.class_token_index}")
 
 
 def load(spec: ModelSpec, runtime: Runtime) -> GlinerAdapter:
@@ -251,13 +282,12 @@ def load_front(spec: ModelSpec, runtime: Runtime) -> GlinerFront:
     from transformers import AutoTokenizer
 
     folder = resolve_source(spec)
-    ensure_backbone(folder)
-    fields = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    fields = read_config(folder, ensure_backbone(folder))
     fields.pop("model_type", None)
     config = GLiNERConfig(**fields)
     own = (folder / "tokenizer_config.json").is_file()
     tokenizer = AutoTokenizer.from_pretrained(str(folder if own else config.model_name),
                                               local_files_only=True)
-    if not own:  # as gliner does: its markers join the backbone's vocabulary
-        tokenizer.add_tokens([config.ent_token, config.sep_token], special_tokens=True)
+    # The span models' markers, in gliner's order (its _get_special_tokens).
+    add_markers(spec, tokenizer, config, ["[FLERT]", config.ent_token, config.sep_token])
     return GlinerFront(spec, config, tokenizer, WordsSplitter(config.words_splitter_type))
