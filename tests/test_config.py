@@ -161,7 +161,7 @@ def test_a_hub_id_given_as_a_model_keeps_the_curated_settings_at_its_revision() 
 
 
 def test_a_model_that_is_neither_a_folder_nor_a_hub_id_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(CatalogError, match="does not exist, and .* is not a Hub id"):
+    with pytest.raises(CatalogError, match=r"does not exist, and .* is not a Hub id"):
         load_catalog(model_paths=[tmp_path / "nowhere" / "deeper" / "still"])
 
 
