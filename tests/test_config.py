@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ember.config import CatalogError, load_catalog, resolve_source
+from ember.config import FAMILY_OUTPUTS, CatalogError, load_catalog, resolve_source
 from ember.engine import WorkerConfig
 
 
@@ -93,3 +93,97 @@ def test_batching_settings_the_engine_no_longer_reads_load_with_a_warning(
     warned = [r.getMessage() for r in caplog.records]
     assert any("batching.coalesce_ms" in m for m in warned)
     assert any("batching.starvation_ms" in m for m in warned)
+
+
+# Written from each model card: the prompts (query, document), pooling and token limit.
+BGE_QUERY = "Represent this sentence for searching relevant passages: "
+E5 = {"query": "query: ", "document": "passage: "}
+MODEL_CARDS: dict[str, tuple[str, dict[str, str], str | None, int | None]] = {
+    "BAAI/bge-small-en-v1.5": ("transformer", {"query": BGE_QUERY}, "cls", 512),
+    "BAAI/bge-base-en-v1.5": ("transformer", {"query": BGE_QUERY}, "cls", 512),
+    "BAAI/bge-large-en-v1.5": ("transformer", {"query": BGE_QUERY}, "cls", 512),
+    "intfloat/e5-small-v2": ("transformer", E5, "mean", 512),
+    "intfloat/e5-base-v2": ("transformer", E5, "mean", 512),
+    "intfloat/e5-large-v2": ("transformer", E5, "mean", 512),
+    "intfloat/multilingual-e5-small": ("transformer", E5, "mean", 512),
+    "intfloat/multilingual-e5-base": ("transformer", E5, "mean", 512),
+    "intfloat/multilingual-e5-large": ("transformer", E5, "mean", 512),
+    "thenlper/gte-small": ("transformer", {}, "mean", 512),
+    "thenlper/gte-base": ("transformer", {}, "mean", 512),
+    "thenlper/gte-large": ("transformer", {}, "mean", 512),
+    "mixedbread-ai/mxbai-embed-large-v1": ("transformer", {"query": BGE_QUERY}, "cls", 512),
+    "sentence-transformers/all-mpnet-base-v2": ("transformer", {}, "mean", 384),
+    "sentence-transformers/multi-qa-MiniLM-L6-cos-v1": ("transformer", {}, "mean", 512),
+    "cross-encoder/ms-marco-MiniLM-L-6-v2": ("cross_encoder", {}, None, 512),
+    "BAAI/bge-reranker-base": ("cross_encoder", {}, None, 512),
+    "BAAI/bge-reranker-v2-m3": ("cross_encoder", {}, None, 512),
+    "naver/splade-cocondenser-ensembledistil": ("sparse", {}, None, 512),
+    "colbert-ir/colbertv2.0": ("multivector", {}, None, 512),
+    "answerdotai/answerai-colbert-small-v1": ("multivector", {}, None, 512),
+    "urchade/gliner_small-v2.1": ("gliner", {}, None, None),
+    "urchade/gliner_medium-v2.1": ("gliner", {}, None, None),
+}
+
+
+def test_every_catalog_entry_parses_names_a_revision_and_follows_its_model_card() -> None:
+    import re
+
+    from ember.config import BUILTIN_CATALOG, load_spec_file
+
+    specs = {spec.name: spec for spec in map(load_spec_file, BUILTIN_CATALOG.glob("*.yaml"))}
+    assert set(MODEL_CARDS) <= set(specs)
+    for name, (adapter, prompts, pooling, limit) in MODEL_CARDS.items():
+        spec = specs[name]
+        assert spec.source.hub == name, name
+        assert re.fullmatch(r"[0-9a-f]{40}", spec.source.revision or ""), name
+        assert (spec.adapter, dict(spec.prompts), spec.pooling, spec.max_seq_length) == (
+            adapter, prompts, pooling, limit), name
+        assert spec.description, name
+        if adapter == "transformer":
+            assert spec.normalize is True and spec.tasks == ("encode", "score"), name
+    gliner = [s for s in specs.values() if s.adapter == "gliner"]
+    assert gliner and all(s.tasks == ("extract",) for s in gliner)
+    # Pickle weights are allowed only where the repository has nothing else, and said so.
+    assert {s.name for s in specs.values() if s.allow_pickle} == {s.name for s in gliner}
+    assert not any(s.trust_remote_code for s in specs.values())
+
+
+def test_a_hub_id_given_as_a_model_keeps_the_curated_settings_at_its_revision() -> None:
+    from ember.config import spec_for_model
+
+    catalog = load_catalog()
+    spec = spec_for_model("BAAI/bge-small-en-v1.5@" + "a" * 40, catalog)
+    assert spec.source.hub == "BAAI/bge-small-en-v1.5" and spec.source.revision == "a" * 40
+    assert spec.prompts == catalog["BAAI/bge-small-en-v1.5"].prompts
+    packaged = spec_for_model("sentence-transformers/all-MiniLM-L6-v2", catalog)
+    assert packaged.source.hub == "sentence-transformers/all-MiniLM-L6-v2"
+    assert packaged.source.package is None and packaged.pooling == "mean"
+
+
+def test_a_model_that_is_neither_a_folder_nor_a_hub_id_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(CatalogError, match=r"does not exist, and .* is not a Hub id"):
+        load_catalog(model_paths=[tmp_path / "nowhere" / "deeper" / "still"])
+
+
+def test_a_hub_model_missing_offline_is_a_one_line_error(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(CatalogError) as caught:
+        load_catalog(model_paths=["nobody/nothing"])
+    message = str(caught.value)
+    assert "\n" not in message and "nobody/nothing" in message and "HF_HUB_OFFLINE" in message
+
+
+def test_a_clip_or_siglip_directory_is_the_clip_family(tmp_path: Path) -> None:
+    from tests.adapters.tiny_clip import build_clip, build_siglip
+
+    catalog = load_catalog(model_paths=[build_clip(tmp_path / "clip"),
+                                        build_siglip(tmp_path / "siglip")])
+    for name in ("local/clip", "local/siglip"):
+        assert catalog[name].adapter == "clip"
+        assert catalog[name].tasks == ("encode", "score")
+    assert FAMILY_OUTPUTS["clip"] == ("dense",)

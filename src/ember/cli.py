@@ -8,11 +8,22 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
-from ember import __version__
-from ember.config import DEFAULT_MODEL, CatalogError, RaySettings, ServerSettings, load_catalog
+from ember import __version__, hub
+from ember.config import (
+    DEFAULT_MODEL,
+    CatalogError,
+    ModelSpec,
+    RaySettings,
+    ServerSettings,
+    hub_ref,
+    hub_wanted,
+    load_catalog,
+    resolve_source,
+)
 from ember.engine import WorkerConfig
 from ember.logs import FORMATS, LEVELS
 
@@ -86,13 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
          "(best on small machines; see the README)")
     flag("model-dir", str, None, "folder of extra model YAML files (repeatable; the "
          "variable takes a list separated by ':')", action=AppendOverEnv)
-    flag("model", str, None, "a local model directory to serve as local/<dir name>, its "
-         "family read from its files (repeatable; the variable takes a list separated by "
-         "':')", action=AppendOverEnv)
-    flag("preload", str, None, "model to load at startup besides the default (repeatable; "
-         "the variable takes a comma-separated list)", action=AppendOverEnv)
+    flag("model", str, None, "a Hugging Face Hub id (org/name[@revision]), downloaded at "
+         "startup and served under its name, or a local model directory served as "
+         "local/<dir name>; the family is read from the files (repeatable; the variable "
+         "takes a list separated by ':')", action=AppendOverEnv)
+    flag("preload", str, None, "model to load at startup besides the default, a catalog "
+         "name or a Hub id (repeatable; the variable takes a comma-separated list)",
+         action=AppendOverEnv)
     flag("default-model", str, DEFAULT_MODEL, "model behind /embed, /rerank, /v1/embeddings "
-         "and /readyz")
+         "and /readyz: a catalog name or a Hub id")
+    flag("allow-hub-models", bool, False, "let a request name a Hub model the server does "
+         "not have, which it then downloads; off, only the models named at startup are "
+         "downloaded")
     flag("device", str, "cpu", "cpu, cuda or cuda:N (fp16 on CUDA)")
     flag("torch-threads", int, None, "torch intra-op threads (default: all cores but one)")
     flag("backend", str, "onnx", "forward backend, torch or onnx: onnx runs the models it "
@@ -173,6 +189,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         host=args.host, port=args.port, workers=args.workers,
         model_dirs=tuple(Path(p) for p in _list(args.model_dir, ":")),
         model_paths=tuple(Path(p) for p in _list(args.model, ":")),
+        allow_hub_models=args.allow_hub_models,
         preload=_list(args.preload, ","), default_model=args.default_model,
         device=args.device, torch_threads=args.torch_threads, backend=args.backend,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
@@ -216,7 +233,24 @@ def serve(settings: ServerSettings) -> int:
     from ember.logs import configure_logging
 
     configure_logging(settings)
-    catalog = load_catalog(settings.model_dirs, settings.model_paths)
+    try:
+        known = load_catalog(settings.model_dirs)
+    except CatalogError as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        settings = with_hub_models(settings, known)
+        catalog = load_catalog(settings.model_dirs, settings.model_paths)
+        prefetch(settings, catalog)
+    except CatalogError as exc:
+        if settings.default_model in known or not hub.parse_hub_id(settings.default_model):
+            log.error("%s", exc)
+        else:  # perhaps a catalog name mistyped: say which there are
+            log.error("default model %r is not in the catalog (known: %s); as a Hub id: %s",
+                      settings.default_model, ", ".join(sorted(known)), exc)
+        return 2
+    # From here on a process of this server downloads only what a request may name.
+    os.environ[hub.ALLOW_ENV] = "1" if settings.allow_hub_models else "0"
     if settings.default_model not in catalog:
         log.error("default model %r is not in the catalog; known: %s",
                   settings.default_model, ", ".join(sorted(catalog)))
@@ -244,6 +278,40 @@ def serve(settings: ServerSettings) -> int:
     return 0
 
 
+def with_hub_models(settings: ServerSettings,
+                    known: Mapping[str, ModelSpec]) -> ServerSettings:
+    """Hub ids named by --default-model or --preload that no YAML describes are served as
+    if named by --model, so every process of the server finds them in its catalog."""
+    named = {str(p) for p in settings.model_paths}
+    extra = [Path(name) for name in dict.fromkeys((settings.default_model, *settings.preload))
+             if name not in known and name not in named and hub.parse_hub_id(name)]
+    if not extra:
+        return settings
+    return replace(settings, model_paths=(*settings.model_paths, *extra))
+
+
+def prefetch(settings: ServerSettings, catalog: dict[str, ModelSpec]) -> None:
+    """Download, before anything serves, the Hub models this start names: the default
+    model, the preloads and each --model (with `onnx/model.onnx` when the ONNX backend
+    will run it). A default or --model that cannot be had stops the start; a preload is
+    logged and skipped (its routes then say why)."""
+    names = [spec.name for spec in catalog.values() if spec.source.hub is not None and (
+        spec.name == settings.default_model or spec.name in settings.preload
+        or spec.source.hub in {str(p).split("@")[0] for p in settings.model_paths})]
+    for name in dict.fromkeys(names):
+        spec = catalog[name]
+        try:
+            folder = hub.snapshot(hub_ref(spec), hub_wanted(spec, settings.backend,
+                                                           settings.device), download=True)
+            if (companion := hub.backbone(folder)) is not None:  # a GLiNER's tokenizer
+                hub.snapshot(companion, hub.Wanted(weights=False), download=True)
+        except FileNotFoundError as exc:
+            if name in settings.preload and name != settings.default_model:
+                log.error("could not fetch %s: %s", name, exc)
+                continue
+            raise CatalogError(str(exc)) from None
+
+
 def serve_ray(settings: ServerSettings) -> int:
     """`--ray`: Ray is imported here only, so the default install never needs it."""
     assert settings.ray is not None
@@ -261,10 +329,12 @@ def serve_ray(settings: ServerSettings) -> int:
 
 def list_models(model_dirs: Sequence[str] | None, url: str | None = None,
                 api_key: str | None = None) -> int:
-    """A table of the catalog: name, tasks, state and dims; live from a server with `url`."""
+    """A table of the catalog: name, tasks, whether its files are here (cached), their
+    size, state and dims; state and dims live from a server with `url`. Nothing is
+    downloaded."""
     catalog = load_catalog(Path(p) for p in _list(model_dirs, ":"))
-    rows = [(name, ",".join(spec.tasks), "-", str(spec.options.get("dims", "-")))
-            for name, spec in sorted(catalog.items())]
+    rows = [(name, ",".join(spec.tasks), *local_files(spec), "-",
+             str(spec.options.get("dims", "-"))) for name, spec in sorted(catalog.items())]
     if url is not None:
         import httpx
 
@@ -275,15 +345,28 @@ def list_models(model_dirs: Sequence[str] | None, url: str | None = None,
         except httpx.HTTPError as exc:
             print(f"ember: cannot list the models of {url}: {exc}", file=sys.stderr)
             return 1
-        rows = [(m["id"], ",".join(m["tasks"]), m["state"],
-                 "-" if m["dims"] is None else str(m["dims"]))
+        rows = [(m["id"], ",".join(m["tasks"]),
+                 *(local_files(catalog[m["id"]]) if m["id"] in catalog else ("-", "-")),
+                 m["state"], "-" if m["dims"] is None else str(m["dims"]))
                 for m in response.json()["data"]]
-    header = ("NAME", "TASKS", "STATE", "DIMS")
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
+    header = ("NAME", "TASKS", "CACHED", "SIZE", "STATE", "DIMS")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
     for row in [header, *rows]:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
-              + "  " + row[3])
+              + "  " + row[-1])
     return 0
+
+
+def local_files(spec: ModelSpec) -> tuple[str, str]:
+    """Whether the model's files are on this machine (a Hub model in the Hub's cache, an
+    installed package, a folder), and their size; `-` for a model without files."""
+    if spec.adapter == "synthetic":
+        return "-", "-"
+    try:
+        folder = resolve_source(spec, download=False)
+    except (FileNotFoundError, OSError):
+        return "no", "-"
+    return "yes", hub.human_bytes(hub.snapshot_bytes(folder))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,18 +12,21 @@ from typing import Any, Literal, cast
 import yaml
 
 from ember.engine.config import WorkerConfig
+from ember.hub import HubRef, Wanted, parse_hub_id
 
 log = logging.getLogger("ember.config")
 BUILTIN_CATALOG = Path(__file__).parent / "catalog"
 # Adapter family named in a model YAML -> its module under ember.adapters.
 ADAPTERS = {"transformer": "transformer", "cross_encoder": "cross_encoder",
-            "spacy": "spacy_ner", "sparse": "sparse", "multivector": "multivector",
-            "synthetic": "synthetic",
-            "clip": "clip"}
+            "gliner": "gliner", "clip": "clip", "spacy": "spacy_ner", "sparse": "sparse",
+            "multivector": "multivector", "synthetic": "synthetic"}
 # What each family's encode returns (before it is loaded; after, its ModelInfo says).
 FAMILY_OUTPUTS: dict[str, tuple[str, ...]] = {
     "transformer": ("dense",), "sparse": ("sparse",), "multivector": ("multivector",),
-    "synthetic": ("dense",), "cross_encoder": (), "spacy": ()}
+    "clip": ("dense",), "gliner": (), "synthetic": ("dense",), "cross_encoder": (),
+    "spacy": ()}
+# Families the ONNX backend runs (a Hub download then includes onnx/model.onnx).
+ONNX_FAMILIES = frozenset({"transformer", "cross_encoder", "sparse", "multivector"})
 TASKS = ("encode", "score", "extract")
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 Backend = Literal["torch", "onnx"]
@@ -37,8 +40,9 @@ class CatalogError(ValueError):
 
 @dataclass(frozen=True)
 class Source:
-    """Where weights come from: an installed package, a local path, or a hub id
-    resolved from the local cache only (never fetched)."""
+    """Where weights come from: an installed package, a local path, or a Hugging Face
+    Hub id (`hub`, at `revision`: a commit sha, a branch or a tag), read from the Hub's
+    cache or downloaded into it (ember.hub)."""
 
     package: str | None = None
     subdir: str | None = None
@@ -165,10 +169,12 @@ def load_spec_file(path: Path) -> ModelSpec:
 
 
 def load_catalog(extra_dirs: Iterable[Path] = (),
-                 model_paths: Iterable[Path] = ()) -> dict[str, ModelSpec]:
-    """The built-in catalog, then each extra folder's *.yaml, then each model directory
-    named directly (a later entry of the same name replaces an earlier one, so a user
-    can override a default)."""
+                 model_paths: Iterable[Path | str] = ()) -> dict[str, ModelSpec]:
+    """The built-in catalog, then each extra folder's *.yaml, then each model named
+    directly: a local directory, or a Hub id `org/name[@revision]` (a later entry of the
+    same name replaces an earlier one, so a user can override a default). A Hub id the
+    catalog has keeps its curated settings; another is read from its files, which this
+    downloads when they are not in the cache."""
     catalog: dict[str, ModelSpec] = {}
     for folder in (BUILTIN_CATALOG, *extra_dirs):
         if not folder.is_dir():
@@ -176,10 +182,25 @@ def load_catalog(extra_dirs: Iterable[Path] = (),
         for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
             spec = load_spec_file(path)
             catalog[spec.name] = spec
-    for path in model_paths:
-        spec = spec_from_directory(path)
+    for named in model_paths:
+        spec = spec_for_model(named, catalog)
         catalog[spec.name] = spec
     return catalog
+
+
+def spec_for_model(named: Path | str, catalog: Mapping[str, ModelSpec]) -> ModelSpec:
+    """What `--model` names: an existing directory, else a Hub id."""
+    path = Path(named).expanduser()
+    if path.is_dir():
+        return spec_from_directory(path)
+    ref = parse_hub_id(str(named))
+    if ref is None:
+        raise CatalogError(f"model directory {path.resolve()} does not exist, and "
+                           f"{str(named)!r} is not a Hub id (org/name[@revision])")
+    try:
+        return spec_from_hub(ref, base=catalog.get(ref.repo))
+    except FileNotFoundError as exc:  # HubError: one line that says what to do
+        raise CatalogError(str(exc)) from None
 
 
 def spec_from_directory(path: Path) -> ModelSpec:
@@ -197,6 +218,8 @@ def spec_from_directory(path: Path) -> ModelSpec:
 def _detect_family(path: Path) -> tuple[str, tuple[str, ...]]:
     if (path / "meta.json").is_file() and (path / "config.cfg").is_file():
         return "spacy", ("extract",)
+    if (path / "gliner_config.json").is_file():
+        return "gliner", ("extract",)
     if (path / "modules.json").is_file() or (path / "sentence_bert_config.json").is_file():
         return "transformer", ("encode", "score")
     config = path / "config.json"
@@ -207,16 +230,20 @@ def _detect_family(path: Path) -> tuple[str, tuple[str, ...]]:
                                  .get("architectures") or [])
         if "ForSequenceClassification" in architectures:
             return "cross_encoder", ("score",)
+        if architectures in ("CLIPModel", "SiglipModel"):
+            return "clip", ("encode", "score")
         if "ForMaskedLM" in architectures:
             return "sparse", ("encode", "score")
         return "transformer", ("encode", "score")
     raise CatalogError(f"{path} holds no model Ember recognises (a sentence-transformers, "
-                       "transformers or spaCy directory); describe it in a YAML file in "
-                       "a --model-dir instead")
+                       "transformers, CLIP/SigLIP, GLiNER or spaCy directory); describe it "
+                       "in a YAML file in a --model-dir instead")
 
 
-def resolve_source(spec: ModelSpec) -> Path:
-    """The local directory holding the model's files. Never downloads anything."""
+def resolve_source(spec: ModelSpec, download: bool | None = None) -> Path:
+    """The local directory holding the model's files. A Hub model comes from the Hub's
+    cache, or is downloaded when `download` (default: this process's policy, see
+    ember.hub) allows it."""
     source = spec.source
     if source.path is not None:
         path = source.path.resolve()
@@ -231,11 +258,67 @@ def resolve_source(spec: ModelSpec) -> Path:
         root = Path(next(iter(found.submodule_search_locations)))
         return root / source.subdir if source.subdir else root
     if source.hub is not None:
-        from huggingface_hub import snapshot_download  # only for hub ids, cache only
+        from ember import hub
 
-        return Path(snapshot_download(source.hub, revision=source.revision,
-                                      local_files_only=True))
+        # Complete without onnx/model.onnx: the ONNX backend exports one when it is missing.
+        return hub.snapshot(hub_ref(spec), hub_wanted(spec), download, exact=False)
     raise FileNotFoundError(f"model {spec.name!r} names no source")
+
+
+def hub_ref(spec: ModelSpec) -> HubRef:
+    assert spec.source.hub is not None
+    return HubRef(spec.source.hub, spec.source.revision)
+
+
+def hub_wanted(spec: ModelSpec, backend: Backend | None = None, device: str = "cpu") -> Wanted:
+    """What a Hub model needs downloaded; `onnx/model.onnx` when the ONNX backend would
+    run it (the spec's backend, else the server's `backend` on CPU without LoRAs)."""
+    runs_onnx = (spec.adapter in ONNX_FAMILIES and not spec.loras
+                 and (spec.backend or backend or "onnx") == "onnx"
+                 and device.startswith("cpu"))
+    return Wanted(allow_pickle=spec.allow_pickle, trust_remote_code=spec.trust_remote_code,
+                  onnx=runs_onnx)
+
+
+def spec_from_hub(ref: HubRef, download: bool | None = None, base: ModelSpec | None = None,
+                  wanted: Wanted | None = None) -> ModelSpec:
+    """A catalog entry for a Hub id: a curated entry (`base`) at the revision asked for,
+    or a plain one named after the repository, its family read from the downloaded files
+    (as for a local directory)."""
+    if base is not None:  # from the Hub, whatever else the curated entry names
+        pinned = base.source.revision if base.source.hub == ref.repo else None
+        return replace(base, source=Source(hub=ref.repo, revision=ref.revision or pinned))
+    from ember import hub
+
+    folder = hub.snapshot(ref, wanted or Wanted(), download)
+    family, tasks = _detect_family(folder)
+    _refuse_remote_code(folder, str(ref))
+    return ModelSpec(name=ref.repo, adapter=family, source=Source(hub=ref.repo,
+                                                                  revision=ref.revision),
+                     tasks=tasks, description=f"{family} model {ref} from the Hub")
+
+
+def _refuse_remote_code(folder: Path, name: str) -> None:
+    """A model whose config maps its classes to the repository's own code needs a YAML
+    that says trust_remote_code: true; a bare Hub id never runs remote code."""
+    import json
+
+    config = folder / "config.json"
+    if config.is_file() and json.loads(config.read_text(encoding="utf-8")).get("auto_map"):
+        raise CatalogError(f"model {name} runs its own code (config.json auto_map); Ember "
+                           "runs remote code only for a model whose YAML says "
+                           "trust_remote_code: true (a file in a --model-dir)")
+
+
+def hub_spec_on_request(name: str) -> ModelSpec | None:
+    """The entry for a Hub id a request named, when the server allows requests to fetch
+    models (--allow-hub-models); None otherwise. Blocking: it may download."""
+    from ember import hub
+
+    ref = parse_hub_id(name)
+    if ref is None or ref.revision is not None or not hub.requests_may_download():
+        return None
+    return spec_from_hub(ref, download=True)
 
 
 @dataclass(frozen=True)
@@ -289,7 +372,8 @@ class ServerSettings:
     port: int = 8080
     workers: int = 0  # API processes beside one engine process; 0: everything in one
     model_dirs: tuple[Path, ...] = ()
-    model_paths: tuple[Path, ...] = ()
+    model_paths: tuple[Path, ...] = ()  # --model: local directories or Hub ids
+    allow_hub_models: bool = False  # may a request name a Hub model to download
     preload: tuple[str, ...] = ()
     default_model: str = DEFAULT_MODEL
     device: str = "cpu"

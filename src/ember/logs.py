@@ -1,12 +1,21 @@
 """Logging set-up shared by every process of `ember serve`, and the access log.
 
 `--log-format json` writes one JSON object a line (time, level, logger, process,
-message, and the access log's fields by name) for log shippers."""
+message, and the access log's fields by name) for log shippers. Then every line on
+stderr is JSON: progress bars (transformers', huggingface_hub's) are turned off, the
+libraries' own log handlers give way to Ember's, and whatever else writes to the
+process's stderr (a C++ library, a stray print) is caught at the file descriptor and
+written as a JSON line of the `stderr` logger."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
+import threading
 import time
+from typing import IO
 
 import orjson
 import setproctitle
@@ -39,18 +48,94 @@ def name_process(role: str) -> None:
     setproctitle.setproctitle(f"ember: {role}")
 
 
+# Libraries that install a stderr handler of their own; their records go through Ember's.
+LIBRARY_LOGGERS = ("transformers", "huggingface_hub", "sentence_transformers")
+# Readiness probes answer 503 until the default model is loaded: that is their job, not
+# a server fault, so it is logged at info.
+PROBES = frozenset({"/readyz", "/health"})
+_captured: list[int] = []  # the stderr this process writes JSON to, once captured
+
+
 def configure_logging(settings: ServerSettings) -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if settings.log_format == "json"
-                         else logging.Formatter(TEXT_FORMAT))
+    json_lines = settings.log_format == "json"
+    if json_lines:
+        # Set before the libraries are imported; child processes inherit them.
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+        stream = capture_stderr()
+    else:
+        stream = sys.stderr
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
+    logging.captureWarnings(True)  # warnings.warn(...) becomes a record of py.warnings
+    for name in LIBRARY_LOGGERS:
+        library = logging.getLogger(name)
+        library.handlers.clear()
+        library.propagate = True
+    if json_lines:
+        _quiet_libraries()
+
+
+def _quiet_libraries() -> None:
+    """Progress bars off and handlers routed through ours, in libraries already imported
+    (those imported later read HF_HUB_DISABLE_PROGRESS_BARS)."""
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils.tqdm import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        transformers_logging.disable_default_handler()
+        transformers_logging.enable_propagation()
+
+
+def capture_stderr() -> IO[str]:
+    """Point file descriptor 2 at a pipe whose lines are written, as JSON, to the stderr
+    the process had; return a stream on that original stderr for Ember's own handler.
+    Lines that are JSON already (a child process's) pass through unchanged."""
+    if _captured:
+        return os.fdopen(os.dup(_captured[0]), "w", buffering=1, encoding="utf-8")
+    sys.stderr.flush()
+    original = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    _captured.append(original)
+    sys.stderr = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8",
+                           errors="replace")
+    out = os.fdopen(os.dup(original), "w", buffering=1, encoding="utf-8")
+    threading.Thread(target=_relay, args=(read_end, out), name="ember-stderr",
+                     daemon=True).start()
+    return os.fdopen(os.dup(original), "w", buffering=1, encoding="utf-8")
+
+
+def _relay(read_end: int, out: IO[str]) -> None:
+    formatter = JsonFormatter()
+    with os.fdopen(read_end, "rb") as pipe:
+        for raw in pipe:
+            for piece in raw.decode("utf-8", "replace").replace("\r", "\n").split("\n"):
+                text = piece.strip()
+                if not text:
+                    continue
+                if text.startswith("{") and text.endswith("}"):
+                    with contextlib.suppress(orjson.JSONDecodeError):
+                        orjson.loads(text)
+                        out.write(text + "\n")
+                        continue
+                record = logging.LogRecord("stderr", logging.INFO, __file__, 0, text, None,
+                                           None)
+                out.write(formatter.format(record) + "\n")
 
 
 def access_log(method: str, path: str, route: str, model: str, status: int, items: int,
                queue_ms: float, inference_ms: float, total_ms: float,
                request_id: str) -> None:
     """One line per request at info (warning for a server fault): refusals included."""
-    level = logging.WARNING if status >= 500 else logging.INFO
+    level = logging.WARNING if status >= 500 and not (
+        status == 503 and path in PROBES) else logging.INFO
     if not access.isEnabledFor(level):
         return
     fields = {"method": method, "path": path, "route": route, "model": model or None,

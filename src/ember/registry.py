@@ -12,7 +12,14 @@ from typing import Protocol, cast
 
 from ember import heap
 from ember.adapters.base import ModelAdapter, ModelInfo, Runtime
-from ember.config import ADAPTERS, ModelSpec, ServerSettings, resolve_source
+from ember.config import (
+    ADAPTERS,
+    CatalogError,
+    ModelSpec,
+    ServerSettings,
+    hub_spec_on_request,
+    resolve_source,
+)
 from ember.engine import (
     ModelWorker,
     PreparedItem,
@@ -38,7 +45,7 @@ def estimate_bytes(spec: ModelSpec) -> int:
     if spec.adapter == "synthetic":
         return 0
     try:
-        root = resolve_source(spec)
+        root = resolve_source(spec, download=False)  # never a download on the event loop
     except (FileNotFoundError, OSError):
         return 0
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
@@ -124,10 +131,20 @@ class CatalogLookup:
         return sorted(self.catalog)
 
     def spec(self, name: str) -> ModelSpec:
+        """The entry by that name; a Hub id the catalog lacks is added (downloading it)
+        only when the server allows it (--allow-hub-models)."""
         try:
             return self.catalog[name]
         except KeyError:
+            pass
+        try:
+            found = hub_spec_on_request(name)
+        except (FileNotFoundError, CatalogError) as exc:
+            raise ModelLoadError(name, str(exc)) from None
+        if found is None:
             raise ModelNotFound(name, self.names) from None
+        cast(dict[str, ModelSpec], self.catalog)[name] = found
+        return found
 
 
 class Registry(CatalogLookup):
@@ -183,6 +200,8 @@ class Registry(CatalogLookup):
         return ModelInUse(self, name)
 
     async def get(self, name: str) -> LoadedModel:
+        if name not in self.catalog:  # a Hub id a request named may download: off the loop
+            await asyncio.to_thread(self.spec, name)
         spec = self.spec(name)
         if (model := self._loaded.get(name)) is not None:
             if model.worker.failure is not None:  # its loop failed: a fresh one serves on

@@ -136,25 +136,70 @@ def test_help_names_every_flag_its_variable_and_default(
     assert "(default:8080)" in compact and f"(default:{DEFAULT_MODEL})" in compact
 
 
-def test_models_lists_the_catalog(capsys: pytest.CaptureFixture[str]) -> None:
+def test_models_lists_the_catalog_with_cache_state_size_and_tasks(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty Hub cache
     assert main(["models"]) == 0
     header, *lines = capsys.readouterr().out.splitlines()
-    assert header.split() == ["NAME", "TASKS", "STATE", "DIMS"]
+    assert header.split() == ["NAME", "TASKS", "CACHED", "SIZE", "STATE", "DIMS"]
+    rows = {line.split()[0]: line.split() for line in lines}
     names = [line.split()[0] for line in lines]
     assert names == sorted(names)
-    assert {DEFAULT_MODEL, SPACY, SYNTH} <= set(names)
-    minilm = next(line for line in lines if line.startswith(DEFAULT_MODEL))
-    assert minilm.split()[1:] == ["encode,score", "-", "-"]  # state and dims need a server
-    synthetic = next(line for line in lines if line.startswith(SYNTH))
-    assert synthetic.split()[-1] == "64"  # its YAML gives its dims
+    assert {DEFAULT_MODEL, SPACY, SYNTH, "BAAI/bge-small-en-v1.5",
+            "urchade/gliner_small-v2.1"} <= set(names)
+    minilm = rows[DEFAULT_MODEL]  # packaged: here, with its size; state needs a server
+    assert minilm[1:3] == ["encode,score", "yes"] and minilm[4] == "MB" and minilm[-2:] == [
+        "-", "-"]
+    assert 80 < float(minilm[3]) < 100
+    assert rows["BAAI/bge-small-en-v1.5"][1:4] == ["encode,score", "no", "-"]
+    assert rows["BAAI/bge-small-en-v1.5"][-1] == "384"
+    assert rows["urchade/gliner_small-v2.1"][1] == "extract"
+    assert rows[SYNTH][-1] == "64"  # its YAML gives its dims
+
+
+def test_models_says_a_cached_hub_model_is_here(capsys: pytest.CaptureFixture[str],
+                                                 tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A complete snapshot in the Hub's cache (laid out as huggingface_hub lays it)."""
+    from huggingface_hub import constants
+
+    from ember.hub import human_bytes
+    from tests.hub_standin import minilm_folder
+
+    sha = "b" * 40
+    repo = tmp_path / "models--BAAI--bge-small-en-v1.5"
+    snapshot = repo / "snapshots" / sha
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (snapshot / name).symlink_to(minilm_folder() / name)
+    (tmp_path / "pins").mkdir()
+    pinned = tmp_path / "pins" / "bge.yaml"
+    pinned.write_text("name: BAAI/bge-small-en-v1.5\nadapter: transformer\n"
+                      "tasks: [encode]\nsource: {hub: BAAI/bge-small-en-v1.5}\n")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert main(["models", "--model-dir", str(tmp_path / "pins")]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
+    size = sum((minilm_folder() / n).stat().st_size
+               for n in ("config.json", "model.safetensors", "tokenizer.json"))
+    assert rows["BAAI/bge-small-en-v1.5"][2:5] == ["yes", *human_bytes(size).split()]
+    (snapshot / "model.safetensors").unlink()  # weights gone: not cached any more
+    assert main(["models", "--model-dir", str(tmp_path / "pins")]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
+    assert rows["BAAI/bge-small-en-v1.5"][2:4] == ["no", "-"]
 
 
 def test_models_asks_a_running_server(live_server: ServerProcess,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["models", "--url", live_server.url]) == 0
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()}
-    assert rows[DEFAULT_MODEL] == [DEFAULT_MODEL, "encode,score", "loaded", "384"]
-    assert rows[SPACY][2] in ("available", "loaded")
+    assert rows[DEFAULT_MODEL][:3] == [DEFAULT_MODEL, "encode,score", "yes"]
+    assert rows[DEFAULT_MODEL][-2:] == ["loaded", "384"]
+    assert rows[SPACY][-2] in ("available", "loaded")
 
 
 def test_models_with_an_extra_folder(model_dir: Path,
@@ -196,6 +241,24 @@ def test_the_console_script_is_installed() -> None:
                             env=server_env(), timeout=60)
     assert result.returncode == 0
     assert "serve" in result.stdout and "models" in result.stdout
+
+
+def test_hub_ids_in_model_default_model_and_preload_and_allow_hub_models() -> None:
+    settings = parse("--model", "BAAI/bge-small-en-v1.5@main", "--default-model",
+                     "org/default", "--preload", "org/other", "--allow-hub-models")
+    assert settings.model_paths == (Path("BAAI/bge-small-en-v1.5@main"),)
+    assert settings.default_model == "org/default" and settings.preload == ("org/other",)
+    assert settings.allow_hub_models is True
+    assert parse().allow_hub_models is False
+
+
+def test_hub_ids_of_the_default_and_preloads_join_the_models_every_process_loads() -> None:
+    from ember.cli import with_hub_models
+    from ember.config import load_catalog
+
+    settings = with_hub_models(parse("--default-model", "org/default", "--preload",
+                                     f"org/other,{SPACY}"), load_catalog())
+    assert settings.model_paths == (Path("org/default"), Path("org/other"))
 
 
 def test_model_names_local_directories(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -47,6 +47,7 @@ class ScoreOptions:
 @dataclass(frozen=True)
 class ExtractOptions:
     labels: tuple[str, ...] | None = None  # friendly or native names; None: all
+    threshold: float | None = None  # zero-shot families: least score kept; None: the model's
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,293 @@
+"""Zero-shot entities with GLiNER: any labels a request names, a score per entity.
+
+The `gliner` package does the modelling: its word splitter, collator, span model and
+decoder are the ones its own `predict_entities` runs, so Ember's spans and scores are
+the package's. Ember batches: the request path splits each text into words and counts
+its tokens (the words' sub-words plus the label prompt, the item's cost); the forward
+collates one batch of texts that share labels and threshold (a parameter group, R6),
+runs the span model once, and decodes.
+
+Weights load from safetensors only unless the spec sets `allow_pickle` (a
+`pytorch_model.bin`, which gliner reads with torch's weights-only unpickler). The
+backbone's config and tokenizer, when the model folder lacks them, come from the Hub id
+its `gliner_config.json` names (`model_name`), through the Hub's cache.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ember.adapters import _torch as common
+from ember.adapters.base import (
+    Encoded,
+    EncodeOptions,
+    Entity,
+    ExtractOptions,
+    ModelInfo,
+    Runtime,
+    ScoreOptions,
+    Submit,
+    Task,
+    TaskOutput,
+)
+from ember.config import ModelSpec, resolve_source
+from ember.engine.types import PreparedItem
+from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
+
+TASKS: tuple[Task, ...] = ("extract",)
+CONFIG_FILE = "gliner_config.json"
+DEFAULT_THRESHOLD = 0.5
+MAX_LABELS = 64
+MAX_LABEL_CHARS = 200
+
+
+@dataclass(frozen=True)
+class GlinerParams:
+    """One forward's labels and decoding settings: texts share a forward only with
+    texts that ask the same (the labels are part of the model's input)."""
+
+    labels: tuple[str, ...]
+    threshold: float
+    flat_ner: bool = True
+    multi_label: bool = False
+
+
+@dataclass(frozen=True)
+class Words:
+    """A text split into words, with each word's character offsets."""
+
+    text: str
+    words: tuple[str, ...]
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+
+
+class GlinerFront:
+    """The request path: label checks, word splitting, token costs, result shaping."""
+
+    def __init__(self, spec: ModelSpec, config: Any, tokenizer: Any, splitter: Any) -> None:
+        if set(spec.tasks) - set(TASKS):
+            raise ModelLoadError(spec.name, f"the gliner family does only {TASKS}, the spec "
+                                            f"lists {list(spec.tasks)}")
+        common.refuse_loras(spec, "gliner")
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.splitter = splitter
+        self.max_words = int(config.max_len)
+        self.threshold = float(spec.options.get("threshold", DEFAULT_THRESHOLD))
+        self.default_labels = tuple(str(x) for x in spec.options.get("labels", ()))
+        self.flat_ner = bool(spec.options.get("flat_ner", True))
+        self.multi_label = bool(spec.options.get("multi_label", False))
+        self.info = ModelInfo(name=spec.name, tasks=TASKS, output_types=(),
+                              max_seq_length=self.max_words, labels=self.default_labels,
+                              extra={"zero_shot": True, "threshold": self.threshold,
+                                     "max_words": self.max_words})
+
+    def params(self, options: ExtractOptions) -> GlinerParams:
+        labels = options.labels if options.labels is not None else self.default_labels
+        if not labels:
+            raise InvalidInput(f"model {self.spec.name!r} finds the entity types a request "
+                               "names: send params.labels, e.g. [\"person\", \"drug\"]",
+                               "params.labels")
+        if len(labels) > MAX_LABELS:
+            raise InvalidInput(f"{len(labels)} labels exceeds the limit of {MAX_LABELS}; "
+                               "split the request", "params.labels")
+        for i, label in enumerate(labels):
+            if not label.strip() or len(label) > MAX_LABEL_CHARS:
+                raise InvalidInput(f"a label must be 1 to {MAX_LABEL_CHARS} characters",
+                                   f"params.labels[{i}]")
+        threshold = getattr(options, "threshold", None)
+        threshold = self.threshold if threshold is None else float(threshold)
+        if not 0.0 <= threshold <= 1.0:
+            raise InvalidInput("threshold must be between 0 and 1", "params.threshold")
+        return GlinerParams(tuple(dict.fromkeys(labels)), threshold, self.flat_ner,
+                            self.multi_label)
+
+    def split(self, text: str) -> Words:
+        words, starts, ends = [], [], []
+        for word, start, end in self.splitter(text):
+            words.append(word)
+            starts.append(start)
+            ends.append(end)
+        return Words(text, tuple(words), tuple(starts), tuple(ends))
+
+    def prompt_tokens(self, labels: Sequence[str]) -> int:
+        """The label prompt's tokens: a marker and the label's tokens each, a separator."""
+        return 1 + sum(1 + len(self.tokenizer.tokenize(label)) for label in labels)
+
+    def prepare(self, texts: Sequence[str], params: GlinerParams) -> list[PreparedItem]:
+        prompt = self.prompt_tokens(params.labels)
+        items = []
+        for i, text in enumerate(texts):
+            words = self.split(text)
+            kept = list(words.words[: self.max_words])
+            tokens = len(self.tokenizer(kept, is_split_into_words=True,
+                                        add_special_tokens=True)["input_ids"]) if kept else 0
+            items.append(PreparedItem(words, max(1, tokens + prompt), i))
+        return items
+
+    async def extract(self, submit: Submit, texts: Sequence[str],
+                      options: ExtractOptions) -> TaskOutput[list[list[Entity]]]:
+        common.require_items(len(texts))
+        params = self.params(options)
+        items = self.prepare(texts, params)
+        result = await submit(items, params, None)
+        return TaskOutput(list(result.values), result.queue_ms, result.inference_ms,
+                          sum(item.cost for item in items))
+
+    async def encode(self, submit: Submit, texts: Sequence[str],
+                     options: EncodeOptions) -> TaskOutput[list[Encoded]]:
+        raise UnsupportedTask(self.spec.name, "encode", self.info.tasks)
+
+    async def score(self, submit: Submit, query: str, docs: Sequence[str],
+                    options: ScoreOptions) -> TaskOutput[list[float]]:
+        raise UnsupportedTask(self.spec.name, "score", self.info.tasks)
+
+
+class GlinerAdapter(GlinerFront):
+    """The request path and the forward, in the worker's thread, over the gliner model."""
+
+    def __init__(self, spec: ModelSpec, model: Any, runtime: Runtime) -> None:
+        processor = model.data_processor
+        super().__init__(spec, model.config, processor.transformer_tokenizer,
+                         processor.words_splitter)
+        self.model = model
+        self.device = torch.device(runtime.device)
+        self.collator = model.data_collator_class(
+            model.config, data_processor=processor, return_tokens=True,
+            return_entities=True, return_id_to_classes=True, prepare_labels=False)
+
+    def set_lora(self, name: str | None) -> None:
+        if name is not None:
+            raise KeyError(f"GLiNER model {self.spec.name!r} has no LoRA adapters")
+
+    def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[list[Entity]]:
+        assert isinstance(params, GlinerParams)
+        words = [item.payload for item in items]
+        assert all(isinstance(w, Words) for w in words)
+        results: list[list[Entity]] = [[] for _ in words]
+        present = [i for i, w in enumerate(words) if w.words]  # a text of no words has none
+        if not present:
+            return results
+        batch = self.collator([{"tokenized_text": list(words[i].words), "ner": None}
+                               for i in present], entity_types=list(params.labels))
+        batch = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                 for k, v in batch.items()}
+        with torch.inference_mode():
+            logits = self.model.model(**batch, threshold=params.threshold)[0]
+        decoded = self.model.decoder.decode(batch["tokens"], batch["id_to_classes"], logits,
+                                            flat_ner=params.flat_ner,
+                                            threshold=params.threshold,
+                                            multi_label=params.multi_label)
+        for i, spans in zip(present, decoded, strict=True):
+            text = words[i]
+            results[i] = [Entity(text.text[text.starts[s]:text.ends[e]], str(label),
+                                 text.starts[s], text.ends[e], float(score))
+                          for s, e, label, score in spans]
+        return results
+
+    def memory_bytes(self) -> int:
+        return common.module_bytes(self.model)
+
+    def close(self) -> None:
+        self.model = None
+        common.release(self.device)
+
+
+def check_weights(spec: ModelSpec, folder: Path) -> None:
+    if (folder / "model.safetensors").is_file():
+        return
+    if (folder / "pytorch_model.bin").is_file():
+        if spec.allow_pickle:
+            return
+        raise ModelLoadError(spec.name, "the model's weights are a pickle (pytorch_model.bin); "
+                                        "Ember loads safetensors unless the model's YAML says "
+                                        "allow_pickle: true")
+    raise ModelLoadError(spec.name, f"{folder} holds no GLiNER weights (model.safetensors)")
+
+
+def ensure_backbone(folder: Path, download: bool | None = None) -> Path | None:
+    """The local folder of the backbone's config and tokenizer (from the Hub's cache, or
+    downloaded), when the model folder names a Hub id for them (ember.hub.backbone)."""
+    from ember import hub
+
+    ref = hub.backbone(folder)
+    return None if ref is None else hub.snapshot(ref, hub.Wanted(weights=False), download)
+
+
+def read_config(folder: Path, backbone: Path | None) -> dict[str, Any]:
+    """gliner_config.json, its backbone named by its local folder when it has one, so
+    nothing loads from the network."""
+    fields: dict[str, Any] = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    if backbone is not None:
+        fields["model_name"] = str(backbone)
+    return fields
+
+
+def _load(spec: ModelSpec, runtime: Runtime) -> Any:
+    from gliner import GLiNER
+
+    folder = resolve_source(spec)
+    if not (folder / CONFIG_FILE).is_file():
+        raise ModelLoadError(spec.name, f"{folder} is not a GLiNER model (no {CONFIG_FILE})")
+    check_weights(spec, folder)
+    backbone = ensure_backbone(folder)
+    common.apply_runtime(runtime)
+    with tempfile.TemporaryDirectory(prefix="ember-gliner-") as staged:
+        # gliner reads the backbone's name from the config: a folder that names its
+        # local copy, beside links to the model's own files.
+        for path in folder.iterdir():
+            if path.name != CONFIG_FILE:
+                (Path(staged) / path.name).symlink_to(path.resolve())
+        (Path(staged) / CONFIG_FILE).write_text(json.dumps(read_config(folder, backbone)),
+                                                encoding="utf-8")
+        model = GLiNER.from_pretrained(staged, local_files_only=True,
+                                       map_location=runtime.device)
+    add_markers(spec, model.data_processor.transformer_tokenizer, model.config,
+                model._get_special_tokens())
+    if runtime.half:
+        model.model.half()
+    model.eval()
+    return model
+
+
+def add_markers(spec: ModelSpec, tokenizer: Any, config: Any, markers: Sequence[str]) -> None:
+    """GLiNER's prompt markers in a backbone's tokenizer (a folder without a tokenizer of
+    its own has none), at the ids the model was trained with."""
+    if config.ent_token not in tokenizer.get_vocab():
+        tokenizer.add_tokens(list(markers), special_tokens=True)
+    found = tokenizer.convert_tokens_to_ids(config.ent_token)
+    if config.class_token_index not in (-1, found):
+        raise ModelLoadError(spec.name, f"the tokenizer puts {config.ent_token} at {found}, "
+                                        f"the model was trained with "
+                                        f"{config.class_token_index}")
+
+
+def load(spec: ModelSpec, runtime: Runtime) -> GlinerAdapter:
+    """Load a GLiNER folder (a Hub snapshot or a local directory) with the gliner package."""
+    return GlinerAdapter(spec, _load(spec, runtime), runtime)
+
+
+def load_front(spec: ModelSpec, runtime: Runtime) -> GlinerFront:
+    """The request path alone: the word splitter and the tokenizer, no weights."""
+    from gliner import GLiNERConfig
+    from gliner.data_processing.tokenizer import WordsSplitter
+    from transformers import AutoTokenizer
+
+    folder = resolve_source(spec)
+    fields = read_config(folder, ensure_backbone(folder))
+    fields.pop("model_type", None)
+    config = GLiNERConfig(**fields)
+    own = (folder / "tokenizer_config.json").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder if own else config.model_name),
+                                              local_files_only=True)
+    # The span models' markers, in gliner's order (its _get_special_tokens).
+    add_markers(spec, tokenizer, config, ["[FLERT]", config.ent_token, config.sep_token])
+    return GlinerFront(spec, config, tokenizer, WordsSplitter(config.words_splitter_type))

@@ -1,0 +1,287 @@
+"""Models named by a Hugging Face Hub id: read from the local cache, or downloaded into it.
+
+Everything goes through `huggingface_hub`, so HF_TOKEN, HF_ENDPOINT, HF_HOME and
+HF_HUB_OFFLINE mean what they mean there. Only what a model needs is fetched: safetensors
+weights, config and tokenizer files, sentence-transformers module files, and
+`onnx/model.onnx` when the ONNX backend would run it. Pickle weights are fetched only for
+a model whose YAML allows them, and only when the repository has no safetensors; Python
+files only for one that trusts remote code.
+
+A snapshot already complete in the cache is used without any request. One process at a
+time fetches a repository (a file lock in the cache), so servers and replicas starting
+together download each file once; the others then find it complete. A file cut in the
+middle is resumed with a range request (huggingface_hub's own retry); files finished
+before an interruption are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("ember.hub")
+
+# org/name, optionally @revision (a branch, a tag or a commit sha); as the Hub spells ids.
+HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95})"
+                    r"(?:@(?P<revision>[\w.\-/]{1,200}))?")
+ALLOW_ENV = "EMBER_ALLOW_HUB_MODELS"  # "0": this process may not download (set by serve)
+PROGRESS_EVERY_S = 2.0  # at most one byte-count line per download this often
+
+BASE_FILES = ("*.json", "*.txt", "*.model", "tokenizer*", "*.safetensors")
+PICKLE_FILES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+ONNX_FILES = ("onnx/model.onnx", "onnx/model.onnx_data")
+CODE_FILES = ("*.py",)
+CONFIG_FILES = ("config.json", "gliner_config.json")  # one of them names the architecture
+# Folders of other runtimes, never read here.
+IGNORED = ("openvino/*", "coreml/*", "tf_model*", "flax_model*", "rust_model*", "*.h5",
+           "*.msgpack", "*.ot")
+
+
+class HubError(FileNotFoundError):
+    """A Hub model that cannot be had: the message is one line naming it and what to do."""
+
+
+@dataclass(frozen=True)
+class HubRef:
+    repo: str
+    revision: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.repo}@{self.revision}" if self.revision else self.repo
+
+
+def parse_hub_id(text: str) -> HubRef | None:
+    """`org/name[@revision]` as a HubRef; None for anything else (a path, a bad name)."""
+    match = HUB_ID.fullmatch(text.strip())
+    if match is None or ".." in text or text.startswith(("./", "/", "~")):
+        return None
+    return HubRef(match.group("repo"), match.group("revision"))
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What a model needs from its repository."""
+
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    onnx: bool = False
+    weights: bool = True  # False: config and tokenizer only (a GLiNER model's backbone)
+
+    def patterns(self, pickle: bool) -> list[str]:
+        patterns = [p for p in BASE_FILES if self.weights or p != "*.safetensors"]
+        if pickle:
+            patterns += PICKLE_FILES
+        if self.onnx:
+            patterns += ONNX_FILES
+        if self.trust_remote_code:
+            patterns += CODE_FILES
+        return patterns
+
+
+def requests_may_download() -> bool:
+    """Whether a request may name a Hub model the catalog lacks (--allow-hub-models)."""
+    return os.environ.get(ALLOW_ENV, "").lower() in ("1", "true", "yes", "on")
+
+
+def downloads_allowed() -> bool:
+    """Whether this process may download: `ember serve` forbids it after its startup
+    downloads unless --allow-hub-models; a library caller may."""
+    return os.environ.get(ALLOW_ENV, "1").lower() not in ("0", "false", "no", "off")
+
+
+def offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def cache_root() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def cached(ref: HubRef, wanted: Wanted) -> Path | None:
+    """The complete snapshot of `ref` in the cache, found without any request."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    for pickle in ((False, True) if wanted.allow_pickle else (False,)):
+        try:
+            folder = Path(snapshot_download(ref.repo, revision=ref.revision,
+                                            allow_patterns=wanted.patterns(pickle),
+                                            ignore_patterns=list(IGNORED),
+                                            local_files_only=True))
+        except (LocalEntryNotFoundError, OSError, ValueError):
+            continue
+        configured = any((folder / name).is_file() for name in CONFIG_FILES)
+        if configured and (not wanted.weights or has_weights(folder, pickle)):
+            return folder
+    return None
+
+
+def has_weights(folder: Path, pickle: bool) -> bool:
+    kinds = ("*.safetensors", "onnx/model.onnx", *(PICKLE_FILES if pickle else ()))
+    return any(next(folder.glob(kind), None) is not None for kind in kinds)
+
+
+def snapshot(ref: HubRef, wanted: Wanted, download: bool | None = None,
+             exact: bool = True) -> Path:
+    """The local folder of `ref`: from the cache, else downloaded (when allowed). Not
+    `exact`: a cached snapshot without the ONNX graph will do."""
+    folder = cached(ref, wanted if exact else replace(wanted, onnx=False))
+    if folder is not None:
+        return folder
+    if offline():
+        raise HubError(f"model {ref} is not in the Hugging Face cache ({cache_root()}) and "
+                       "HF_HUB_OFFLINE is set; fetch it once online (unset HF_HUB_OFFLINE "
+                       f"and start `ember serve --preload {ref}`), or copy the cache here")
+    if not (downloads_allowed() if download is None else download):
+        raise HubError(f"model {ref} is not in the Hugging Face cache ({cache_root()}) and "
+                       "this server downloads only the models named at its start; name it "
+                       f"with --preload {ref}, or start with --allow-hub-models")
+    return fetch(ref, wanted)
+
+
+def fetch(ref: HubRef, wanted: Wanted) -> Path:
+    """Download what `ref` needs, one process at a time per repository."""
+    from filelock import FileLock
+
+    locks = cache_root() / ".locks" / "ember"
+    locks.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(locks / (ref.repo.replace("/", "--") + ".lock")))
+    with lock:
+        folder = cached(ref, wanted)  # another process may have fetched it meanwhile
+        if folder is not None:
+            log.info("%s: found in the cache, fetched by another process", ref)
+            return folder
+        return _download(ref, wanted)
+
+
+def _download(ref: HubRef, wanted: Wanted) -> Path:
+    from huggingface_hub import HfApi, snapshot_download, try_to_load_from_cache
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    from huggingface_hub.utils._paths import filter_repo_objects
+
+    started = time.monotonic()
+    try:
+        info = HfApi().model_info(ref.repo, revision=ref.revision, files_metadata=True)
+    except RevisionNotFoundError:
+        raise HubError(f"model {ref}: the repository has no revision {ref.revision!r}; "
+                       "name a branch, a tag or a commit it has") from None
+    except RepositoryNotFoundError:
+        raise HubError(f"model {ref} is not on the Hub (or needs a token: set HF_TOKEN)"
+                       ) from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise HubError(f"model {ref}: the Hub could not be reached ({type(exc).__name__}: "
+                       f"{str(exc).splitlines()[0] if str(exc) else ''}); check HF_ENDPOINT "
+                       "and the network, or set HF_HUB_OFFLINE=1 to use the cache") from None
+    sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or []}
+    has_safetensors = any(name.endswith(".safetensors") for name in sizes)
+    pickled = [n for n in sizes if any(_match(n, p) for p in PICKLE_FILES)]
+    if not wanted.weights:
+        has_safetensors, pickled = True, []
+    if not has_safetensors and pickled and not wanted.allow_pickle:
+        raise HubError(f"model {ref} has pickle weights only ({', '.join(sorted(pickled))}); "
+                       "Ember loads safetensors unless the model's YAML says "
+                       "allow_pickle: true (pickle files can run code when loaded)")
+    pickle = not has_safetensors and wanted.allow_pickle
+    if not has_safetensors and not pickled and not (wanted.onnx and "onnx/model.onnx" in sizes):
+        raise HubError(f"model {ref} has no weights Ember can load (no *.safetensors)")
+    patterns = wanted.patterns(pickle)
+    files = list(filter_repo_objects(list(sizes), allow_patterns=patterns,
+                                     ignore_patterns=list(IGNORED)))
+    sha = str(info.sha)
+    missing = [f for f in files
+               if not isinstance(try_to_load_from_cache(ref.repo, f, revision=sha), str)]
+    total = sum(sizes[f] for f in missing)
+    log.info("%s: downloading %d of %d files (%s) at revision %s", ref, len(missing),
+             len(files), human_bytes(total), sha)
+    for name in missing:
+        log.info("%s: downloading %s (%s)", ref, name, human_bytes(sizes[name]))
+    folder = snapshot_download(ref.repo, revision=ref.revision, allow_patterns=patterns,
+                               ignore_patterns=list(IGNORED),
+                               tqdm_class=progress_class(str(ref)))
+    log.info("%s: downloaded %s in %.1f s", ref, human_bytes(total),
+             time.monotonic() - started)
+    return Path(folder)
+
+
+def _match(name: str, pattern: str) -> bool:
+    from fnmatch import fnmatch
+
+    return fnmatch(name, pattern)
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if count < 1000 or unit == "GB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} GB"
+
+
+def progress_class(label: str) -> type:
+    """A tqdm class for snapshot_download that draws nothing and logs the bytes received,
+    at most once every PROGRESS_EVERY_S (a bar would break --log-format json)."""
+    from huggingface_hub.utils.tqdm import tqdm as hub_tqdm
+
+    state = {"last": time.monotonic(), "started": time.monotonic()}
+    guard = threading.Lock()
+
+    class LogProgress(hub_tqdm):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            self._bytes = kwargs.get("unit") == "B"
+            self._received = float(kwargs.get("initial") or 0)
+            super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+        def update(self, n: float | None = 1) -> bool | None:
+            self._received += n or 0
+            if not self._bytes:
+                return None
+            now = time.monotonic()
+            with guard:
+                if now - state["last"] < PROGRESS_EVERY_S:
+                    return None
+                state["last"] = now
+            rate = self._received / max(now - state["started"], 1e-6)
+            total = self.total or 0
+            log.info("%s: %s of %s received (%s/s)", label, human_bytes(self._received),
+                     human_bytes(total) if total else "?", human_bytes(rate))
+            return None
+
+    return LogProgress
+
+
+def backbone(folder: Path) -> HubRef | None:
+    """The Hub repository a GLiNER folder takes its backbone's config and tokenizer from,
+    when it does not carry them itself (GLiNER v2 repositories ship their own weights and
+    config only); None when it needs none."""
+    import json
+
+    config_file = folder / "gliner_config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    name = str(config.get("model_name", ""))
+    self_contained = ((folder / "tokenizer_config.json").is_file()
+                      and bool(config.get("encoder_config")))
+    if self_contained or Path(name).expanduser().is_dir():
+        return None
+    return parse_hub_id(name)
+
+
+def snapshot_bytes(folder: Path) -> int:
+    """Bytes of a snapshot's files (the blobs its links point at)."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())

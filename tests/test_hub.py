@@ -1,0 +1,290 @@
+"""Models by Hub id, through a local stand-in of the Hub (tests/hub_standin.py): the real
+huggingface_hub client runs against it, in processes whose HF_ENDPOINT points at it and
+whose cache is the test's own. Nothing here reaches the internet."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from ember.hub import HubRef, parse_hub_id
+from tests.hub_standin import MINILM, HubStandIn, files_of, hub_env, minilm_folder
+from tests.live_server import REPO, server_env, start_server
+
+PICKLED = "someone/pickled-only"
+TINY = "someone/tiny-encoder"
+GLINER = "someone/gliner-tiny"
+TEXTS = ["How do I reset my password?", "Paris is the capital of France."]
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubStandIn]:
+    from tests.adapters.tiny_models import build_bi_encoder
+
+    hub = HubStandIn()
+    hub.add(MINILM, minilm_folder())
+    root = tmp_path_factory.mktemp("repos")
+    # An older commit of the same repository (a tiny model), reachable by its sha only.
+    hub.notes = {"old": hub.add(MINILM, build_bi_encoder(root / "old", seed=3),
+                                branch=None, salt="old")}
+    hub.add(TINY, build_bi_encoder(root / "tiny", seed=4))
+    pickled = root / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    hub.add(PICKLED, pickled)
+    # A GLiNER repository as the v2 ones are: its weights and config, the backbone's
+    # tokenizer and config taken from another repository (TINY) named in its config.
+    from tests.adapters.test_gliner import build_gliner
+
+    gliner = build_gliner(root / "gliner", seed=4)
+    config = json.loads((gliner / "gliner_config.json").read_text())
+    (gliner / "gliner_config.json").write_text(json.dumps({**config, "model_name": TINY}))
+    for extra in gliner.iterdir():
+        if extra.name not in ("gliner_config.json", "model.safetensors"):
+            extra.unlink()
+    hub.add(GLINER, gliner)
+    hub.start()
+    yield hub
+    hub.stop()
+
+
+def in_process(standin: HubStandIn, home: Path, code: str, *, offline: bool = False,
+               extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Python `code` in its own process, with the stand-in as its Hub; it prints JSON."""
+    env = server_env({**hub_env(standin, home, offline), **(extra or {})})
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def run(standin: HubStandIn, home: Path, code: str, **kwargs: object) -> dict[str, object]:
+    process = in_process(standin, home, code, **kwargs)  # type: ignore[arg-type]
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-3000:]
+    result: dict[str, object] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+SNAPSHOT = """
+import json, sys
+from ember import hub
+try:
+    folder = hub.snapshot(hub.HubRef({repo!r}, {revision!r}), hub.Wanted(allow_pickle={pickle}))
+    print(json.dumps({{"folder": str(folder)}}))
+except hub.HubError as exc:
+    print(json.dumps({{"error": str(exc)}}))
+"""
+
+
+def snapshot(repo: str, revision: str | None = None, pickle: bool = False) -> str:
+    return SNAPSHOT.format(repo=repo, revision=revision, pickle=pickle)
+
+
+def reference_vectors() -> np.ndarray:
+    """The packaged model's own vectors, by sentence-transformers."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(minilm_folder()), device="cpu")
+    return np.asarray(model.encode(TEXTS, normalize_embeddings=True))
+
+
+def encode(url: str) -> np.ndarray:
+    response = httpx.post(f"{url}/v1/encode/{MINILM}", timeout=60,
+                          json={"items": [{"text": t} for t in TEXTS]})
+    assert response.status_code == 200, response.text
+    return np.array([item["dense"]["values"] for item in response.json()["items"]])
+
+
+def test_a_first_start_downloads_and_serves_a_second_makes_no_request_offline_serves(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    home = tmp_path / "hf"
+    # torch: the ONNX export has its own test below; here what matters is the cache.
+    args = ["--model", MINILM, "--backend", "torch"]
+    first = start_server(tmp_path / "first.log", args, env=hub_env(standin, home))
+    try:
+        expected = reference_vectors()
+        assert np.allclose(encode(first.url), expected, atol=1e-5)
+    finally:
+        first.stop()
+    for name in files_of(minilm_folder()):
+        wanted = not name.endswith((".md", ".gitattributes"))
+        assert standin.gets(name) == (1 if wanted else 0), name
+    assert "downloading model.safetensors" in first.log_text()
+
+    seen = len(standin.requests)
+    second = start_server(tmp_path / "second.log", args, env=hub_env(standin, home))
+    try:
+        assert np.allclose(encode(second.url), expected, atol=1e-5)
+    finally:
+        second.stop()
+    assert len(standin.requests) == seen, standin.requests[seen:]
+
+    third = start_server(tmp_path / "third.log", args,
+                         env=hub_env(standin, home, offline=True))
+    try:
+        assert np.allclose(encode(third.url), expected, atol=1e-5)
+    finally:
+        third.stop()
+    assert len(standin.requests) == seen
+
+
+def test_a_start_that_downloads_exports_and_loads_writes_only_json_lines(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    env = {**hub_env(standin, tmp_path / "hf"), "EMBER_CACHE_DIR": str(tmp_path / "onnx")}
+    server = start_server(tmp_path / "json.log", ["--model", TINY, "--default-model", TINY,
+                                                 "--log-format", "json"], env=env)
+    try:
+        response = httpx.post(f"{server.url}/v1/encode/{TINY}", timeout=60,
+                              json={"items": [{"text": "the cat"}]})
+        assert response.status_code == 200, response.text
+    finally:
+        server.stop()
+    lines = [line for line in server.log_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line is JSON, or this fails
+    messages = " ".join(str(r["message"]) for r in records)
+    assert "downloading model.safetensors" in messages  # the download, file by file
+    assert "export" in messages.lower()  # the ONNX export, in the same log
+    assert any(r["message"].startswith("loaded model") for r in records)
+    assert (tmp_path / "onnx").is_dir() and any((tmp_path / "onnx").rglob("*.onnx"))
+    readyz = [r for r in records if r.get("path") == "/readyz" and r.get("status") == 503]
+    assert all(r["level"] == "info" for r in readyz)  # a probe's 503 is no warning
+
+
+def test_offline_without_the_cache_is_one_line_that_says_how_to_fetch(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    env = server_env(hub_env(standin, tmp_path / "empty", offline=True))
+    result = subprocess.run([sys.executable, "-m", "ember.cli", "serve", "--model", TINY,
+                             "--port", "1"], capture_output=True, text=True, env=env,
+                            cwd=REPO, timeout=120)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "Traceback" not in result.stderr
+    assert TINY in errors[0] and "HF_HUB_OFFLINE" in errors[0] and "--preload" in errors[0]
+
+
+def test_a_revision_pin_is_honoured(standin: HubStandIn, tmp_path: Path) -> None:
+    old = standin.notes["old"]
+    pinned = run(standin, tmp_path / "hf", snapshot(MINILM, old))
+    head = run(standin, tmp_path / "hf", snapshot(MINILM))
+    assert Path(str(pinned["folder"])).name == old
+    assert Path(str(head["folder"])).name != old
+    config = json.loads((Path(str(pinned["folder"])) / "config.json").read_text())
+    assert config["hidden_size"] != 384  # the tiny model of that commit, not MiniLM
+    code = ("import json; from ember.config import load_catalog; "
+            f"s = load_catalog(model_paths=['{MINILM}@{old}'])['{MINILM}']; "
+            "print(json.dumps({'revision': s.source.revision, 'hub': s.source.hub, "
+            "'prompts': dict(s.prompts), 'pooling': s.pooling}))")
+    spec = run(standin, tmp_path / "hf", code)
+    assert spec["revision"] == old and spec["hub"] == MINILM and spec["pooling"] == "mean"
+
+
+def test_a_pickle_only_repository_is_refused_unless_allowed(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    refused = run(standin, tmp_path / "hf", snapshot(PICKLED))
+    assert "pickle weights only" in str(refused["error"])
+    assert "allow_pickle: true" in str(refused["error"])
+    assert standin.gets("pytorch_model.bin") == 0
+    allowed = run(standin, tmp_path / "hf", snapshot(PICKLED, pickle=True))
+    assert (Path(str(allowed["folder"])) / "pytorch_model.bin").is_file()
+    assert standin.gets("pytorch_model.bin") == 1
+
+
+def test_two_processes_starting_together_download_each_file_once(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    before = {name: standin.gets(name) for name in files_of(minilm_folder())}
+    both = [in_process(standin, tmp_path / "hf", snapshot(MINILM)) for _ in range(2)]
+    outputs = [process.communicate(timeout=120) for process in both]
+    assert all(p.returncode == 0 for p in both), outputs
+    folders = {json.loads(out.strip().splitlines()[-1])["folder"] for out, _ in outputs}
+    assert len(folders) == 1
+    for name, count in before.items():
+        wanted = not name.endswith((".md", ".gitattributes"))
+        assert standin.gets(name) - count == (1 if wanted else 0), name
+
+
+def test_a_download_cut_in_the_middle_resumes(standin: HubStandIn, tmp_path: Path) -> None:
+    standin.cut_once.add("model.safetensors")
+    start = len(standin.requests)
+    result = run(standin, tmp_path / "hf", snapshot(MINILM))
+    folder = Path(str(result["folder"]))
+    weights = (folder / "model.safetensors").read_bytes()
+    assert weights == (minilm_folder() / "model.safetensors").read_bytes()
+    ranges = [r for m, p, r in standin.requests[start:]
+              if m == "GET" and p.endswith("/model.safetensors")]
+    assert len(ranges) == 2 and ranges[0] == ""
+    # The second asks for the rest only: from what the client had written (whole chunks
+    # of the half it received), not from zero.
+    resumed_at = int(ranges[1].removeprefix("bytes=").rstrip("-"))
+    assert 0 < resumed_at <= len(weights) // 2
+
+
+def test_a_request_downloads_a_hub_model_only_when_the_server_allows_it(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    code = f"""
+import asyncio, json
+from ember.config import load_catalog
+from ember.errors import ModelNotFound
+from ember.registry import Registry
+from ember.adapters.base import Runtime
+
+async def main():
+    registry = Registry(load_catalog(), Runtime(backend="torch"))
+    try:
+        model = await registry.get({TINY!r})
+        info = model.adapter.info
+        out = {{"loaded": True, "dims": info.dims, "names": registry.names}}
+    except ModelNotFound as exc:
+        out = {{"loaded": False, "error": str(exc)}}
+    await registry.close()
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+    refused = run(standin, tmp_path / "hf", code, extra={"EMBER_ALLOW_HUB_MODELS": "0"})
+    assert refused["loaded"] is False and TINY in str(refused["error"])
+    assert not (tmp_path / "hf" / "hub" / f"models--{TINY.replace('/', '--')}").exists()
+    allowed = run(standin, tmp_path / "hf", code, extra={"EMBER_ALLOW_HUB_MODELS": "1"})
+    assert allowed["loaded"] is True and allowed["dims"] == 32
+    assert TINY in allowed["names"]  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("text", ["../etc/passwd", "/abs/path", "org/../name", "org/name/x",
+                                  "org name/x", "~/models/x", "./org/name", "org/",
+                                  "org/na$me", "o" * 200 + "/x", "org/name@rev with space"])
+def test_what_is_not_a_hub_id_is_never_fetched(text: str) -> None:
+    assert parse_hub_id(text) is None
+
+
+def test_hub_ids_with_and_without_a_revision() -> None:
+    assert parse_hub_id("BAAI/bge-small-en-v1.5") == HubRef("BAAI/bge-small-en-v1.5")
+    assert parse_hub_id("org/name@main") == HubRef("org/name", "main")
+    assert str(parse_hub_id("org/name@" + "a" * 40)) == "org/name@" + "a" * 40
+
+
+def test_a_gliner_from_the_hub_brings_its_backbones_tokenizer_not_its_weights(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    code = f"""
+import json
+from ember.adapters.base import ExtractOptions, Runtime
+from ember.adapters.gliner import load
+from ember.config import load_catalog
+spec = load_catalog(model_paths=[{GLINER!r}])[{GLINER!r}]
+adapter = load(spec, Runtime(backend="torch"))
+items = adapter.prepare(["the cat is in paris"], adapter.params(ExtractOptions(labels=("city",))))
+print(json.dumps({{"adapter": spec.adapter, "entities": [
+    [e.label for e in found] for found in adapter.forward(items, adapter.params(
+        ExtractOptions(labels=("city",), threshold=0.0)))]}}))
+"""
+    weights_before = standin.gets("model.safetensors")
+    result = run(standin, tmp_path / "hf", code)
+    found = result["entities"][0]  # type: ignore[index]
+    assert result["adapter"] == "gliner" and found and set(found) == {"city"}
+    assert standin.gets("model.safetensors") == weights_before + 1  # the GLiNER's own only
+    assert (tmp_path / "hf" / "hub" / f"models--{TINY.replace('/', '--')}").is_dir()

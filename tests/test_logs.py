@@ -1,0 +1,54 @@
+"""Logging: JSON-only stderr under --log-format json, and the access log's levels."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from ember.logs import access_log
+from tests.live_server import REPO, server_env
+
+WRITERS = """
+import logging, os, sys, warnings
+from ember.config import ServerSettings
+from ember.logs import configure_logging
+configure_logging(ServerSettings(log_format="json"))
+logging.getLogger("ember.test").info("from ember")
+print("a stray print", file=sys.stderr)
+os.write(2, b"a C library writes\\r50%|#####     |\\rdone\\n")
+warnings.warn("a library warns")
+logging.getLogger("transformers.modeling_utils").warning("from transformers")
+from transformers.utils import logging as transformers_logging
+transformers_logging.get_logger("transformers.x").warning("after its import")
+sys.stderr.flush()
+import time; time.sleep(0.3)  # the relay writes what the pipe holds
+"""
+
+
+def test_every_line_on_stderr_is_json_whoever_writes_it() -> None:
+    result = subprocess.run([sys.executable, "-c", WRITERS], capture_output=True, text=True,
+                            env=server_env(), cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # fails on any line that is not JSON
+    messages = [r["message"] for r in records]
+    for expected in ("from ember", "a stray print", "a C library writes", "done",
+                     "from transformers", "after its import"):
+        assert any(expected in m for m in messages), (expected, messages)
+    assert any("a library warns" in m for m in messages)
+
+
+@pytest.mark.parametrize(("path", "status", "level"), [
+    ("/readyz", 503, logging.INFO), ("/health", 503, logging.INFO),
+    ("/readyz", 500, logging.WARNING), ("/v1/encode/x", 503, logging.WARNING),
+    ("/v1/encode/x", 200, logging.INFO)])
+def test_a_probes_503_while_loading_is_not_a_warning(caplog: pytest.LogCaptureFixture,
+                                                      path: str, status: int,
+                                                      level: int) -> None:
+    with caplog.at_level(logging.INFO, logger="ember.access"):
+        access_log("GET", path, path, "", status, 0, 0.0, 0.0, 1.0, "r1")
+    assert [r.levelno for r in caplog.records] == [level]
