@@ -176,6 +176,15 @@ async def test_the_native_extract_route_answers_any_labels(gliner_dir: Path,
         for item, text in zip(items, (TEXTS[0], TEXTS[2]), strict=True):
             got = [Entity(**e) for e in item["entities"]]
             same(got, expected(reference, text, LABELS))
+        strict = await served.client.post("/v1/extract/local/model", json={
+            "items": [{"text": TEXTS[0]}], "params": {"labels": LABELS, "threshold": 0.9}})
+        assert strict.status_code == 200, strict.text
+        want = reference.predict_entities(TEXTS[0], LABELS, threshold=0.9)
+        same([Entity(**e) for e in strict.json()["items"][0]["entities"]], want)
+        assert len(want) < len(expected(reference, TEXTS[0], LABELS))  # it did filter
+        out_of_range = await served.client.post("/v1/extract/local/model", json={
+            "items": [{"text": "x"}], "params": {"labels": LABELS, "threshold": 2}})
+        assert out_of_range.status_code == 422 and "params.threshold" in out_of_range.text
         refused = await served.client.post("/v1/extract/local/model",
                                            json={"items": [{"text": "x"}]})
         assert refused.status_code == 422 and "params.labels" in refused.text

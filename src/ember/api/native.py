@@ -98,6 +98,9 @@ class ScoreRequest(Strict):
 
 class ExtractParams(Strict):
     labels: list[str] | None = None
+    threshold: float | None = Field(None, description="zero-shot models (GLiNER): the least "
+                                    "score an entity must reach, 0 to 1 (default: the "
+                                    "model's); models with fixed types ignore it")
 
 
 class ExtractRequest(Strict):
@@ -229,7 +232,7 @@ async def extract(model: str, body: ExtractRequest, request: Request) -> Respons
     texts = texts_of(body.items, why="extract reads text only")
     check_inputs(request, texts, suffix=".text")
     labels = tuple(body.params.labels) if body.params.labels is not None else None
-    options = ExtractOptions(labels=labels)
+    options = ExtractOptions(labels=labels, threshold=body.params.threshold)
     output = await run_task(request, model, "extract",
                             lambda m, a: a.extract(m.submit, texts, options), len(texts))
     items = [with_id(item, {"entities": [vars(e) for e in entities]})
