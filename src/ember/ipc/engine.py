@@ -59,7 +59,7 @@ class EngineServer(RegistryCalls):
     """Serves a `Registry` to the API processes over ZeroMQ."""
 
     def __init__(self, registry: Registry, address: str, *,
-                 send_limit: int = SEND_LIMIT) -> None:
+                 send_limit: int | None = None) -> None:
         super().__init__(registry)
         self.address = address
         self.boot_id = f"{uuid.uuid4().hex[:12]}"  # a new engine process, a new id
@@ -67,7 +67,7 @@ class EngineServer(RegistryCalls):
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._socket.setsockopt(zmq.SNDHWM, send_limit)
+        self._socket.setsockopt(zmq.SNDHWM, SEND_LIMIT if send_limit is None else send_limit)
         self._socket.bind(address)
         # Replies go out without waiting (a full peer must not hold the others); the
         # asyncio socket would queue every send behind the first one that has to wait.
