@@ -11,13 +11,12 @@ most `restart_wait_s` from the moment the engine fell silent, then fails with
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -60,8 +59,6 @@ class EngineClient:
         self._socket.setsockopt(zmq.IDENTITY, self.identity.encode())
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address)
-        # Pings go without waiting: one that cannot be queued now is simply not needed.
-        self._pinger: zmq.Socket[bytes] = zmq.Socket.shadow(self._socket.underlying)
         self.heartbeat_s = heartbeat_s
         self.restart_wait_s = restart_wait_s
         self.engine: str | None = None  # the boot id of the engine last heard
@@ -175,8 +172,9 @@ class EngineClient:
     async def _beat(self) -> None:
         ping = pack({"op": "ping"})
         while True:
-            with contextlib.suppress(zmq.Again):  # pings pile up for a dead engine
-                self._pinger.send(ping, flags=zmq.NOBLOCK)
+            # Never a waiting send: a ping that cannot be queued now is not needed.
+            sent = cast("asyncio.Future[Any]", self._socket.send(ping, flags=zmq.DONTWAIT))
+            sent.add_done_callback(_ignore_outcome)
             if self._waiting and self.silent_s > self.restart_wait_s:
                 self._fail_waiting(EngineUnavailable(f"no answer for {self.silent_s:.0f} s"))
             await asyncio.sleep(self.heartbeat_s)
@@ -185,6 +183,11 @@ class EngineClient:
         for call in self._waiting.values():
             if not call.reply.done():
                 call.reply.set_exception(error)
+
+
+def _ignore_outcome(sent: asyncio.Future[Any]) -> None:
+    if not sent.cancelled():
+        sent.exception()  # zmq.Again: the engine is gone and pings pile up; the silence says so
 
 
 def peer_name(pid: int) -> str:

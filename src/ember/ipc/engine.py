@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from multiprocessing import parent_process
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -69,9 +69,6 @@ class EngineServer(RegistryCalls):
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.setsockopt(zmq.SNDHWM, SEND_LIMIT if send_limit is None else send_limit)
         self._socket.bind(address)
-        # Replies go out without waiting (a full peer must not hold the others); the
-        # asyncio socket would queue every send behind the first one that has to wait.
-        self._sender: zmq.Socket[bytes] = zmq.Socket.shadow(self._socket.underlying)
         self._calls: dict[Call, asyncio.Task[None]] = {}
         self._backlogs: dict[bytes, deque[bytes]] = {}
         self._flushers: dict[bytes, asyncio.Task[None]] = {}
@@ -159,35 +156,43 @@ class EngineServer(RegistryCalls):
             backlog = self._backlogs[peer] = deque()
         backlog.append(data)
         if peer not in self._flushers:
-            task = asyncio.get_running_loop().create_task(self._flush(peer))
-            self._flushers[peer] = task
-            task.add_done_callback(lambda _: self._flushers.pop(peer, None))
+            self._flushers[peer] = asyncio.get_running_loop().create_task(self._flush(peer))
 
     def _try_send(self, peer: bytes, data: bytes) -> bool:
-        """True once sent (or the peer is gone for good); False if its queue is full."""
-        try:
-            self._sender.send_multipart([peer, data], flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+        """True once sent (or the peer is gone for good); False if its queue is full.
+        Never a waiting send: the asyncio socket would queue every later send, to every
+        peer, behind one that has to wait. (Through the asyncio socket, not a shadow of
+        it, so that its reader is woken for what arrived meanwhile.)"""
+        sent = cast("asyncio.Future[Any]", self._socket.send_multipart(
+            [peer, data], flags=zmq.DONTWAIT, copy=False))
+        if not sent.done():  # never so while no send waits; it goes when it can
+            return True
+        error = sent.exception()
+        if error is None:
+            return True
+        if isinstance(error, zmq.Again):
             return False
-        except zmq.ZMQError as exc:
-            if exc.errno != errno.EHOSTUNREACH:
-                raise
+        if isinstance(error, zmq.ZMQError) and error.errno == errno.EHOSTUNREACH:
             log.warning("a reply to %r is not sent: that process is gone", peer[:64])
             self._backlogs.pop(peer, None)
-        return True
+            return True
+        raise error
 
     async def _flush(self, peer: bytes) -> None:
         """Send `peer`'s backlog in order as its queue makes room."""
         pause = RETRY_FIRST_S
-        while (backlog := self._backlogs.get(peer)):
-            if self._try_send(peer, backlog[0]):
-                if self._backlogs.get(peer) is backlog:
-                    backlog.popleft()
-                pause = RETRY_FIRST_S
-                continue
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, RETRY_MAX_S)
-        self._backlogs.pop(peer, None)
+        try:
+            while (backlog := self._backlogs.get(peer)):
+                if self._try_send(peer, backlog[0]):
+                    if self._backlogs.get(peer) is backlog:
+                        backlog.popleft()
+                    pause = RETRY_FIRST_S
+                    continue
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, RETRY_MAX_S)
+        finally:  # in the same step as the last send: a new reply starts a new flusher
+            self._backlogs.pop(peer, None)
+            self._flushers.pop(peer, None)
 
 
 def run_engine(settings: ServerSettings, address: str, ready: Connection) -> None:
