@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
@@ -90,6 +90,8 @@ class Supervisor:
         self.quick_deaths = 0
         self.engine_deaths = 0  # engine deaths in a row, each soon after its start
         self.engine_started = 0.0
+        self.engine_notes: Connection | None = None  # what the engine says it loads
+        self.engine_loading: list[str] = []  # the models it is loading now
         self._api_index = itertools.count()
         self._wake_read, self._wake_write = socket.socketpair()
 
@@ -124,14 +126,14 @@ class Supervisor:
         engine.start()
         ready_send.close()
         self.engine_started = time.monotonic()
+        self.engine_notes, self.engine_loading = ready, []
         return engine, self._engine_ready(engine, ready)
 
     def _engine_ready(self, engine: BaseProcess, ready: multiprocessing.connection.Connection
                       ) -> bool:
         deadline = time.monotonic() + ENGINE_START_S
         while time.monotonic() < deadline and not self.signals:
-            if ready.poll(0.2):
-                ready.recv()
+            if ready.poll(0.2) and ready.recv() == "ready":
                 return True
             if not engine.is_alive():
                 break
@@ -140,6 +142,19 @@ class Supervisor:
         engine.join(10)
         return False
 
+    def _read_engine_notes(self) -> None:
+        """Take what the engine said so far (its pipe never fills)."""
+        notes = self.engine_notes
+        try:
+            while notes is not None and notes.poll(0):
+                note = notes.recv()
+                if isinstance(note, tuple) and note[0] == "loading":
+                    self.engine_loading.append(str(note[1]))
+                elif isinstance(note, tuple) and note[0] == "loaded":
+                    self.engine_loading.remove(str(note[1]))
+        except (EOFError, OSError):  # the engine is gone: its pipe is read to the end
+            self.engine_notes = None
+
     def _replace_engine(self, engine: BaseProcess) -> BaseProcess | None:
         """A new engine for one that died, after a pause that grows while each dies soon
         after its start; None once that happened ENGINE_QUICK_DEATHS times in a row (or a
@@ -147,12 +162,15 @@ class Supervisor:
         while not self.signals:
             quick = time.monotonic() - self.engine_started < ENGINE_QUICK_DEATH_S
             self.engine_deaths = self.engine_deaths + 1 if quick else 1
+            self._read_engine_notes()
             reason = exit_reason(engine.exitcode)
+            if self.engine_loading:
+                reason += f" while it loaded {', '.join(self.engine_loading)}"
             if self.engine_deaths >= ENGINE_QUICK_DEATHS:
                 log.error("the engine process keeps dying: %d times in a row within %.0f s "
-                          "of its start, the last %s (a model that crashes it as it loads? "
-                          "see the engine's log above); stopping", self.engine_deaths,
-                          ENGINE_QUICK_DEATH_S, reason)
+                          "of its start, the last %s; stopping (see the engine's log above; "
+                          "remove or fix that model, or leave it out of --default-model "
+                          "and --preload)", self.engine_deaths, ENGINE_QUICK_DEATH_S, reason)
                 return None
             pause = ENGINE_BACKOFF_S[min(self.engine_deaths, len(ENGINE_BACKOFF_S)) - 1]
             log.error("the engine process died (%s); starting another in %.0f s; the API "
@@ -179,9 +197,11 @@ class Supervisor:
         """Replace API processes that die until a signal comes; then drain in order."""
         while not self.signals:
             sentinels = [api.process.sentinel for api in self.apis]
-            wait([engine.sentinel, *sentinels, self._wake_read], timeout=5.0)
+            notes = [self.engine_notes] if self.engine_notes is not None else []
+            wait([engine.sentinel, *notes, *sentinels, self._wake_read], timeout=5.0)
             if self.signals:
                 break
+            self._read_engine_notes()
             if not engine.is_alive():
                 replacement = self._replace_engine(engine)
                 if replacement is None:

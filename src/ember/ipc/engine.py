@@ -22,12 +22,14 @@ be packed is answered with an error instead, and a bad frame is logged and skipp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import signal
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import parent_process
 from multiprocessing.connection import Connection
@@ -59,8 +61,10 @@ class EngineServer(RegistryCalls):
     """Serves a `Registry` to the API processes over ZeroMQ."""
 
     def __init__(self, registry: Registry, address: str, *,
-                 send_limit: int | None = None) -> None:
+                 send_limit: int | None = None,
+                 on_loading: Callable[[str], None] | None = None) -> None:
         super().__init__(registry)
+        self.on_loading = on_loading  # told the name of each model a call makes it load
         self.address = address
         self.boot_id = f"{uuid.uuid4().hex[:12]}"  # a new engine process, a new id
         self._context = zmq.asyncio.Context()
@@ -121,6 +125,10 @@ class EngineServer(RegistryCalls):
                     task.cancel()
             self._backlogs.pop(gone, None)
             return
+        name = message.get("model")
+        if (self.on_loading is not None and isinstance(name, str)
+                and name in self.registry.catalog and self.registry.state(name) == "available"):
+            self.on_loading(name)
         call = Call(peer, message["id"])
         if call in self._calls:
             return  # a copy its sender sent again, after it lost sight of this engine
@@ -195,10 +203,35 @@ class EngineServer(RegistryCalls):
             self._flushers.pop(peer, None)
 
 
+class LoadNotes:
+    """Tells the supervisor, through the start-up pipe, each model this engine begins to
+    load and each it finished loading: if a load kills the process, the supervisor names
+    the model."""
+
+    def __init__(self, pipe: Connection, registry: Registry) -> None:
+        self.pipe = pipe
+        self.loading: set[str] = set()
+        registry.on_load.append(lambda model: self._send("loaded", model.spec.name))
+
+    def note(self, name: str) -> None:
+        if name not in self.loading:
+            self._send("loading", name)
+
+    def _send(self, what: str, name: str) -> None:
+        if what == "loading":
+            self.loading.add(name)
+        else:
+            self.loading.discard(name)
+        with contextlib.suppress(OSError):  # the supervisor is gone; this process follows it
+            self.pipe.send((what, name))
+
+
 def run_engine(settings: ServerSettings, address: str, ready: Connection) -> None:
     """The engine process's main: serve the registry on `address` until SIGTERM (from the
     supervisor, once every API process has drained), then drain every worker and exit.
-    `ready` gets one message once the socket is bound. SIGINT is the supervisor's."""
+    `ready` gets "ready" once the socket is bound, then ("loading", name) as a model starts
+    to load, so that the supervisor can say which one an engine died loading. SIGINT is
+    the supervisor's."""
     import uvloop
 
     supervisor = parent_process()
@@ -215,18 +248,21 @@ async def _engine(settings: ServerSettings, address: str, ready: Connection) -> 
                                                        settings.model_paths))
     metrics = Metrics()
     metrics.attach(registry)
-    server = EngineServer(registry, address)
+    loading = LoadNotes(ready, registry)
+    server = EngineServer(registry, address, on_loading=loading.note)
     server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     ready.send("ready")
-    ready.close()
-    preload = loop.create_task(preload_models(registry, [settings.default_model,
-                                                         *settings.preload]))
+    preloads = [settings.default_model, *settings.preload]
+    for name in preloads:
+        loading.note(name)
+    preload = loop.create_task(preload_models(registry, preloads))
     await stop.wait()  # a supervisor that dies takes this process with it (lifeline)
     started = time.perf_counter()
     preload.cancel()
     await registry.close()
     await server.close()
+    ready.close()
     log.info("engine drained in %.2f s; exiting", time.perf_counter() - started)
