@@ -337,7 +337,6 @@ async def test_a_request_in_flight_when_the_engine_dies_is_answered_by_the_next(
         try:
             results = await asyncio.wait_for(asyncio.gather(*in_flight, meanwhile), 30)
             assert [len(r["values"]) for r in results] == [1, 1, 1, 1]  # type: ignore[arg-type]
-            assert client.resent >= 3
         finally:
             stop(second)
     finally:

@@ -63,7 +63,6 @@ class EngineClient:
         self.restart_wait_s = restart_wait_s
         self.engine: str | None = None  # the boot id of the engine last heard
         self.heard_at = time.monotonic()  # when the engine last said anything
-        self.resent = 0  # calls sent again to a new engine process
         self._ids = itertools.count()
         self._waiting: dict[int, _Call] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -115,6 +114,7 @@ class EngineClient:
         if self._reader is None or self._reader.done():
             self._reader = loop.create_task(self._read(), name="engine-client-read")
         if self._heart is None or self._heart.done():
+            self.heard_at = time.monotonic()  # silence counts from when someone listens
             self._heart = loop.create_task(self._beat(), name="engine-client-heartbeat")
 
     async def _read(self) -> None:
@@ -161,7 +161,6 @@ class EngineClient:
                     "one left unanswered", len(stale))
         for call in stale:
             call.engine = engine
-            self.resent += 1
             task = asyncio.get_running_loop().create_task(self._send(call.message))
             self._sends.add(task)
             task.add_done_callback(self._sends.discard)
