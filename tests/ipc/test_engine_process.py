@@ -265,12 +265,13 @@ async def fake_engine(tmp_path: Path) -> AsyncIterator[tuple[str, zmq.asyncio.So
 
 
 async def next_call(router: zmq.asyncio.Socket) -> tuple[bytes, dict[str, Any]]:
-    """The next message other than a ping."""
+    """The next message other than a ping; pings are answered as the engine would."""
     while True:
         peer, frame = await asyncio.wait_for(router.recv_multipart(), 10)
         message = unpack(frame)
         if message["op"] != "ping":
             return peer, message
+        await router.send_multipart([peer, pack({"op": "pong", "engine": "fake"})])
 
 
 async def test_malformed_frames_to_an_api_process_are_skipped(

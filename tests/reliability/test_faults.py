@@ -414,6 +414,15 @@ class LoadTally:
     connected: set[int] = field(default_factory=set)  # clients whose connection has a port
 
 
+def client_port(response: httpx.Response) -> int | None:
+    """The local port of the connection that carried `response`, while it is open."""
+    stream = response.extensions.get("network_stream")
+    try:
+        return int(stream.get_extra_info("client_addr")[1]) if stream is not None else None
+    except OSError:  # closed by now: the next request opens another
+        return None
+
+
 async def closed_loop(url: str, model: str, clients: int, tally: LoadTally,
                       stop: asyncio.Event, killed: list[float]) -> None:
     async def one(index: int) -> None:
@@ -431,9 +440,8 @@ async def closed_loop(url: str, model: str, clients: int, tally: LoadTally,
                     tally.failures.append((port, type(exc).__name__))
                     port = None
                     continue
-                stream = response.extensions.get("network_stream")
-                if stream is not None:
-                    port = stream.get_extra_info("client_addr")[1]
+                port = client_port(response)
+                if port is not None:
                     tally.connected.add(index)
                 tally.outcomes[str(response.status_code)] += 1
                 if response.status_code != 200 or len(dense(response.json())) != 1:

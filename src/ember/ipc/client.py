@@ -44,7 +44,7 @@ class EngineUnavailable(WorkerFailed):
 class _Call:
     message: bytes  # packed once; sent again as is to a new engine
     reply: asyncio.Future[dict[str, Any]]
-    engine: str | None  # the boot id of the engine it went to; None: not known yet
+    engine: str  # the boot id of the engine it went to
 
 
 class EngineClient:
@@ -62,6 +62,7 @@ class EngineClient:
         self.heartbeat_s = heartbeat_s
         self.restart_wait_s = restart_wait_s
         self.engine: str | None = None  # the boot id of the engine last heard
+        self._met = asyncio.Event()  # set by the first pong: the engine's id is known
         self.heard_at = time.monotonic()  # when the engine last said anything
         self._ids = itertools.count()
         self._waiting: dict[int, _Call] = {}
@@ -81,6 +82,13 @@ class EngineClient:
         self._start()
         if self.silent_s > self.restart_wait_s:
             raise EngineUnavailable(f"no answer for {self.silent_s:.0f} s")
+        if self.engine is None:  # once: every call goes to an engine known by its id
+            try:
+                await asyncio.wait_for(self._met.wait(), self.restart_wait_s)
+            except TimeoutError:
+                raise EngineUnavailable(f"no answer for {self.silent_s:.0f} s") from None
+            if self._socket.closed or self.engine is None:
+                raise ShuttingDown()
         call_id = next(self._ids)
         call = _Call(pack({"op": op, "id": call_id, **fields}),
                      asyncio.get_running_loop().create_future(), self.engine)
@@ -103,8 +111,9 @@ class EngineClient:
         for task in (self._reader, self._heart, *self._sends):
             if task is not None:
                 task.cancel()
-        self._fail_waiting(ShuttingDown())
         self._socket.close(linger=0)
+        self._fail_waiting(ShuttingDown())
+        self._met.set()  # a call awaiting the first pong sees the socket closed
         self._context.term()
 
     # -- reading, heartbeat, resending ------------------------------------------------
@@ -152,9 +161,8 @@ class EngineClient:
         if engine == self.engine:
             return
         first, self.engine = self.engine is None, engine
-        if first:  # what went before this went to this engine
-            for call in self._waiting.values():
-                call.engine = engine
+        self._met.set()
+        if first:
             return
         stale = [c for c in self._waiting.values() if c.engine != engine and not c.reply.done()]
         log.warning("a new engine process answers; sending it the %d requests the last "
