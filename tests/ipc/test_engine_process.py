@@ -2,7 +2,9 @@
 API process (its own ZeroMQ identity). The rules hold across the process boundary:
 requests of every process join the same batcher, a caller that goes away has its queued
 work dropped, the queue refuses what it cannot take, timings come back, and SIGTERM
-drains everything accepted before the engine exits 0."""
+drains everything accepted before the engine exits 0. And the boundary loses nothing:
+a peer that stalls gets every reply late, never none; a bad frame either way is skipped;
+an engine killed mid-request is replaced and the request answered by the new one."""
 
 from __future__ import annotations
 
@@ -10,17 +12,28 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
+import yaml
+import zmq
+import zmq.asyncio
 
-from ember.config import ServerSettings
-from ember.engine import QueueFull, WorkerConfig
-from ember.ipc.client import EngineClient
+from ember.adapters.base import Runtime
+from ember.api.errors import as_api_error
+from ember.config import ServerSettings, load_catalog
+from ember.engine import PreparedItem, QueueFull, ShuttingDown, WorkerConfig
+from ember.ipc import engine as ipc_engine
+from ember.ipc.client import EngineClient, EngineUnavailable
 from ember.ipc.engine import run_engine
+from ember.ipc.models import RemoteModels
+from ember.ipc.wire import pack, unpack
 
 SLOW = "test/ipc-slow"  # 300 ms forwards of up to 64 items: arrivals pile up behind one
 MODEL = f"""
@@ -33,22 +46,44 @@ options: {{dims: 8, overhead_ms: 300, per_token_us: 0}}
 PARAMS = ("encode", False)  # the synthetic model's parameter group for documents
 
 
-@pytest.fixture
-def engine(tmp_path: Path) -> Iterator[tuple[str, BaseProcess]]:
-    (tmp_path / "slow.yaml").write_text(MODEL, encoding="utf-8")
-    settings = ServerSettings(default_model=SLOW, model_dirs=(tmp_path,),
-                              worker=WorkerConfig(max_queue_items=8), log_level="warning")
-    address = f"ipc://{tmp_path / 'engine.sock'}"
+def start_engine(folder: Path, model: str = MODEL, max_queue_items: int = 8,
+                 send_limit: int | None = None) -> tuple[str, BaseProcess]:
+    """An engine process serving `model` (a catalog YAML) on an ipc socket in `folder`."""
+    (folder / "model.yaml").write_text(model, encoding="utf-8")
+    settings = ServerSettings(default_model=yaml.safe_load(model)["name"],
+                              model_dirs=(folder,),
+                              worker=WorkerConfig(max_queue_items=max_queue_items),
+                              log_level="warning")
+    address = f"ipc://{folder / 'engine.sock'}"
     context = multiprocessing.get_context("spawn")
     ready, ready_send = context.Pipe(duplex=False)
-    process = context.Process(target=run_engine, args=(settings, address, ready_send))
+    process = context.Process(target=run_engine_with_send_limit,
+                              args=(send_limit, settings, address, ready_send))
     process.start()
     assert ready.poll(60), "the engine process did not start"
     ready.recv()
-    yield address, process
+    return address, process
+
+
+def run_engine_with_send_limit(send_limit: int | None, settings: ServerSettings,
+                               address: str, ready: Connection) -> None:
+    """The engine process's main, with ZeroMQ's per-peer send limit set first."""
+    if send_limit is not None:
+        ipc_engine.SEND_LIMIT = send_limit
+    run_engine(settings, address, ready)
+
+
+def stop(process: BaseProcess) -> None:
     if process.is_alive():
         process.kill()
     process.join(10)
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[tuple[str, BaseProcess]]:
+    address, process = start_engine(tmp_path)
+    yield address, process
+    stop(process)
 
 
 @pytest_asyncio.fixture
@@ -145,3 +180,213 @@ async def test_sigterm_finishes_what_was_accepted_then_exits_0(
     assert [len(r["values"]) for r in results] == [1, 2, 1]  # type: ignore[arg-type]
     await asyncio.to_thread(process.join, 10)
     assert process.exitcode == 0
+
+
+# -- the boundary loses nothing --------------------------------------------------------------
+
+WIDE = "test/ipc-wide"  # 64 KB vectors: a few replies fill any socket buffer
+WIDE_MODEL = f"""
+name: {WIDE}
+description: synthetic test model with wide vectors (not a real model)
+adapter: synthetic
+tasks: [encode]
+options: {{dims: 16384, overhead_ms: 1, per_token_us: 0}}
+"""
+
+
+async def test_a_peer_that_stalls_gets_every_reply_and_others_are_answered_meanwhile(
+        tmp_path: Path) -> None:
+    address, process = start_engine(tmp_path, WIDE_MODEL, max_queue_items=4096,
+                                    send_limit=2)
+    context = zmq.asyncio.Context()
+    stalled = context.socket(zmq.DEALER)
+    stalled.setsockopt(zmq.RCVHWM, 1)  # it reads nothing for a while: its queue is tiny
+    stalled.setsockopt(zmq.LINGER, 0)
+    stalled.connect(address)
+    other = EngineClient(address, "api-test-other")
+    try:
+        await other.call("load", model=WIDE)
+        calls = 40  # 40 x 4 items x 64 KB: megabytes behind a queue of one message
+        for call_id in range(calls):
+            await stalled.send(pack({"op": "submit", "id": call_id, "model": WIDE,
+                                     "params": PARAMS, "lora": None,
+                                     "items": [[f"t{call_id}-{i}", 1, i] for i in range(4)]}))
+        for i in range(5):  # the stalled peer's backlog holds no one else up
+            reply = await asyncio.wait_for(other.call(
+                "submit", model=WIDE, params=PARAMS, lora=None, items=[[f"o{i}", 1, 0]]), 10)
+            assert len(reply["values"]) == 1
+        await asyncio.sleep(1.0)  # still not reading: replies wait in the engine
+        answered: set[int] = set()
+        while len(answered) < calls:
+            frame = await asyncio.wait_for(stalled.recv(), 10)  # a lost reply times out
+            message = unpack(frame)
+            if message["op"] == "result":
+                assert len(message["values"]) == 4
+                answered.add(message["id"])
+        assert answered == set(range(calls))
+    finally:
+        other.close()
+        stalled.close(0)
+        context.term()
+        stop(process)
+
+
+async def test_malformed_frames_to_the_engine_are_skipped(
+        engine: tuple[str, BaseProcess], clients: list[EngineClient]) -> None:
+    address, process = engine
+    context = zmq.asyncio.Context()
+    rogue = context.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(address)
+    try:
+        for bad in ([b"\xc1"], [pack([1, 2, 3])], [pack({"no": "op"})],
+                    [pack({"op": "launch", "id": 1})], [pack({"op": "submit"})],
+                    [b"two", b"frames"], [pack({"op": "ping"}), b"extra"]):
+            await rogue.send_multipart(bad)
+        reply = await asyncio.wait_for(submit(clients[0], "after the garbage"), 10)
+        assert len(reply["values"]) == 1  # type: ignore[arg-type]
+        assert process.is_alive()
+    finally:
+        rogue.close(0)
+        context.term()
+
+
+@pytest_asyncio.fixture
+async def fake_engine(tmp_path: Path) -> AsyncIterator[tuple[str, zmq.asyncio.Socket]]:
+    """A bare ROUTER where the engine would be: the test writes its replies by hand."""
+    context = zmq.asyncio.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    address = f"ipc://{tmp_path / 'fake.sock'}"
+    router.bind(address)
+    yield address, router
+    router.close(0)
+    context.term()
+
+
+async def next_call(router: zmq.asyncio.Socket) -> tuple[bytes, dict[str, Any]]:
+    """The next message other than a ping; pings are answered as the engine would."""
+    while True:
+        peer, frame = await asyncio.wait_for(router.recv_multipart(), 10)
+        message = unpack(frame)
+        if message["op"] != "ping":
+            return peer, message
+        await router.send_multipart([peer, pack({"op": "pong", "engine": "fake"})])
+
+
+async def test_malformed_frames_to_an_api_process_are_skipped(
+        fake_engine: tuple[str, zmq.asyncio.Socket]) -> None:
+    address, router = fake_engine
+    client = EngineClient(address, "api-test-reader")
+    try:
+        waiting = asyncio.ensure_future(client.call("status"))
+        peer, message = await next_call(router)
+        for bad in (b"\xc1", pack([1]), pack({"op": "result"}), pack({"no": "op"}),
+                    pack({"op": "launch", "id": message["id"]}),
+                    pack({"op": "pong"})):
+            await router.send_multipart([peer, bad])
+        await router.send_multipart([peer, pack({"op": "result", "id": message["id"],
+                                                 "states": {}})])
+        assert (await asyncio.wait_for(waiting, 10))["states"] == {}
+    finally:
+        client.close()
+
+
+async def test_a_silent_engine_fails_waiting_and_new_calls_with_a_503(
+        fake_engine: tuple[str, zmq.asyncio.Socket]) -> None:
+    address, _ = fake_engine
+    client = EngineClient(address, "api-test-silent", heartbeat_s=0.1, restart_wait_s=1.0)
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineUnavailable) as waited:
+            await asyncio.wait_for(client.call("status"), 10)
+        assert 0.9 < time.monotonic() - started < 5
+        error = as_api_error(waited.value)
+        assert error.status == 503 and error.headers.get("Retry-After")
+        with pytest.raises(EngineUnavailable):  # at once while it stays silent
+            await asyncio.wait_for(client.call("status"), 0.5)
+    finally:
+        client.close()
+
+
+async def test_closing_fails_what_still_waits_with_a_503(
+        fake_engine: tuple[str, zmq.asyncio.Socket]) -> None:
+    address, router = fake_engine
+    client = EngineClient(address, "api-test-closing")
+    waiting = asyncio.ensure_future(client.call("status"))
+    await next_call(router)
+    client.close()
+    with pytest.raises(ShuttingDown) as refused:
+        await asyncio.wait_for(waiting, 5)
+    assert as_api_error(refused.value).status == 503
+
+
+async def test_a_request_in_flight_when_the_engine_dies_is_answered_by_the_next(
+        tmp_path: Path) -> None:
+    address, first = start_engine(tmp_path)
+    client = EngineClient(address, "api-test-survivor", heartbeat_s=0.1)
+    try:
+        await client.call("load", model=SLOW)
+        in_flight = [submit(client, f"lost {i}") for i in range(3)]
+        await asyncio.sleep(0.1)  # sent, and in the dead engine's queue or forward
+        first.kill()
+        await asyncio.to_thread(first.join, 10)
+        meanwhile = submit(client, "sent while no engine runs")
+        await asyncio.sleep(0.3)
+        assert not any(f.done() for f in [*in_flight, meanwhile])
+        _, second = await asyncio.to_thread(start_engine, tmp_path)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*in_flight, meanwhile), 30)
+            assert [len(r["values"]) for r in results] == [1, 1, 1, 1]  # type: ignore[arg-type]
+        finally:
+            stop(second)
+    finally:
+        client.close()
+        stop(first)
+
+
+DEEP = "test/ipc-deep"  # one item a forward, 100 ms each: a queue that drains slowly
+DEEP_MODEL = f"""
+name: {DEEP}
+description: synthetic test model, one item a forward (not a real model)
+adapter: synthetic
+tasks: [encode]
+options: {{dims: 8, overhead_ms: 100, per_token_us: 0}}
+batching: {{max_batch_items: 1}}
+"""
+
+
+async def test_a_stale_high_depth_does_not_refuse_once_the_engine_has_room(
+        tmp_path: Path) -> None:
+    address, process = start_engine(tmp_path, DEEP_MODEL)
+    client, others = EngineClient(address, "api-test-depth"), EngineClient(address, "api-x")
+    try:
+        models = RemoteModels(load_catalog((tmp_path,), ()), Runtime(), client,
+                              max_queue_items=8)
+        model = await models.get(DEEP)
+        one = [PreparedItem("busy", 1, 0)]
+        busy = asyncio.ensure_future(model.submit(one, PARAMS, None))
+        await asyncio.sleep(0.05)
+        queued = [asyncio.ensure_future(others.call(
+            "submit", model=DEEP, params=PARAMS, lora=None, items=[[f"q{i}", 1, 0]]))
+            for i in range(6)]
+        await busy
+        assert model.pending >= 5  # the figure this process last heard: a full queue
+        with pytest.raises(QueueFull):
+            model.check_room(5)  # a fresh figure refuses at once, without a round trip
+        await asyncio.wait_for(asyncio.gather(*queued), 10)  # the engine has room now
+        deadline = time.monotonic() + 3
+        while True:
+            try:
+                model.check_room(5)
+                break
+            except QueueFull:
+                assert time.monotonic() < deadline, "refused from a stale figure"
+                await asyncio.sleep(0.05)
+        five = [PreparedItem(f"five {i}", 1, i) for i in range(5)]
+        result = await asyncio.wait_for(model.submit(five, PARAMS, None), 10)
+        assert len(result.values) == 5 and model.pending == 0
+    finally:
+        client.close()
+        others.close()
+        stop(process)

@@ -4,6 +4,9 @@ hashable parameter groups, and errors with their HTTP meaning."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pickle
+import sys
 from typing import Any
 
 import msgpack
@@ -16,7 +19,14 @@ from ember.adapters.transformer import EncodeParams
 from ember.api.errors import as_api_error
 from ember.engine import QueueFull, RequestTooLarge, ShuttingDown, WorkerFailed
 from ember.errors import InputTooLong, InvalidInput, ModelLoadError, ModelNotFound, UnsupportedTask
-from ember.ipc.wire import RemoteFault, error_from_wire, error_to_wire, pack, unpack
+from ember.ipc.wire import (
+    WIRE_TYPES,
+    RemoteFault,
+    error_from_wire,
+    error_to_wire,
+    pack,
+    unpack,
+)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int8", "uint8", "int64"])
@@ -56,8 +66,47 @@ def test_only_embers_own_classes_are_rebuilt() -> None:
     with pytest.raises(TypeError, match="not one of Ember's wire types"):
         pack(Foreign(1))
     forged = msgpack.ExtType(2, pack(["os:system", ["true"]]))
-    with pytest.raises(ValueError, match="not one of Ember's classes"):
+    with pytest.raises(ValueError, match="not one of Ember's wire types"):
         unpack(msgpack.packb(forged))
+
+
+@pytest.mark.parametrize("name", [
+    "ember.config:ServerSettings",  # an Ember dataclass, but not a wire type
+    "ember.supervisor:Supervisor",  # an Ember class whose module has side effects
+    "ember.cli:main",
+    "ember.adapters.transformer:EncodeParams.__init__",
+])
+def test_no_class_off_the_allow_list_is_imported_or_built(name: str) -> None:
+    forged = msgpack.packb(msgpack.ExtType(2, pack([name, []])))
+    modules = set(sys.modules)
+    with pytest.raises(ValueError, match="not one of Ember's wire types"):
+        unpack(forged)
+    assert set(sys.modules) == modules  # refused before any import
+
+
+def _array_frame(dtype: str, shape: list[int], raw: bytes) -> bytes:
+    body = msgpack.packb([dtype, shape, raw], use_bin_type=True)
+    return msgpack.packb(msgpack.ExtType(1, body), use_bin_type=True)
+
+
+@pytest.mark.parametrize(("frame", "why"), [
+    (_array_frame("|O", [1], pickle.dumps(["x"])[:8]), "numeric dtypes only"),  # object
+    (_array_frame("|V8", [1], b"\0" * 8), "numeric dtypes only"),
+    (_array_frame("<U2", [1], b"\0" * 8), "numeric dtypes only"),
+    (_array_frame("<f4", [2**31], b"\0" * 8), "do not match"),  # a size it does not have
+    (_array_frame("<f4", [-2, -2], b"\0" * 16), "bad array shape"),
+    (msgpack.packb(msgpack.ExtType(42, b"anything")), "unknown extension type 42"),
+])
+def test_hostile_frames_are_refused(frame: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        unpack(frame)
+
+
+def test_every_wire_type_exists_and_is_a_dataclass() -> None:
+    for name in WIRE_TYPES:
+        module, _, qualname = name.partition(":")
+        kind = getattr(importlib.import_module(module), qualname)
+        assert dataclasses.is_dataclass(kind), name
 
 
 ERRORS: list[tuple[Exception, int, str]] = [

@@ -1,5 +1,6 @@
 """Faults against a real `ember serve` process: SIGTERM under load, a forward that raises,
-a client that disconnects while queued, a model that fails to load, a request deadline.
+a client that disconnects while queued, a model that fails to load, a request deadline,
+and with `--workers 2` an engine process or an API process killed under load.
 
 The models are synthetic TEST models (not real ones) with a modelled forward time, so
 every timing here is set by the test, not by the machine.
@@ -17,6 +18,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import psutil  # type: ignore[import-untyped]
 import pytest
 
 from tests.reliability.support import (
@@ -383,3 +385,135 @@ async def test_request_timeout_is_a_clear_504_and_drops_queued_work(servers: Ser
     assert delta("ember_rejections_total", reason="timeout") == 2
     with httpx.Client() as sync:
         assert sync.get(f"{server.url}/healthz").status_code == 200
+
+
+# -- a process of `--workers N` dies --------------------------------------------------------
+
+CRASH = "test/crash"  # 50 ms forwards of up to 8 items, served by two API processes
+
+
+def children_named(server: ServerProcess, title: str) -> list[psutil.Process]:
+    """The supervisor's children whose process title starts with `title`."""
+    found = []
+    for child in psutil.Process(server.pid).children():
+        try:
+            if child.cmdline()[:1] and child.cmdline()[0].startswith(title):
+                found.append(child)
+        except psutil.Error:
+            pass  # gone meanwhile
+    return found
+
+
+@dataclass
+class LoadTally:
+    """Closed-loop clients, one keep-alive connection each: what each request got."""
+
+    outcomes: Counter[str] = field(default_factory=Counter)
+    failures: list[tuple[int | None, str]] = field(default_factory=list)  # (client port, what)
+    after_kill: int = 0  # answered 200 after the kill
+    connected: set[int] = field(default_factory=set)  # clients whose connection has a port
+
+
+def client_port(response: httpx.Response) -> int | None:
+    """The local port of the connection that carried `response`, while it is open."""
+    stream = response.extensions.get("network_stream")
+    try:
+        return int(stream.get_extra_info("client_addr")[1]) if stream is not None else None
+    except OSError:  # closed by now: the next request opens another
+        return None
+
+
+async def closed_loop(url: str, model: str, clients: int, tally: LoadTally,
+                      stop: asyncio.Event, killed: list[float]) -> None:
+    async def one(index: int) -> None:
+        port: int | None = None  # the local port of this client's connection
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                text = f"client {index} request {n}"
+                try:
+                    response = await client.post(f"/v1/encode/{model}",
+                                                 json=encode_body(text))
+                except httpx.TransportError as exc:
+                    tally.outcomes[type(exc).__name__] += 1
+                    tally.failures.append((port, type(exc).__name__))
+                    port = None
+                    continue
+                port = client_port(response)
+                if port is not None:
+                    tally.connected.add(index)
+                tally.outcomes[str(response.status_code)] += 1
+                if response.status_code != 200 or len(dense(response.json())) != 1:
+                    tally.failures.append((port, f"{response.status_code} "
+                                                 f"{response.text[:200]}"))
+                elif killed:
+                    tally.after_kill += 1
+
+    await asyncio.gather(*(one(i) for i in range(clients)))
+
+
+async def test_engine_killed_under_load_loses_no_request(servers: ServerPool,
+                                                         figures: Record) -> None:
+    server = servers.start("--default-model", CRASH, "--workers", "2", models={
+        "crash.yaml": synthetic_model(CRASH, overhead_ms=50, max_batch_items=8)},
+        name="engine-kill")
+    tally, stop, killed = LoadTally(), asyncio.Event(), []
+    load = asyncio.create_task(closed_loop(server.url, CRASH, 32, tally, stop, killed))
+    await asyncio.sleep(1.5)
+    [engine] = children_named(server, "ember: engine")
+    engine.kill()
+    killed.append(time.monotonic())
+
+    def replaced() -> bool:
+        return any(p.pid != engine.pid for p in children_named(server, "ember: engine"))
+
+    await asyncio.to_thread(wait_until, replaced, 60, "a new engine process")
+    await asyncio.to_thread(wait_until, lambda: tally.after_kill >= 100, 60,
+                            "100 answers after the kill")
+    stop.set()
+    await asyncio.wait_for(load, 60)
+    log = server.log_text()
+    figures("fault_engine_killed", {
+        "model": f"{CRASH} (synthetic test model, 50 ms forwards of up to 8 items)",
+        "workers": 2, "clients": 32, "outcomes": dict(tally.outcomes),
+        "answered_after_kill": tally.after_kill,
+        "resent_lines": len(re.findall(r"a new engine process answers", log))})
+    assert tally.failures == [], tally.failures[:10]
+    assert server.alive()
+    assert "a new engine process serves" in log, log[-3000:]
+    assert re.search(r"a new engine process answers; sending it the \d+ requests", log)
+
+
+async def test_api_process_killed_under_load_fails_only_its_own_requests(
+        servers: ServerPool, figures: Record) -> None:
+    server = servers.start("--default-model", CRASH, "--workers", "2", models={
+        "crash.yaml": synthetic_model(CRASH, overhead_ms=50, max_batch_items=8)},
+        name="api-kill")
+    tally, stop, killed = LoadTally(), asyncio.Event(), []
+    load = asyncio.create_task(closed_loop(server.url, CRASH, 32, tally, stop, killed))
+    await asyncio.to_thread(wait_until, lambda: len(tally.connected) == 32, 60,
+                            "every client connected")
+    await asyncio.sleep(0.5)
+    held = {api: {c.raddr.port for c in api.net_connections("tcp")
+                  if c.raddr and c.laddr.port == server.port}  # its client connections
+            for api in children_named(server, "ember: api")}
+    victim = max(held, key=lambda api: len(held[api]))  # the one with the most clients
+    own = held[victim]
+    victim.kill()
+    killed.append(time.monotonic())
+    await asyncio.to_thread(wait_until, lambda: tally.after_kill >= 100, 60,
+                            "100 answers after the kill")
+    stop.set()
+    await asyncio.wait_for(load, 60)
+    others = [(port, what) for port, what in tally.failures if port not in own]
+    figures("fault_api_process_killed", {
+        "model": f"{CRASH} (synthetic test model, 50 ms forwards of up to 8 items)",
+        "workers": 2, "clients": 32, "victim_connections": len(own),
+        "outcomes": dict(tally.outcomes), "failed_on_victim": len(tally.failures) - len(others),
+        "failed_elsewhere": others})
+    assert own, "the victim held no client connection"
+    assert others == [], others
+    assert all(what in {"ReadError", "RemoteProtocolError", "ConnectError"}
+               for _, what in tally.failures), tally.failures
+    assert server.alive()

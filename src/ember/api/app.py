@@ -14,7 +14,6 @@ from starlette.types import ASGIApp
 
 from ember import __version__, heap
 from ember.api import cohere, errors, health, native, openai, rerank, tei
-from ember.api.metrics import Metrics
 from ember.api.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -24,7 +23,7 @@ from ember.api.middleware import (
 from ember.api.routing import InferenceDispatcher
 from ember.api.state import Models, ServerState
 from ember.config import ServerSettings
-from ember.ipc.client import RemoteModels
+from ember.metrics import Metrics, ReportedDepths
 from ember.registry import Registry, preload_models
 
 log = logging.getLogger("ember.api")
@@ -62,7 +61,7 @@ def create_app(settings: ServerSettings, registry: Models) -> EmberAPI:
     state = ServerState(settings, registry, metrics)
     if isinstance(registry, Registry):
         metrics.attach(registry)
-    elif isinstance(registry, RemoteModels):
+    elif isinstance(registry, ReportedDepths):
         metrics.pending = registry.pending
         state.on_metrics.append(registry.refresh)
 

@@ -12,9 +12,9 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api.errors import BodyTooLarge, error_response
-from ember.api.metrics import labelled
 from ember.api.state import ServerState
 from ember.logs import access_log
+from ember.metrics import labelled
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
 

@@ -14,9 +14,9 @@ from starlette.types import Message
 
 from ember.adapters.base import TaskModel, TaskOutput
 from ember.api.errors import ApiError, ClientGone, as_api_error
-from ember.api.metrics import labelled
 from ember.api.state import ServedModel, server_state
 from ember.errors import UnsupportedTask
+from ember.metrics import labelled
 
 T = TypeVar("T")
 TaskCall = Callable[[ServedModel, TaskModel], Awaitable[TaskOutput[T]]]

@@ -13,9 +13,9 @@ from typing import Protocol
 from fastapi import Request
 
 from ember.adapters.base import ModelInfo, TaskModel
-from ember.api.metrics import Metrics
 from ember.config import ModelSpec, ServerSettings
 from ember.engine import PreparedItem, RequestResult
+from ember.metrics import Metrics
 
 
 class ServedModel(Protocol):

@@ -1,7 +1,7 @@
 """The engine deployment: one replica per device, each holding Ember's engine.
 
 A replica owns a `Registry` (lazy loads, LRU eviction, one `ModelWorker` per model) and
-answers the calls an engine process answers (`ember.ipc.engine.RegistryCalls`), so a
+answers the calls an engine process answers (`ember.ipc.calls.RegistryCalls`), so a
 request reaches it as prepared items and joins that model's batcher there.
 
 Multiplexing: every call about one model carries the model's name as Ray's multiplexed
@@ -21,7 +21,7 @@ from typing import Any
 from ray import serve
 
 from ember.config import ServerSettings, load_catalog
-from ember.ipc.engine import RegistryCalls
+from ember.ipc.calls import RegistryCalls
 from ember.ipc.wire import error_to_wire
 from ember.logs import configure_logging
 from ember.registry import Registry

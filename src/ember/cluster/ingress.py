@@ -16,7 +16,7 @@ from ember.api.app import create_app
 from ember.cluster.client import RayEngineClient
 from ember.cluster.engine import ENGINE
 from ember.config import ServerSettings, load_catalog
-from ember.ipc.client import RemoteModels
+from ember.ipc.models import RemoteModels
 from ember.logs import configure_logging
 
 

@@ -1,78 +1,103 @@
-"""An API process's side of the IPC: the engine client, and the models as the routes see
-them (`RemoteModels`): the catalog read here, each model's request-path half loaded
-here (tokenizer, prompts, output shaping; no weights), its forwards run by the engine."""
+"""An API process's side of the IPC: one DEALER socket to the engine process.
+
+Nothing it sends is lost to the engine's death: the engine answers a heartbeat with its
+boot id; when a new engine process answers (the supervisor replaced a dead one), every
+call still unanswered is sent to it again (encode, score and extract are idempotent, and
+the engine ignores a copy of a call it already runs). A call waits for a new engine at
+most `restart_wait_s` from the moment the engine fell silent, then fails with
+`EngineUnavailable` (503 with Retry-After); so does a new call while it stays silent.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import itertools
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+import time
+from dataclasses import dataclass
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
 
-from ember import heap
-from ember.adapters.base import ModelInfo, Runtime, TaskModel
-from ember.config import ADAPTERS, ModelSpec
-from ember.engine import PreparedItem, RequestResult, ShuttingDown
-from ember.errors import ModelLoadError
+from ember.engine import ShuttingDown, WorkerFailed
 from ember.ipc.wire import error_from_wire, pack, unpack
-from ember.registry import CatalogLookup, check_room
 
 log = logging.getLogger("ember.ipc")
-FrontLoader = Callable[[ModelSpec, Runtime], TaskModel]
+HEARTBEAT_S = 0.5  # a ping this often; the engine's reader answers it at once
+RESTART_WAIT_S = 30.0  # how long calls wait for a silent engine (or its replacement)
 
 
-def front_loader(family: str) -> FrontLoader:
-    """Each family module exposes `load_front(spec, runtime)`: its request path alone."""
-    module = importlib.import_module(f"ember.adapters.{ADAPTERS[family]}")
-    return cast(FrontLoader, module.load_front)
+class EngineUnavailable(WorkerFailed):
+    """The engine process did not answer: it died and no new one answered in time, or this
+    process's connection to it ended. A 503 with Retry-After, like a failed worker."""
+
+    def __init__(self, reason: str) -> None:
+        self.name = "engine"
+        self.cause = ConnectionError(reason)
+        Exception.__init__(self, f"the engine process is unavailable ({reason}); retry "
+                           "shortly")
 
 
-class EngineCalls(Protocol):
-    """What the remote models need from their engine: `EngineClient` over ZeroMQ, or
-    `ember.cluster`'s client of the engine replicas on Ray."""
-
-    async def call(self, op: str, **fields: Any) -> dict[str, Any]: ...
-
-    def close(self) -> None: ...
+@dataclass(eq=False)
+class _Call:
+    message: bytes  # packed once; sent again as is to a new engine
+    reply: asyncio.Future[dict[str, Any]]
+    engine: str  # the boot id of the engine it went to
 
 
 class EngineClient:
     """One DEALER socket to the engine process; replies find their caller by id."""
 
-    def __init__(self, address: str, identity: str | None = None) -> None:
+    def __init__(self, address: str, identity: str | None = None, *,
+                 heartbeat_s: float = HEARTBEAT_S,
+                 restart_wait_s: float = RESTART_WAIT_S) -> None:
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self.identity = identity or peer_name(os.getpid())
         self._socket.setsockopt(zmq.IDENTITY, self.identity.encode())
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address)
+        self.heartbeat_s = heartbeat_s
+        self.restart_wait_s = restart_wait_s
+        self.engine: str | None = None  # the boot id of the engine last heard
+        self._met = asyncio.Event()  # set by the first pong: the engine's id is known
+        self.heard_at = time.monotonic()  # when the engine last said anything
         self._ids = itertools.count()
-        self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._waiting: dict[int, _Call] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._heart: asyncio.Task[None] | None = None
+        self._sends: set[asyncio.Task[None]] = set()
+
+    @property
+    def silent_s(self) -> float:
+        return time.monotonic() - self.heard_at
 
     async def call(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request and await its reply; cancelling the caller cancels it in the
         engine too (its queued items are dropped, R9)."""
         if self._socket.closed:  # this process drained and let go of the engine
             raise ShuttingDown()
-        if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._start()
+        if self.silent_s > self.restart_wait_s:
+            raise EngineUnavailable(f"no answer for {self.silent_s:.0f} s")
+        if self.engine is None:  # once: every call goes to an engine known by its id
+            try:
+                await asyncio.wait_for(self._met.wait(), self.restart_wait_s)
+            except TimeoutError:
+                raise EngineUnavailable(f"no answer for {self.silent_s:.0f} s") from None
+            if self._socket.closed or self.engine is None:
+                raise ShuttingDown()
         call_id = next(self._ids)
-        reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._waiting[call_id] = reply
+        call = _Call(pack({"op": op, "id": call_id, **fields}),
+                     asyncio.get_running_loop().create_future(), self.engine)
+        self._waiting[call_id] = call
         try:
-            await self._socket.send(pack({"op": op, "id": call_id, **fields}), copy=False)
-            return await reply
+            await self._socket.send(call.message, copy=False)
+            return await call.reply
         except asyncio.CancelledError:
-            if reply.cancelled() or not reply.done():  # cancelling the caller cancels `reply`
+            if not self._socket.closed and (call.reply.cancelled() or not call.reply.done()):
                 await asyncio.shield(self._socket.send(pack({"op": "cancel", "id": call_id})))
             raise
         finally:
@@ -82,118 +107,96 @@ class EngineClient:
         """Send a message that has no answer."""
         await self._socket.send(pack({"op": op, **fields}))
 
-    async def _read(self) -> None:
-        while True:
-            message = unpack(await self._socket.recv(copy=True))
-            reply = self._waiting.get(message["id"])
-            if reply is None or reply.done():
-                continue  # its caller went away
-            if message["op"] == "error":
-                reply.set_exception(error_from_wire(message["error"]))
-            else:
-                reply.set_result(message)
-
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._heart, *self._sends):
+            if task is not None:
+                task.cancel()
         self._socket.close(linger=0)
+        self._fail_waiting(ShuttingDown())
+        self._met.set()  # a call awaiting the first pong sees the socket closed
         self._context.term()
+
+    # -- reading, heartbeat, resending ------------------------------------------------
+
+    def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._reader is None or self._reader.done():
+            self._reader = loop.create_task(self._read(), name="engine-client-read")
+        if self._heart is None or self._heart.done():
+            self.heard_at = time.monotonic()  # silence counts from when someone listens
+            self._heart = loop.create_task(self._beat(), name="engine-client-heartbeat")
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                frame = await self._socket.recv(copy=True)
+                try:
+                    self._receive(unpack(frame))
+                except Exception as exc:  # one bad frame must not end the reader
+                    log.error("bad message from the engine: %s: %s", type(exc).__name__, exc)
+        finally:  # nobody would answer them: they fail now, not hang
+            if not self._socket.closed:
+                self._fail_waiting(EngineUnavailable("its reader in this process ended"))
+
+    def _receive(self, message: Any) -> None:
+        if not isinstance(message, dict):
+            raise ValueError(f"a message is a map, not {type(message).__name__}")
+        op = message.get("op")
+        if op == "pong":
+            self._heard(str(message["engine"]))
+            return
+        self.heard_at = time.monotonic()
+        call = self._waiting.get(message["id"])
+        if call is None or call.reply.done():
+            return  # its caller went away, or a copy of the call answered first
+        if op == "error":
+            call.reply.set_exception(error_from_wire(message["error"]))
+        elif op == "result":
+            call.reply.set_result(message)
+        else:
+            raise ValueError(f"unknown reply op {op!r}")
+
+    def _heard(self, engine: str) -> None:
+        self.heard_at = time.monotonic()
+        if engine == self.engine:
+            return
+        first, self.engine = self.engine is None, engine
+        self._met.set()
+        if first:
+            return
+        stale = [c for c in self._waiting.values() if c.engine != engine and not c.reply.done()]
+        log.warning("a new engine process answers; sending it the %d requests the last "
+                    "one left unanswered", len(stale))
+        for call in stale:
+            call.engine = engine
+            task = asyncio.get_running_loop().create_task(self._send(call.message))
+            self._sends.add(task)
+            task.add_done_callback(self._sends.discard)
+
+    async def _send(self, message: bytes) -> None:
+        await self._socket.send(message, copy=False)
+
+    async def _beat(self) -> None:
+        ping = pack({"op": "ping"})
+        while True:
+            # Never a waiting send: a ping that cannot be queued now is not needed.
+            sent = cast("asyncio.Future[Any]", self._socket.send(ping, flags=zmq.DONTWAIT))
+            sent.add_done_callback(_ignore_outcome)
+            if self._waiting and self.silent_s > self.restart_wait_s:
+                self._fail_waiting(EngineUnavailable(f"no answer for {self.silent_s:.0f} s"))
+            await asyncio.sleep(self.heartbeat_s)
+
+    def _fail_waiting(self, error: Exception) -> None:
+        for call in self._waiting.values():
+            if not call.reply.done():
+                call.reply.set_exception(error)
+
+
+def _ignore_outcome(sent: asyncio.Future[Any]) -> None:
+    if not sent.cancelled():
+        sent.exception()  # zmq.Again: the engine is gone and pings pile up; the silence says so
 
 
 def peer_name(pid: int) -> str:
     """How the engine knows an API process (the supervisor names it when it dies)."""
     return f"api-{pid}"
-
-
-@dataclass(eq=False)
-class RemoteModel:
-    """A model served by the engine process, as a route uses it."""
-
-    spec: ModelSpec
-    adapter: TaskModel
-    client: EngineCalls
-    pending: int = 0  # the engine's queue depth at its last answer
-    max_queue_items: int = 0
-
-    def check_room(self, items: int) -> None:
-        """The engine's last known queue depth decides: no round trip before tokenizing."""
-        check_room(self.pending, items, self.max_queue_items)
-
-    async def submit(self, items: Sequence[PreparedItem], params: Hashable,
-                     lora: str | None) -> RequestResult:
-        reply = await self.client.call(
-            "submit", model=self.spec.name, params=params, lora=lora,
-            items=[[item.payload, item.cost, item.index] for item in items])
-        self.pending = reply["pending"]
-        return RequestResult(list(reply["values"]), reply["queue_ms"], reply["inference_ms"],
-                             reply["forwards"])
-
-
-@dataclass
-class RemoteModels(CatalogLookup):
-    """The engine process's models, for the routes of one API process."""
-
-    catalog: Mapping[str, ModelSpec]
-    runtime: Runtime
-    client: EngineCalls
-    max_queue_items: int
-    loader: Callable[[str], FrontLoader] = front_loader
-    _fronts: dict[str, RemoteModel] = field(default_factory=dict)
-    _loading: dict[str, asyncio.Future[RemoteModel]] = field(default_factory=dict)
-    _states: dict[str, str] = field(default_factory=dict)
-    _info: dict[str, ModelInfo] = field(default_factory=dict)
-    _pending: dict[str, int] = field(default_factory=dict)
-
-    def state(self, name: str) -> str:
-        return self._states.get(name, "available")
-
-    def info(self, name: str) -> ModelInfo | None:
-        return self._info.get(name)
-
-    def pending(self) -> dict[str, int]:
-        return dict(self._pending)
-
-    async def refresh(self) -> None:
-        status = await self.client.call("status")
-        self._states = dict(status["states"])
-        self._info = dict(status["info"])
-        self._pending = dict(status["pending"])
-
-    async def get(self, name: str) -> RemoteModel:
-        """The model's front half, loaded here once (concurrent first requests share the
-        load), with the engine holding its weights."""
-        spec = self.spec(name)
-        await self.client.call("load", model=name)  # raises the engine's ModelLoadError
-        if name in self._fronts:
-            return self._fronts[name]
-        loading = self._loading.get(name)
-        if loading is None:
-            loading = asyncio.ensure_future(self._load_front(spec))
-            self._loading[name] = loading
-            loading.add_done_callback(lambda _: self._loading.pop(name, None))
-        return await asyncio.shield(loading)
-
-    async def _load_front(self, spec: ModelSpec) -> RemoteModel:
-        try:
-            adapter = await asyncio.to_thread(self.loader(spec.adapter), spec, self.runtime)
-        except ModelLoadError:
-            raise
-        except Exception as exc:
-            raise ModelLoadError(spec.name, f"{type(exc).__name__}: {exc}") from None
-        model = RemoteModel(spec, adapter, self.client,
-                            max_queue_items=self._queue_limit(spec))
-        self._fronts[spec.name] = model
-        heap.settle()
-        return model
-
-    @asynccontextmanager
-    async def use(self, name: str) -> AsyncIterator[RemoteModel]:
-        model = self._fronts.get(name) or await self.get(name)
-        yield model
-
-    async def close(self) -> None:
-        """The engine drains on its own; this process only lets go of its socket."""
-        self.client.close()
-
-    def _queue_limit(self, spec: ModelSpec) -> int:
-        return int(spec.batching.get("max_queue_items", self.max_queue_items))

@@ -4,6 +4,11 @@ Two extension types carry what plain msgpack cannot: a numpy array (dtype, shape
 its bytes, no copy into lists) and a frozen dataclass of Ember's own (parameter
 groups, token pairs, entities, sparse vectors), rebuilt from its fields. Lists come
 back as tuples, so parameter groups stay hashable (R6).
+
+What `unpack` accepts, and nothing else: msgpack's own types; an array of a numeric or
+boolean dtype whose bytes match its shape; one of the dataclasses named in `WIRE_TYPES`
+(its module is imported only then). Anything else (an object or unknown dtype, another
+class, an unknown extension type) raises ValueError before anything is built.
 """
 
 from __future__ import annotations
@@ -20,7 +25,20 @@ from ember.errors import InputTooLong, InvalidInput, ModelLoadError, ModelNotFou
 
 EXT_ARRAY = 1
 EXT_DATACLASS = 2
-_PACKAGE = "ember."  # only Ember's own classes are rebuilt from the wire
+# The dataclasses that cross the wire, by module and name: parameter groups, payloads,
+# results and model facts. No other class is ever imported or built from a frame.
+WIRE_TYPES = frozenset({
+    "ember.adapters.base:EncodeOptions", "ember.adapters.base:ScoreOptions",
+    "ember.adapters.base:ExtractOptions", "ember.adapters.base:SparseVector",
+    "ember.adapters.base:Encoded", "ember.adapters.base:Entity",
+    "ember.adapters.base:TaskOutput", "ember.adapters.base:ModelInfo",
+    "ember.adapters.cross_encoder:ScoreParams", "ember.adapters.cross_encoder:Pair",
+    "ember.adapters.multivector:MultiVectorParams", "ember.adapters.multivector:TokenRow",
+    "ember.adapters.spacy_ner:NerParams", "ember.adapters.sparse:SparseParams",
+    "ember.adapters.sparse:Pruning", "ember.adapters.transformer:EncodeParams",
+    "ember.outputs:Quantized",
+})
+ARRAY_KINDS = frozenset("biufc")  # bool, signed, unsigned, float, complex: never objects
 
 
 def pack(value: Any) -> bytes:
@@ -42,28 +60,44 @@ def _default(value: Any) -> Any:
         return value.item()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         kind = type(value)
-        if not kind.__module__.startswith(_PACKAGE):
-            raise TypeError(f"{kind.__qualname__} is not one of Ember's wire types")
+        name = f"{kind.__module__}:{kind.__qualname__}"
+        if name not in WIRE_TYPES:
+            raise TypeError(f"{kind.__qualname__} is not one of Ember's wire types "
+                            "(ember.ipc.wire.WIRE_TYPES)")
         fields = [getattr(value, f.name) for f in dataclasses.fields(value)]
-        return msgpack.ExtType(EXT_DATACLASS, pack([f"{kind.__module__}:{kind.__qualname__}",
-                                                    fields]))
+        return msgpack.ExtType(EXT_DATACLASS, pack([name, fields]))
     raise TypeError(f"{type(value).__name__} cannot cross the process boundary")
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
     if code == EXT_ARRAY:
-        dtype, shape, raw = msgpack.unpackb(data, raw=False)
-        return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape)
+        return _array(data)
     if code == EXT_DATACLASS:
         name, fields = unpack(data)
+        if not isinstance(fields, tuple):
+            raise ValueError(f"the fields of {name!r} are not a list")
         return _class(name)(*fields)
-    return msgpack.ExtType(code, data)
+    raise ValueError(f"unknown extension type {code} on the wire")
+
+
+def _array(data: bytes) -> np.ndarray:
+    dtype_name, shape, raw = msgpack.unpackb(data, raw=False, use_list=False)
+    if not isinstance(dtype_name, str) or not isinstance(raw, bytes):
+        raise ValueError("a wire array needs a dtype name and its bytes")
+    dtype = np.dtype(dtype_name)
+    if dtype.kind not in ARRAY_KINDS or dtype.hasobject or dtype.fields is not None:
+        raise ValueError(f"refusing an array of dtype {dtype_name!r}: numeric dtypes only")
+    if not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ValueError(f"bad array shape {shape!r}")
+    if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != len(raw):
+        raise ValueError(f"array bytes ({len(raw)}) do not match shape {shape!r}")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
 def _class(name: str) -> type:
+    if not isinstance(name, str) or name not in WIRE_TYPES:
+        raise ValueError(f"refusing to rebuild {name!r}: not one of Ember's wire types")
     module, _, qualname = name.partition(":")
-    if not module.startswith(_PACKAGE):
-        raise ValueError(f"refusing to rebuild {name!r}: not one of Ember's classes")
     kind = getattr(importlib.import_module(module), qualname)
     if not (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
         raise ValueError(f"{name!r} is not a dataclass")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -27,6 +27,16 @@ TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 PendingSource = Callable[[], Mapping[str, int]]
+
+
+@runtime_checkable
+class ReportedDepths(Protocol):
+    """Models whose workers run in another process (the engine process, or Ray's engine
+    replicas): their queue depths as last reported, brought up to date before a scrape."""
+
+    def pending(self) -> Mapping[str, int]: ...
+
+    async def refresh(self) -> None: ...
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,0 +1,42 @@
+"""A child of the supervisor never outlives it: on Linux the kernel kills the child when
+its parent dies (PR_SET_PDEATHSIG); elsewhere a thread watches the parent's pid. So a
+killed supervisor leaves no API process holding the port and no engine holding a device."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+log = logging.getLogger("ember.supervisor")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+WATCH_S = 0.2  # how often the fallback watch looks at the parent
+
+
+def die_with_parent(parent: int) -> None:
+    """End this process as soon as `parent` (its supervisor's pid) is gone."""
+    if sys.platform.startswith("linux") and _pdeathsig():
+        if os.getppid() != parent:  # it died before the kernel took the request
+            os._exit(1)
+        return
+    threading.Thread(target=_watch, args=(parent,), name="ember-parent-watch",
+                     daemon=True).start()
+
+
+def _pdeathsig() -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(WATCH_S)
+    log.error("the supervisor process died; exiting")
+    os._exit(1)

@@ -1,0 +1,148 @@
+"""The models as the routes of an API process see them when the forwards run elsewhere
+(`RemoteModels`): the catalog read here, each model's request-path half loaded here
+(tokenizer, prompts, output shaping; no weights), its forwards run by an engine reached
+through `EngineCalls` (the engine process over ZeroMQ, `ember.ipc.client`, or the engine
+replicas on Ray, `ember.cluster`). No transport is imported here."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
+
+from ember import heap
+from ember.adapters.base import ModelInfo, Runtime, TaskModel
+from ember.config import ADAPTERS, ModelSpec
+from ember.engine import PreparedItem, QueueFull, RequestResult, RequestTooLarge
+from ember.errors import ModelLoadError
+from ember.registry import CatalogLookup, check_room
+
+FrontLoader = Callable[[ModelSpec, Runtime], TaskModel]
+# A queue depth older than this is not enough to refuse a request on: the engine decides.
+FRESH_DEPTH_S = 0.5
+
+
+def front_loader(family: str) -> FrontLoader:
+    """Each family module exposes `load_front(spec, runtime)`: its request path alone."""
+    module = importlib.import_module(f"ember.adapters.{ADAPTERS[family]}")
+    return cast(FrontLoader, module.load_front)
+
+
+class EngineCalls(Protocol):
+    """What the remote models need from their engine: `EngineClient` over ZeroMQ, or
+    `ember.cluster`'s client of the engine replicas on Ray."""
+
+    async def call(self, op: str, **fields: Any) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(eq=False)
+class RemoteModel:
+    """A model served by the engine process, as a route uses it."""
+
+    spec: ModelSpec
+    adapter: TaskModel
+    client: EngineCalls
+    pending: int = 0  # the engine's queue depth at its last answer ...
+    pending_at: float = 0.0  # ... and when that answer came (time.monotonic())
+    max_queue_items: int = 0
+
+    def check_room(self, items: int) -> None:
+        """Refuse before tokenizing, without a round trip, only on a fresh figure: an old
+        one (the queue may have drained since) lets the request through, and the engine,
+        which checks again on submit, decides."""
+        if items > self.max_queue_items:
+            raise RequestTooLarge(items, self.max_queue_items)
+        if time.monotonic() - self.pending_at <= FRESH_DEPTH_S:
+            check_room(self.pending, items, self.max_queue_items)
+
+    def note_pending(self, pending: int) -> None:
+        self.pending, self.pending_at = pending, time.monotonic()
+
+    async def submit(self, items: Sequence[PreparedItem], params: Hashable,
+                     lora: str | None) -> RequestResult:
+        try:
+            reply = await self.client.call(
+                "submit", model=self.spec.name, params=params, lora=lora,
+                items=[[item.payload, item.cost, item.index] for item in items])
+        except QueueFull as refused:  # the engine's own figure, now
+            self.note_pending(refused.pending)
+            raise
+        self.note_pending(reply["pending"])
+        return RequestResult(list(reply["values"]), reply["queue_ms"], reply["inference_ms"],
+                             reply["forwards"])
+
+
+@dataclass
+class RemoteModels(CatalogLookup):
+    """The engine process's models, for the routes of one API process."""
+
+    catalog: Mapping[str, ModelSpec]
+    runtime: Runtime
+    client: EngineCalls
+    max_queue_items: int
+    loader: Callable[[str], FrontLoader] = front_loader
+    _fronts: dict[str, RemoteModel] = field(default_factory=dict)
+    _loading: dict[str, asyncio.Future[RemoteModel]] = field(default_factory=dict)
+    _states: dict[str, str] = field(default_factory=dict)
+    _info: dict[str, ModelInfo] = field(default_factory=dict)
+    _pending: dict[str, int] = field(default_factory=dict)
+
+    def state(self, name: str) -> str:
+        return self._states.get(name, "available")
+
+    def info(self, name: str) -> ModelInfo | None:
+        return self._info.get(name)
+
+    def pending(self) -> dict[str, int]:
+        return dict(self._pending)
+
+    async def refresh(self) -> None:
+        status = await self.client.call("status")
+        self._states = dict(status["states"])
+        self._info = dict(status["info"])
+        self._pending = dict(status["pending"])
+
+    async def get(self, name: str) -> RemoteModel:
+        """The model's front half, loaded here once (concurrent first requests share the
+        load), with the engine holding its weights."""
+        spec = self.spec(name)
+        await self.client.call("load", model=name)  # raises the engine's ModelLoadError
+        if name in self._fronts:
+            return self._fronts[name]
+        loading = self._loading.get(name)
+        if loading is None:
+            loading = asyncio.ensure_future(self._load_front(spec))
+            self._loading[name] = loading
+            loading.add_done_callback(lambda _: self._loading.pop(name, None))
+        return await asyncio.shield(loading)
+
+    async def _load_front(self, spec: ModelSpec) -> RemoteModel:
+        try:
+            adapter = await asyncio.to_thread(self.loader(spec.adapter), spec, self.runtime)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(spec.name, f"{type(exc).__name__}: {exc}") from None
+        model = RemoteModel(spec, adapter, self.client,
+                            max_queue_items=self._queue_limit(spec))
+        self._fronts[spec.name] = model
+        heap.settle()
+        return model
+
+    @asynccontextmanager
+    async def use(self, name: str) -> AsyncIterator[RemoteModel]:
+        model = self._fronts.get(name) or await self.get(name)
+        yield model
+
+    async def close(self) -> None:
+        """The engine drains on its own; this process only lets go of its socket."""
+        self.client.close()
+
+    def _queue_limit(self, spec: ModelSpec) -> int:
+        return int(spec.batching.get("max_queue_items", self.max_queue_items))
