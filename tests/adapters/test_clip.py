@@ -25,7 +25,7 @@ from ember.adapters.clip import ClipAdapter, ClipParams
 from ember.config import load_catalog
 from ember.engine import WorkerConfig
 from ember.errors import InvalidInput
-from ember.ipc.client import front_loader
+from ember.ipc.models import front_loader
 from ember.ipc.wire import pack, unpack
 from ember.registry import adapter_loader
 from tests.adapters.serving import serving
