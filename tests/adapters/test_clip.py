@@ -23,7 +23,7 @@ from ember.adapters._images import ImageInput, ItemInput
 from ember.adapters.base import EncodeOptions, Runtime, ScoreOptions
 from ember.adapters.clip import ClipAdapter, ClipParams
 from ember.config import load_catalog
-from ember.engine import WorkerConfig
+from ember.engine import PreparedItem, WorkerConfig
 from ember.errors import InvalidInput
 from ember.ipc.models import front_loader
 from ember.ipc.wire import pack, unpack
@@ -186,7 +186,9 @@ def test_pixels_cross_the_process_wire_as_arrays(tiny: Tiny) -> None:
     assert isinstance(half, ClipAdapter) and half.memory_bytes() == 0
     prepared = half.prepare(items(IMAGES[0], TEXTS[0]), True, ["items[0]", "items[1]"])
     assert isinstance(prepared[0].payload, np.ndarray) and prepared[0].payload.dtype == np.float32
-    crossed = unpack(pack(list(prepared)))
+    # As the API process sends them: payload, cost and index of each item.
+    wire = unpack(pack([[item.payload, item.cost, item.index] for item in prepared]))
+    crossed = [PreparedItem(payload, cost, index) for payload, cost, index in wire]
     params = unpack(pack(ClipParams(True)))
     here = tiny.adapter.forward(prepared, ClipParams(True))
     there = tiny.adapter.forward(crossed, params)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ember.adapters.synthetic import SyntheticAdapter
-from tests.api.conftest import BUSY, SLOW, SYNTH, encode_body, vectors
+from tests.api.conftest import BROKEN, BUSY, SLOW, SYNTH, encode_body, vectors
 from tests.cluster.conftest import LOADING, engine_replicas, replicas_of, wait_replicas
 from tests.live_server import ServerProcess
 
@@ -221,3 +221,17 @@ def test_overload_is_refused_with_429_not_queued_without_bound(
     p99 = sorted(latencies)[int(0.99 * len(latencies))]
     # Measured here (2 cores): p50 17 s, p99 20 s, Ray's proxy path being ~150 requests/s.
     assert p99 < 45, f"p99 {p99:.1f} s: overload queued instead of being refused ({statuses})"
+
+
+def test_a_model_that_fails_to_load_says_why_and_the_others_serve(
+        ray_server: ServerProcess) -> None:
+    """On an engine replica as in one process: a 502 naming the model and the cause, and
+    every other model keeps serving."""
+    url = ray_server.url
+    failed = httpx.post(f"{url}/v1/encode/{BROKEN}", json=encode_body("x"), timeout=60)
+    assert failed.status_code == 502, failed.text
+    error = failed.json()["error"]
+    assert error["type"] == "model_load_failed" and error["param"] == "model"
+    assert BROKEN in error["message"] and "does not exist" in error["message"]
+    ok = httpx.post(f"{url}/v1/encode/{SYNTH}", json=encode_body("still serving"), timeout=60)
+    assert ok.status_code == 200, ok.text

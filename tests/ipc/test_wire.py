@@ -140,3 +140,24 @@ def test_an_unexpected_fault_is_named_by_its_original_type() -> None:
     back: Any = error_from_wire(error_to_wire(RuntimeError("CUDA out of memory")))
     assert isinstance(back, RemoteFault)
     assert as_api_error(back).message == "inference failed: RuntimeError: CUDA out of memory"
+
+
+def test_every_familys_parameter_group_is_a_wire_type() -> None:
+    """A family whose parameter group is missing from the allow-list works in one process
+    and fails every request under --workers N: each `*Params` dataclass must be listed."""
+    import dataclasses
+    import importlib
+    import pkgutil
+
+    import ember.adapters
+    from ember.ipc.wire import WIRE_TYPES
+
+    found = set()
+    for module_info in pkgutil.iter_modules(ember.adapters.__path__):
+        module = importlib.import_module(f"ember.adapters.{module_info.name}")
+        for name, value in vars(module).items():
+            if (name.endswith("Params") and dataclasses.is_dataclass(value)
+                    and value.__module__ == module.__name__):
+                found.add(f"{module.__name__}:{name}")
+    assert {"ember.adapters.clip:ClipParams", "ember.adapters.gliner:GlinerParams"} <= found
+    assert found <= WIRE_TYPES, sorted(found - WIRE_TYPES)

