@@ -235,3 +235,44 @@ def test_a_model_that_fails_to_load_says_why_and_the_others_serve(
     assert BROKEN in error["message"] and "does not exist" in error["message"]
     ok = httpx.post(f"{url}/v1/encode/{SYNTH}", json=encode_body("still serving"), timeout=60)
     assert ok.status_code == 200, ok.text
+
+
+INGRESS_TITLE = "ray::ServeReplica:ember:EmberIngress"
+
+
+def test_a_killed_ingress_replica_is_replaced_and_the_server_serves_on(
+        ray_server: ServerProcess) -> None:
+    """The Ray counterpart of an API process's death: the requests that ingress replica
+    held may fail with it (their connections went through it); Serve starts another, and
+    every request after that is served."""
+    from tests.cluster.conftest import descendants
+
+    def ingresses() -> list[int]:
+        found = []
+        for process in descendants(ray_server):
+            try:
+                if process.cmdline()[:1] == [INGRESS_TITLE]:
+                    found.append(process.pid)
+            except Exception:  # gone meanwhile
+                pass
+        return found
+
+    [victim] = ingresses()
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while not [pid for pid in ingresses() if pid != victim]:
+        assert time.monotonic() < deadline, ray_server.log_tail()
+        time.sleep(0.2)
+    served = 0
+    deadline = time.monotonic() + 60
+    with httpx.Client(timeout=30) as client:
+        while served < 10:  # the proxy may still route to the dead one for a moment
+            assert time.monotonic() < deadline, ray_server.log_tail()
+            try:
+                ok = client.post(f"{ray_server.url}/v1/encode/{SYNTH}",
+                                 json=encode_body(f"after {served}")).status_code == 200
+            except httpx.TransportError:
+                ok = False
+            served = served + 1 if ok else 0
+            if not ok:
+                time.sleep(0.2)

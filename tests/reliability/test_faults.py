@@ -519,3 +519,37 @@ async def test_api_process_killed_under_load_fails_only_its_own_requests(
     assert all(what in {"ReadError", "RemoteProtocolError", "ConnectError"}
                for _, what in tally.failures), tally.failures
     assert server.alive()
+
+
+@pytest.mark.own_mode  # one process: the `--workers` mode has its own API-death test
+def test_a_killed_single_process_server_closes_its_connections_and_frees_the_port(
+        servers: ServerPool) -> None:
+    """`kill -9` of a one-process server with a request in its 800 ms forward: the client
+    gets a transport error at once, not a hang, and the port can be bound again."""
+    import socket
+    import threading
+
+    server = servers.start("--default-model", SLOW, "--workers", "0", models={
+        "slow.yaml": synthetic_model(SLOW, overhead_ms=800, max_batch_items=1)},
+        name="kill-one")
+    outcome: list[str] = []
+
+    def send() -> None:
+        try:
+            httpx.post(f"{server.url}/v1/encode/{SLOW}", json=encode_body("x"), timeout=30)
+            outcome.append("answered")
+        except httpx.TransportError as exc:
+            outcome.append(type(exc).__name__)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    time.sleep(0.3)  # the request is in its forward
+    started = time.monotonic()
+    server.process.kill()
+    thread.join(10)
+    assert outcome and outcome[0] != "answered", outcome
+    assert time.monotonic() - started < 5
+    server.wait(10)
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", server.port))
