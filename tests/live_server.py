@@ -151,3 +151,15 @@ def _start_once(log: Path, args: Sequence[str], env: Mapping[str, str] | None,
             process.kill()
             process.wait()
         raise
+
+
+def children_titled(server: ServerProcess, title: str) -> list[psutil.Process]:
+    """The server's child processes whose process title starts with `title`."""
+    found = []
+    for child in psutil.Process(server.pid).children():
+        try:
+            if child.cmdline()[:1] and child.cmdline()[0].startswith(title):
+                found.append(child)
+        except psutil.Error:
+            pass  # gone meanwhile
+    return found

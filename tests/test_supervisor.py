@@ -27,6 +27,7 @@ from tests.live_server import (
     REPO,
     TEST_WORKERS,
     ServerProcess,
+    children_titled,
     free_port,
     server_env,
     start_server,
@@ -199,15 +200,6 @@ def running(process: psutil.Process) -> bool:
         return False
 
 
-def children_titled(server: ServerProcess, title: str) -> list[psutil.Process]:
-    found = []
-    for child in psutil.Process(server.pid).children():
-        try:
-            if child.cmdline()[:1] and child.cmdline()[0].startswith(title):
-                found.append(child)
-        except psutil.Error:
-            pass  # gone meanwhile
-    return found
 
 
 CRASHER = "test/crasher"

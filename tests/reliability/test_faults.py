@@ -18,9 +18,9 @@ from typing import Any
 
 import httpx
 import numpy as np
-import psutil  # type: ignore[import-untyped]
 import pytest
 
+from tests.live_server import children_titled
 from tests.reliability.support import (
     SYNTH,
     Record,
@@ -392,16 +392,6 @@ async def test_request_timeout_is_a_clear_504_and_drops_queued_work(servers: Ser
 CRASH = "test/crash"  # 50 ms forwards of up to 8 items, served by two API processes
 
 
-def children_named(server: ServerProcess, title: str) -> list[psutil.Process]:
-    """The supervisor's children whose process title starts with `title`."""
-    found = []
-    for child in psutil.Process(server.pid).children():
-        try:
-            if child.cmdline()[:1] and child.cmdline()[0].startswith(title):
-                found.append(child)
-        except psutil.Error:
-            pass  # gone meanwhile
-    return found
 
 
 @dataclass
@@ -462,12 +452,12 @@ async def test_engine_killed_under_load_loses_no_request(servers: ServerPool,
     tally, stop, killed = LoadTally(), asyncio.Event(), []
     load = asyncio.create_task(closed_loop(server.url, CRASH, 32, tally, stop, killed))
     await asyncio.sleep(1.5)
-    [engine] = children_named(server, "ember: engine")
+    [engine] = children_titled(server, "ember: engine")
     engine.kill()
     killed.append(time.monotonic())
 
     def replaced() -> bool:
-        return any(p.pid != engine.pid for p in children_named(server, "ember: engine"))
+        return any(p.pid != engine.pid for p in children_titled(server, "ember: engine"))
 
     await asyncio.to_thread(wait_until, replaced, 60, "a new engine process")
     await asyncio.to_thread(wait_until, lambda: tally.after_kill >= 100, 60,
@@ -499,7 +489,7 @@ async def test_api_process_killed_under_load_fails_only_its_own_requests(
     await asyncio.sleep(0.5)
     held = {api: {c.raddr.port for c in api.net_connections("tcp")
                   if c.raddr and c.laddr.port == server.port}  # its client connections
-            for api in children_named(server, "ember: api")}
+            for api in children_titled(server, "ember: api")}
     victim = max(held, key=lambda api: len(held[api]))  # the one with the most clients
     own = held[victim]
     victim.kill()
