@@ -263,7 +263,7 @@ class ModelWorker:
         if not heads:
             return
         lora = min(heads, key=lambda entry: entry[0])[1]
-        batch = self._lanes[lora].former.form(lora)
+        batch = self._lanes[lora].former.form(lora, self._now())
         if batch is None:
             return
         self._queued -= len(batch.items)
@@ -415,7 +415,7 @@ class ModelWorker:
         self.stats.record_batch(BatchRecord(len(batch.items), len(requests),
                                             batch.padded_tokens, batch.lora, elapsed * 1000,
                                             forward.error is not None, forward.started,
-                                            forward.ended, sum(p.item.cost for p in batch.items),
+                                            forward.ended, batch.real_tokens,
                                             forward.dispatched))
         if forward.error is None:
             for pending, value in zip(batch.items, forward.values, strict=True):
