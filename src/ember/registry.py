@@ -197,6 +197,14 @@ class Registry(CatalogLookup):
     async def refresh(self) -> None:
         """Nothing to do: this registry's state is always current."""
 
+    def ready(self, name: str) -> LoadedModel | None:
+        """The model if it is loaded and its worker can take work now, else None (then
+        `use` or `get` loads it, or restarts its worker)."""
+        model = self._loaded.get(name)
+        if model is None or model.worker.failure is not None:
+            return None
+        return model
+
     def use(self, name: str) -> ModelInUse:
         """`async with registry.use(name) as model`: the loaded model, held against
         eviction for the duration of a request."""

@@ -266,13 +266,29 @@ class BatchFormer:
                 <= self._added_padding(batch, longer.item.cost)) else (longer, shorter)
             for chosen in (first, second):
                 if chosen is not None and batch.fits(chosen.item.cost, limits):
-                    group.buckets[keys[low] if chosen is shorter else keys[high]].popleft()
+                    bucket = group.buckets[keys[low] if chosen is shorter else keys[high]]
+                    bucket.popleft()
                     batch.add(chosen)
+                    self._take_level(batch, bucket)
                     break
             else:
                 batch.full = True
                 return
         batch.full = True
+
+    def _take_level(self, batch: Batch, bucket: deque[PendingItem]) -> None:
+        """The items of `bucket` that cost exactly the batch's widest add no padding, so
+        the choice above would take each of them next: take them at once while they fit."""
+        cost, limits = batch.widest, self.limits
+        while bucket:
+            pending = bucket[0]
+            if not pending.queued:
+                bucket.popleft()  # a tombstone
+                continue
+            if pending.item.cost != cost or not batch.fits(cost, limits):
+                return
+            bucket.popleft()
+            batch.add(pending)
 
     @staticmethod
     def _added_padding(batch: Batch, cost: int) -> int:

@@ -189,6 +189,12 @@ class ModelWorker:
                      *, lora: str | None = None) -> asyncio.Future[RequestResult]:
         """Queue one request. Its future resolves when all of its items have results;
         cancelling it drops the items not yet dispatched (R9)."""
+        return self.submit_nowait(items, params, lora=lora)
+
+    def submit_nowait(self, items: Sequence[PreparedItem], params: Hashable,
+                      *, lora: str | None = None) -> asyncio.Future[RequestResult]:
+        """`submit` from a plain function (on the event loop): the engine process queues a
+        message's requests this way, with no Task for each."""
         if self._failure is not None:
             raise self._failure
         if self._stopping:

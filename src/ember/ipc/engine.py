@@ -39,6 +39,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine, Hashable
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing import parent_process
 from multiprocessing.connection import Connection
 from typing import Any, cast
@@ -47,14 +48,14 @@ import zmq
 import zmq.asyncio
 
 from ember.config import ServerSettings, load_catalog
-from ember.engine import PreparedItem
+from ember.engine import PreparedItem, RequestResult
 from ember.ipc.batch import PARAMS_UNKNOWN, items_from_wire, values_to_wire
 from ember.ipc.calls import RegistryCalls
 from ember.ipc.lifeline import die_with_parent
 from ember.ipc.wire import error_to_wire, pack, unpack
 from ember.logs import configure_logging, name_process
 from ember.metrics import Metrics
-from ember.registry import Registry, preload_models
+from ember.registry import LoadedModel, Registry, preload_models
 
 log = logging.getLogger("ember.engine")
 SEND_LIMIT = 1000  # replies ZeroMQ queues for one peer; more wait in that peer's backlog
@@ -117,7 +118,7 @@ class EngineServer(RegistryCalls):
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.setsockopt(zmq.SNDHWM, SEND_LIMIT if send_limit is None else send_limit)
         self._socket.bind(address)
-        self._calls: dict[Call, asyncio.Task[None]] = {}
+        self._calls: dict[Call, asyncio.Future[Any]] = {}  # a task, or a worker's future
         self._params: dict[bytes, OrderedDict[int, Hashable]] = {}  # interned, per peer
         self._replies: dict[bytes, list[Reply]] = {}  # answered this turn, not yet sent
         self._flush_due = False
@@ -228,11 +229,38 @@ class EngineServer(RegistryCalls):
         for call_id in unknown:
             self._reply(peer, (call_id, None, {"type": PARAMS_UNKNOWN, "message": (
                 "this engine does not hold the call's parameter group; send it again")}))
-        for call, model, params, lora, items in submits:
+        for call, name, params, lora, items in submits:
             if call in self._calls:
                 continue  # a copy its sender sent again, after it lost sight of this engine
-            self._note_loading(model)
-            self._start(call, self._answer_submit(call, model, items, params, lora))
+            model = self.registry.ready(name)
+            if model is None:  # it loads (or its worker restarts) first: a task awaits that
+                self._note_loading(name)
+                self._start(call, self._answer_submit(call, name, items, params, lora))
+                continue
+            try:  # the common case: straight into the worker, no task for the request
+                future = model.worker.submit_nowait(items, params, lora=lora)
+            except Exception as exc:
+                self._reply(peer, (call.id, None, error_to_wire(exc)))
+                continue
+            model.in_use += 1  # held against eviction until it is answered
+            model.last_used = time.monotonic()
+            self._calls[call] = future
+            future.add_done_callback(partial(self._submitted, call, model))
+
+    def _submitted(self, call: Call, model: LoadedModel,
+                   future: asyncio.Future[RequestResult]) -> None:
+        model.in_use -= 1
+        self._calls.pop(call, None)
+        if future.cancelled():
+            return  # the caller is gone or asked to drop it: nobody waits for an answer
+        error = future.exception()
+        if error is not None:
+            self._reply(call.peer, (call.id, None, error_to_wire(error)))
+            return
+        result = future.result()
+        self._reply(call.peer, (call.id, (result.queue_ms, result.inference_ms,
+                                          result.forwards, model.worker.pending_items),
+                                result.values))
 
     async def _answer_submit(self, call: Call, model: str, items: list[PreparedItem],
                              params: Hashable, lora: str | None) -> None:
