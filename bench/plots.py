@@ -13,8 +13,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from benchlib import Json, read_json  # noqa: E402
+import matplotlib.pyplot as plt
+from benchlib import Json, read_json
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "bench"
 

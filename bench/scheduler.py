@@ -97,7 +97,7 @@ class EarlierFormation(BatchFormer):
         super().__init__(config.max_batch_tokens, config.max_batch_items, config.max_padding)
         self.starvation_s, self.now = starvation_s(config), now
 
-    def form(self, lora: str | None = None, now: float | None = None) -> Batch | None:
+    def form(self, lora: str | None = None) -> Batch | None:
         head = self.oldest()
         if head is None:
             return None

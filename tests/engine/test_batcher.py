@@ -148,22 +148,3 @@ def test_a_request_that_fits_one_forward_is_not_split_by_the_sweep() -> None:
     assert sorted(costs(former.form())) == [2, 9]
     assert former.form() is None
 
-
-def test_an_item_that_waited_max_wait_leads_the_next_batch() -> None:
-    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=2, max_padding=1.05,
-                         max_wait_s=0.02)
-    add(former, [100], arrival=0.0)  # the oldest, at the top of the sweep
-    for n, cost in enumerate(range(5, 21)):  # many cheaper buckets, two forwards each
-        add(former, [cost] * 4, arrival=0.001, seq_start=10 + 4 * n)
-    assert 100 not in costs(former.form(now=0.01))  # not yet: the sweep goes on
-    assert 100 not in costs(former.form(now=0.015))
-    assert costs(former.form(now=0.02)) == [100]  # waited max_wait_s: it leads
-    assert costs(former.form(now=0.021)) != [100] and former.pending_items == 65 - 7
-
-
-def test_the_age_guard_is_off_without_a_clock_or_a_wait() -> None:
-    for former, now in ((BatchFormer(10**6, 2, 1.05, max_wait_s=0.02), None),
-                        (BatchFormer(10**6, 2, 1.05), 5.0)):
-        add(former, [100], arrival=0.0)
-        add(former, [5] * 4 + [6] * 4, arrival=0.001, seq_start=1)
-        assert [costs(former.form(now=now)) for _ in range(3)] == [[5, 5], [6, 6], [100]]

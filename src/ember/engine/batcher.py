@@ -4,9 +4,7 @@ Each parameter group keeps a deque per cost bucket (arrival order inside a bucke
 and the sorted list of its non-empty buckets, so a formation walks only the
 buckets it takes from: O(batch), never a sort of the whole queue. Batches sweep
 the buckets upward from where the last one ended and wrap around at the top, so
-no item waits more than one sweep and neighbours in length drain together. Under
-overload a sweep can take longer than a wait should: an item that has waited
-`max_wait_s` makes the next batch start at its own bucket (the age guard).
+no item waits more than one sweep and neighbours in length drain together.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ STEPS_PER_OCTAVE = 32  # above it, buckets at most 1/32 (~3 %) apart
 # Padding every item may carry besides `max_padding`: short texts of a few tokens'
 # difference still share a forward (their padding costs next to nothing).
 PADDING_SLACK = 4
-WAIT_GUARD_WINDOWS = 2  # the age guard, in max_batch_wait_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,9 +165,8 @@ class BatchFormer:
     """
 
     def __init__(self, max_batch_tokens: int, max_batch_items: int,
-                 max_padding: float = 0.0, max_wait_s: float = 0.0) -> None:
+                 max_padding: float = 0.0) -> None:
         self.limits = Limits(max_batch_tokens, max_batch_items, max_padding)
-        self.max_wait_s = max_wait_s  # the age guard (0: off)
         self._groups: dict[Hashable, _Group] = {}
         self._arrivals: deque[PendingItem] = deque()  # arrival order; tombstones skipped lazily
         self._per_owner: dict[Owner, int] = {}
@@ -178,10 +174,7 @@ class BatchFormer:
 
     @classmethod
     def for_config(cls, config: WorkerConfig) -> BatchFormer:
-        # Guarded at 2 x max_batch_wait_ms: with the forward in flight and the one formed
-        # ahead, no item waits past the sweep's promise, 2 x median + 4 x max_batch_wait_ms.
-        return cls(config.max_batch_tokens, config.max_batch_items, config.max_padding,
-                   WAIT_GUARD_WINDOWS * config.max_batch_wait_ms / 1000)
+        return cls(config.max_batch_tokens, config.max_batch_items, config.max_padding)
 
     @property
     def pending_items(self) -> int:
@@ -218,15 +211,12 @@ class BatchFormer:
         self._left(pending)
         return True
 
-    def form(self, lora: str | None = None, now: float | None = None) -> Batch | None:
-        """Take the next batch out of the queue (None when it is empty); `now`, when
-        given, lets the age guard lead with an item that has waited `max_wait_s`."""
+    def form(self, lora: str | None = None) -> Batch | None:
+        """Take the next batch out of the queue (None when it is empty)."""
         head = self.oldest()
         if head is None:
             return None
         group = self._groups[head.group]
-        if self.max_wait_s and now is not None and now - head.arrival >= self.max_wait_s:
-            group.cursor = cost_bucket(head.item.cost)  # the sweep resumes from here
         batch = Batch(lora, head.group)
         start = bisect.bisect_left(group.keys, group.cursor)
         if start == len(group.keys):  # the sweep reached the top: wrap to the cheapest

@@ -269,7 +269,7 @@ class ModelWorker:
         if not heads:
             return
         lora = min(heads, key=lambda entry: entry[0])[1]
-        batch = self._lanes[lora].former.form(lora, self._now())
+        batch = self._lanes[lora].former.form(lora)
         if batch is None:
             return
         self._queued -= len(batch.items)
