@@ -48,20 +48,21 @@ def headline(http: Json, out: Path) -> None:
 def frontend(data: Json, extra: Json | None, out: Path) -> None:
     """Requests/s against requests in flight, one text a request, synthetic GPU-like model."""
     closed = data["summary"]["closed"]
-    labels = {"single": "one process", "w2": "--workers 2", "granian": "granian, one process"}
+    labels = {"single": "one process", "w2": "--workers 2", "granian": "granian, one process",
+              "landed": "--workers 2, before batched messages"}
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for variant in ("single", "w2"):
         levels = sorted(int(k.split("_c")[1]) for k in closed if k.startswith("t1_"))
         rates = [closed[f"t1_c{n}"][variant]["median"]["requests_per_s"] for n in levels]
-        ax.plot(levels, rates, marker="o", label=labels[variant])
+        ax.plot(levels, rates, marker="o", label=f"{labels[variant]} (earlier round)")
     if extra is not None:
         later = extra["summary"]["closed"]
-        for variant, style in (("single", "s"), ("w2", "D"), ("granian", "^")):
+        for variant, style in (("single", "s"), ("w2", "D"), ("granian", "^"), ("landed", "x")):
             levels = sorted(int(k.split("_c")[1]) for k in later if variant in later[k])
             if levels:
                 ax.scatter(levels, [later[f"t1_c{n}"][variant]["median"]["requests_per_s"]
                                     for n in levels], marker=style,
-                           label=f"{labels[variant]}, batched IPC")
+                           label=f"{labels[variant]} (this round)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("requests in flight (one text each)")
     ax.set_ylabel("requests/s")
