@@ -37,10 +37,20 @@ class Limits:
 
 def cost_bucket(cost: int) -> int:
     """A key that orders like the cost and groups costs at most ~3 % apart."""
+    if 0 <= cost < TABLED_COSTS:
+        return _BUCKETS[cost]
+    return _cost_bucket(cost)
+
+
+def _cost_bucket(cost: int) -> int:
     if cost < EXACT_COSTS:
         return max(cost, 0)
     shift = cost.bit_length() - 6
     return shift * STEPS_PER_OCTAVE + (cost >> shift)
+
+
+TABLED_COSTS = 8192  # the bucket of every cost below this is looked up, not computed
+_BUCKETS = [_cost_bucket(cost) for cost in range(TABLED_COSTS)]
 
 
 class Owner(Protocol):
@@ -194,13 +204,14 @@ class BatchFormer:
         return self._arrivals[0] if self._arrivals else None
 
     def add(self, items: list[PendingItem]) -> None:
+        groups, owners = self._groups, self._per_owner
         for pending in items:
-            group = self._groups.get(pending.group)
+            group = groups.get(pending.group)
             if group is None:
-                group = self._groups[pending.group] = _Group()
+                group = groups[pending.group] = _Group()
             group.add(pending)
-            self._arrivals.append(pending)
-            self._per_owner[pending.owner] = self._per_owner.get(pending.owner, 0) + 1
+            owners[pending.owner] = owners.get(pending.owner, 0) + 1
+        self._arrivals.extend(items)
         self._count += len(items)
 
     def discard(self, pending: PendingItem) -> bool:
