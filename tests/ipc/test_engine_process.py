@@ -244,14 +244,33 @@ async def test_malformed_frames_to_the_engine_are_skipped(
     try:
         for bad in ([b"\xc1"], [pack([1, 2, 3])], [pack({"no": "op"})],
                     [pack({"op": "launch", "id": 1})], [pack({"op": "submit"})],
-                    [b"two", b"frames"], [pack({"op": "ping"}), b"extra"]):
+                    [b"two", b"frames"], [pack({"op": "ping"}), b"extra"],
+                    *[[pack({"op": "batch", **fields})] for fields in hostile_batches()]):
             await rogue.send_multipart(bad)
         reply = await asyncio.wait_for(submit(clients[0], "after the garbage"), 10)
         assert len(reply["values"]) == 1  # type: ignore[arg-type]
         assert process.is_alive()
+        assert await forwards(clients[0]) == (1, 1)  # no hostile batch ran anything
     finally:
         rogue.close(0)
         context.term()
+
+
+def hostile_batches() -> list[dict[str, Any]]:
+    """Batch messages that must be refused whole: nothing of them may start."""
+    one = items_to_wire([PreparedItem("x", 1, 0)])
+    call = [[900, SLOW, 0, None, 1]]
+    return [
+        {"params": {0: PARAMS}, "items": one, "calls": [[900, SLOW, 0, None, 5]]},  # 5 of 1
+        {"params": {0: PARAMS}, "items": one, "calls": [[900, SLOW, 0, None, 0]]},
+        {"params": {0: PARAMS}, "items": one, "calls": []},  # an item no call claims
+        {"params": {0: {"a": 1}}, "items": one, "calls": call},  # a map is no group
+        {"params": {"zero": PARAMS}, "items": one, "calls": call},
+        {"params": [PARAMS], "items": one, "calls": call},
+        {"params": {0: PARAMS}, "items": one, "calls": [[900, 7, 0, None, 1]]},
+        {"params": {0: PARAMS}, "items": ["tokens", [1, 2], [0, 2]], "calls": call},
+        {"params": {0: PARAMS}, "calls": call},
+    ]
 
 
 @pytest_asyncio.fixture
