@@ -44,6 +44,7 @@ from loadgen import Plan
 SYNTHETIC = "ember/synthetic"
 BASE_VARIANT = "single"
 LANDED = "landed"
+GRANIAN = "granian"
 FULL_REPS = 3
 FULL = Plan(sequential=200, warmup_s=0.4, closed_s=2.0)
 QUICK = Plan(sequential=10, warmup_s=0.1, closed_s=0.5)
@@ -101,6 +102,7 @@ class Variant:
     name: str
     serve_args: tuple[str, ...]
     pythonpath: str | None = None
+    program: tuple[str, ...] = ("-m", "ember.cli", "serve")  # what serves it
 
 
 def variants_of(args: argparse.Namespace) -> list[Variant]:
@@ -109,8 +111,12 @@ def variants_of(args: argparse.Namespace) -> list[Variant]:
     for spec in args.variant:
         name, _, serve_args = spec.partition("=")
         found[name.strip()] = Variant(name.strip(), tuple(shlex.split(serve_args)))
+    if args.granian:  # the same app and settings under granian instead of uvicorn
+        found[GRANIAN] = Variant(GRANIAN, (), None, (str(Path(__file__).with_name(
+            "granian_serve.py")),))
     if args.landed_src is not None:
-        found[LANDED] = Variant(LANDED, (), str(Path(args.landed_src).resolve()))
+        found[LANDED] = Variant(LANDED, tuple(shlex.split(args.landed_args)),
+                                str(Path(args.landed_src).resolve()))
     return list(found.values())
 
 
@@ -120,7 +126,7 @@ def start_servers(variants: Sequence[Variant], args: argparse.Namespace,
     servers = {}
     for v in variants:
         server = loadgen.Server([*base_args, *v.serve_args], folder / f"{v.name}.log",
-                                pythonpath=v.pythonpath)
+                                pythonpath=v.pythonpath, program=v.program)
         print(f"[frontend] {v.name}: {' '.join(server.command)}"
               + (f" (PYTHONPATH={v.pythonpath})" if v.pythonpath else ""),
               file=sys.stderr, flush=True)
@@ -385,6 +391,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--landed-src", type=Path, default=None,
                         help="add the variant `landed`: the same server run from this "
                         "source tree (PYTHONPATH), for a same-sitting comparison")
+    parser.add_argument("--landed-args", default="",
+                        help="extra `ember serve` arguments of the `landed` variant")
+    parser.add_argument("--granian", action="store_true",
+                        help="add the variant `granian`: one process, the same ASGI app "
+                        "served by granian instead of uvicorn (bench/granian_serve.py)")
     parser.add_argument("--model", default=SYNTHETIC,
                         help="the model served as the default and loaded")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

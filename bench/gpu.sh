@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The benchmarks on one CUDA GPU; JSON (and markdown, the plot, the machine) into a folder.
-# Sized to finish in ~7 min on one H200 (each step has a hard timeout; 11 min in all).
+# Sized to finish in ~9 min on one H200 (each step has a hard timeout; 14 min in all).
 #
 #   bench/gpu.sh OUT_DIR            # e.g. bench/gpu.sh "$OUT" on the device machine
 #   FRONTEND_WORKERS="2 4" bench/gpu.sh OUT_DIR   # + `ember serve --workers N` variants
 #
-# Copy OUT_DIR/*.json to docs/bench/ (frontend.json as docs/bench/frontend_gpu.json).
+# Copy OUT_DIR/*.json to docs/bench/ (frontend.json as docs/bench/frontend_gpu.json,
+# engine_ceiling.json and engine.json as engine_ceiling_gpu.json and engine_gpu.json).
 #
 # Needs an environment with Ember installed and a CUDA build of torch: PYTHON names its
 # interpreter (default .venv/bin/python, else python3). Nothing is fetched: the model comes
@@ -51,4 +52,19 @@ timeout 240 "$PY" bench/frontend.py --model sentence-transformers/all-MiniLM-L6-
 timeout 200 "$PY" bench/scheduler.py --reps 2 --out "$OUT_DIR/scheduler.json" \
   --plot "$OUT_DIR/latency_vs_load.png" | tee "$OUT_DIR/scheduler.md" \
   || { status=1; echo "bench/scheduler.py failed" >&2; }
+# The engine process's ceiling: the synthetic GPU-like model (no CUDA needed; the question
+# is how many requests one engine core carries) behind 1, 2, 4 and 8 API processes, one
+# text a request at 128 and 512 in flight; CPU per request of each process, the engine's
+# among them. One aiohttp client process drives it: past ~8,000 requests/s the client
+# may be the limit (its own CPU is reported beside the server's).
+# ~2 min: 4 servers, 2 repetitions of 8 closed loops of 1.5 s.
+timeout 180 "$PY" bench/frontend.py --levels 128,512 --texts-per-request 1 --reps 2 \
+  --closed-s 1.5 --variant w1="--workers 1" --variant w2="--workers 2" \
+  --variant w4="--workers 4" --variant w8="--workers 8" \
+  --out "$OUT_DIR/engine_ceiling.json" | tee "$OUT_DIR/engine_ceiling.md" \
+  || { status=1; echo "bench/frontend.py (engine ceiling) failed" >&2; }
+
+# The engine in process on a no-op device: its own time per 64-item forward. ~20 s.
+timeout 60 "$PY" bench/engine.py --out "$OUT_DIR/engine.json" | tee "$OUT_DIR/engine.md" \
+  || { status=1; echo "bench/engine.py failed" >&2; }
 exit $status

@@ -84,11 +84,12 @@ class Server:
     tree of Ember first (e.g. the landed code, for a same-sitting comparison)."""
 
     def __init__(self, serve_args: Sequence[str], log: Path, *, pythonpath: str | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None,
+                 program: Sequence[str] = ("-m", "ember.cli", "serve")) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        self.command = [sys.executable, "-m", "ember.cli", "serve", "--host", "127.0.0.1",
+        self.command = [sys.executable, *program, "--host", "127.0.0.1",
                         "--port", str(self.port), "--log-level", "warning", *serve_args]
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         if pythonpath:

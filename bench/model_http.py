@@ -398,7 +398,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch intra-op threads of the server and the limit alike; 0: "
                         "torch's choice (on 2 shared cores that collapses whenever a "
-                        "neighbour takes a core; see docs/benchmarks.md)")
+                        "neighbour takes a core; see docs/bench/notes.md)")
     parser.add_argument("--backend", default="onnx", choices=("onnx", "torch"),
                         help="forward backend of the server and the limit alike")
     parser.add_argument("--onnx-threads", type=int, default=0,

@@ -11,6 +11,7 @@ from ember.adapters.base import EncodeOptions
 from ember.config import ModelSpec, load_catalog, parse_spec, spec_from_directory
 from ember.errors import ModelLoadError, ModelNotFound
 from ember.registry import Registry, RegistryLimits
+from tests.engine.helpers import PausableWorker
 
 
 def synthetic(name: str, **options: object) -> ModelSpec:
@@ -39,7 +40,7 @@ async def test_unknown_model_names_the_available_ones() -> None:
 
 async def test_least_recently_used_idle_model_is_evicted_after_draining() -> None:
     registry = Registry(catalog(synthetic("a"), synthetic("b"), synthetic("c")),
-                        limits=RegistryLimits(max_loaded_models=2))
+                        limits=RegistryLimits(max_loaded_models=2), worker=PausableWorker)
     evicted: list[str] = []
     registry.on_evict.append(evicted.append)
     a = await registry.get("a")
@@ -91,7 +92,7 @@ async def test_memory_budget_evicts_to_fit_real_models() -> None:
 
 
 async def test_close_drains_every_worker() -> None:
-    registry = Registry(catalog(synthetic("a")))
+    registry = Registry(catalog(synthetic("a")), worker=PausableWorker)
     model = await registry.get("a")
     model.worker.pause()
     future = await model.worker.submit(model.adapter.prepare(["x"]), "p")  # type: ignore[attr-defined]
@@ -125,7 +126,7 @@ async def test_a_worker_whose_loop_failed_is_restarted_on_next_use() -> None:
 
 
 async def test_a_cancelled_caller_drops_its_queued_items() -> None:
-    registry = Registry(catalog(synthetic("a")))
+    registry = Registry(catalog(synthetic("a")), worker=PausableWorker)
     model = await registry.get("a")
     model.worker.pause()
     prepared = model.adapter.prepare(["gone", "too"])  # type: ignore[attr-defined]

@@ -4,7 +4,7 @@ Objects that live as long as the process (imported modules, loaded models: hundr
 thousands from torch and transformers) are moved out of the collector's generations, so
 a full collection walks only what requests left behind. Before, each full collection
 walked them all and stalled the event loop for tens of milliseconds: the p99 outliers of
-the front-end benchmark (docs/benchmarks.md, "Front end").
+the front-end benchmark (docs/bench/notes.md, "Front end").
 
 The collections themselves run far less often than Python's default (one every 700 new
 objects): under load that default ran several a request, each walking every object of the

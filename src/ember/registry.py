@@ -34,6 +34,7 @@ log = logging.getLogger("ember.registry")
 # A load or eviction leaves the whole-heap collection for when nothing has run this long.
 IDLE_COLLECT_AFTER_S = 1.0
 LoadFunction = Callable[[ModelSpec, Runtime], ModelAdapter]
+WorkerFactory = Callable[..., ModelWorker]  # ModelWorker's own signature, or a subclass
 
 
 class Preloadable(Protocol):
@@ -160,12 +161,14 @@ class Registry(CatalogLookup):
     def __init__(self, catalog: Mapping[str, ModelSpec], runtime: Runtime | None = None,
                  worker_config: WorkerConfig | None = None,
                  limits: RegistryLimits | None = None,
-                 loader: Callable[[str], LoadFunction] = adapter_loader) -> None:
+                 loader: Callable[[str], LoadFunction] = adapter_loader,
+                 worker: WorkerFactory = ModelWorker) -> None:
         self.catalog = dict(catalog)
         self.runtime = runtime or Runtime()
         self.worker_config = worker_config or WorkerConfig()
         self.limits = limits or RegistryLimits()
         self._loader = loader
+        self._new_worker = worker  # how each loaded model's worker is made
         self._loaded: dict[str, LoadedModel] = {}
         self._loading: dict[str, asyncio.Future[LoadedModel]] = {}
         self._failures: dict[str, tuple[float, ModelLoadError]] = {}
@@ -193,6 +196,14 @@ class Registry(CatalogLookup):
 
     async def refresh(self) -> None:
         """Nothing to do: this registry's state is always current."""
+
+    def ready(self, name: str) -> LoadedModel | None:
+        """The model if it is loaded and its worker can take work now, else None (then
+        `use` or `get` loads it, or restarts its worker)."""
+        model = self._loaded.get(name)
+        if model is None or model.worker.failure is not None:
+            return None
+        return model
 
     def use(self, name: str) -> ModelInUse:
         """`async with registry.use(name) as model`: the loaded model, held against
@@ -239,8 +250,8 @@ class Registry(CatalogLookup):
             load = self._loader(spec.adapter)
             adapter = await asyncio.to_thread(load, spec, self.runtime)
             seconds = time.monotonic() - started
-            worker = ModelWorker(adapter, spec.worker_config(self.worker_config),
-                                 name=spec.name)
+            worker = self._new_worker(adapter, spec.worker_config(self.worker_config),
+                                      name=spec.name)
             await worker.start()
             model = LoadedModel(spec, adapter, worker, adapter.memory_bytes(), seconds)
             for hook in self.on_worker:

@@ -7,12 +7,13 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
 from ember.adapters.base import ModelAdapter, Submit
-from ember.engine import ModelWorker, PreparedItem, RequestResult, WorkerConfig
+from ember.engine import PreparedItem, RequestResult, WorkerConfig
+from tests.engine.helpers import PausableWorker
 
 
 @dataclass
 class Served:
-    worker: ModelWorker
+    worker: PausableWorker
     submit: Submit
 
 
@@ -20,7 +21,7 @@ class Served:
 async def serving(adapter: ModelAdapter,
                   config: WorkerConfig | None = None) -> AsyncIterator[Served]:
     """A started worker around `adapter` and the `submit` a task method takes."""
-    worker = ModelWorker(adapter, config or WorkerConfig(), name=adapter.info.name)
+    worker = PausableWorker(adapter, config or WorkerConfig(), name=adapter.info.name)
     await worker.start()
 
     async def submit(items: Sequence[PreparedItem], params: Hashable,

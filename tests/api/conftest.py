@@ -28,6 +28,7 @@ from ember.api.state import ServerState
 from ember.config import DEFAULT_MODEL, ModelSpec, ServerSettings, load_catalog
 from ember.engine import ModelWorker, WorkerConfig
 from ember.registry import LoadFunction, Registry, RegistryLimits, adapter_loader
+from tests.engine.helpers import PausableWorker
 from tests.live_server import ServerProcess, start_server
 
 SYNTH = "ember/synthetic"  # the catalog's test model: deterministic vectors, no weights
@@ -144,7 +145,8 @@ def make_registry(settings: ServerSettings,
     """The registry `ember serve` builds for these settings."""
     return Registry(load_catalog(settings.model_dirs, settings.model_paths),
                     Runtime(settings.device, settings.torch_threads), settings.worker,
-                    RegistryLimits(settings.max_loaded_models), loader=loader)
+                    RegistryLimits(settings.max_loaded_models), loader=loader,
+                    worker=PausableWorker)
 
 
 def gated_loader(gate: threading.Event) -> Callable[[str], LoadFunction]:

@@ -183,3 +183,34 @@ def test_tokenizing_quick_run_in_process_writes_json_and_tables(tmp_path: Path) 
     report = bench("tokenizing.py", "--report", str(out))
     assert report.returncode == 0, report.stderr[-3000:]
     assert report.stdout.strip() == run.stdout.strip()
+
+
+def test_engine_quick_run_writes_json_and_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "engine.json"
+    run = bench("engine.py", "--quick", "--requests", "32", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = strict_json(out)
+    assert data["queued_items"] == 32 * 16 and len(data["runs"]) == 3
+    assert {"ms_per_forward", "us_per_item", "forwards"} <= set(data["median"])
+    assert data["median"]["forwards"] >= 32 * 16 / 64  # forwards of at most 64 items
+    assert "engine ms / forward" in run.stdout
+    report = bench("engine.py", "--report", str(out))
+    assert report.returncode == 0 and report.stdout == run.stdout
+
+
+def test_the_plots_are_drawn_from_the_json_beside_the_page(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("plots", ROOT / "bench" / "plots.py")
+    assert spec is not None and spec.loader is not None
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        plots = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(plots)
+        docs = ROOT / "docs" / "bench"
+        plots.headline(strict_json(docs / "http.json"), tmp_path / "headline.png")
+        plots.idle_rule(strict_json(docs / "scheduler.json"), tmp_path / "idle.png")
+        plots.frontend(strict_json(docs / "frontend.json"),
+                       strict_json(docs / "request_path.json"), tmp_path / "frontend.png")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    for name in ("headline.png", "idle.png", "frontend.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

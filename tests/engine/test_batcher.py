@@ -147,3 +147,4 @@ def test_a_request_that_fits_one_forward_is_not_split_by_the_sweep() -> None:
     add(former, [2, 9], seq_start=1)
     assert sorted(costs(former.form())) == [2, 9]
     assert former.form() is None
+

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ember.adapters.synthetic import CostModel, SyntheticAdapter
+from ember.adapters.synthetic import CostModel
 from ember.engine import (
     DispatchPolicy,
     ModelWorker,
@@ -17,7 +17,15 @@ from ember.engine import (
     ShuttingDown,
     WorkerConfig,
 )
-from tests.engine.helpers import WELL_UNDER_WINDOW_S, forward_sizes, items, payloads, running
+from tests.engine.helpers import (
+    WELL_UNDER_WINDOW_S,
+    LoggingSynthetic,
+    PausableWorker,
+    forward_sizes,
+    items,
+    payloads,
+    running,
+)
 
 WINDOW_ON = WorkerConfig(idle_coalesce_ms=200.0, max_batch_wait_ms=400.0)
 
@@ -132,8 +140,8 @@ async def test_r3_a_policy_hook_can_hold_lone_idle_requests() -> None:
                        queue.oldest_arrival + self.config.max_batch_wait_ms / 1000)
 
     config = WorkerConfig(idle_coalesce_ms=60.0, max_batch_wait_ms=200.0)
-    adapter = SyntheticAdapter(dims=8, cost=CostModel(1.0, 0.0, "sleep"))
-    worker = ModelWorker(adapter, config, policy=HoldEveryIdleRequest(config))
+    adapter = LoggingSynthetic(dims=8, cost=CostModel(1.0, 0.0, "sleep"))
+    worker = PausableWorker(adapter, config, policy=HoldEveryIdleRequest(config))
     await worker.start()
     result = await (await worker.submit(items(3), "p"))
     await worker.stop()

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ember.adapters.synthetic import CostModel, SyntheticAdapter
-from ember.engine import ModelWorker, PreparedItem, WorkerConfig
+from ember.adapters.synthetic import CostModel
+from ember.engine import PreparedItem, WorkerConfig
+from tests.engine.helpers import LoggingSynthetic, PausableWorker
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,8 @@ configs = st.builds(
 
 
 async def drive(config: WorkerConfig, schedule: list[Arrival]) -> None:
-    adapter = SyntheticAdapter(dims=4, cost=CostModel(0.2, 0.0, "sleep"))
-    worker = ModelWorker(adapter, config)
+    adapter = LoggingSynthetic(dims=4, cost=CostModel(0.2, 0.0, "sleep"))
+    worker = PausableWorker(adapter, config)
     await worker.start()
     submitted = []
     for number, arrival in enumerate(schedule):

@@ -19,6 +19,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import pytest_asyncio
 import yaml
@@ -30,6 +31,7 @@ from ember.api.errors import as_api_error
 from ember.config import ServerSettings, load_catalog
 from ember.engine import PreparedItem, QueueFull, ShuttingDown, WorkerConfig
 from ember.ipc import engine as ipc_engine
+from ember.ipc.batch import items_from_wire, items_to_wire, values_to_wire
 from ember.ipc.client import EngineClient, EngineUnavailable
 from ember.ipc.engine import run_engine
 from ember.ipc.models import RemoteModels
@@ -208,9 +210,10 @@ async def test_a_peer_that_stalls_gets_every_reply_and_others_are_answered_meanw
         await other.call("load", model=WIDE)
         calls = 40  # 40 x 4 items x 64 KB: megabytes behind a queue of one message
         for call_id in range(calls):
-            await stalled.send(pack({"op": "submit", "id": call_id, "model": WIDE,
-                                     "params": PARAMS, "lora": None,
-                                     "items": [[f"t{call_id}-{i}", 1, i] for i in range(4)]}))
+            items = [PreparedItem(f"t{call_id}-{i}", 1, i) for i in range(4)]
+            await stalled.send(pack({"op": "batch", "params": {0: PARAMS},
+                                     "items": items_to_wire(items),
+                                     "calls": [[call_id, WIDE, 0, None, 4]]}))
         for i in range(5):  # the stalled peer's backlog holds no one else up
             reply = await asyncio.wait_for(other.call(
                 "submit", model=WIDE, params=PARAMS, lora=None, items=[[f"o{i}", 1, 0]]), 10)
@@ -220,9 +223,9 @@ async def test_a_peer_that_stalls_gets_every_reply_and_others_are_answered_meanw
         while len(answered) < calls:
             frame = await asyncio.wait_for(stalled.recv(), 10)  # a lost reply times out
             message = unpack(frame)
-            if message["op"] == "result":
-                assert len(message["values"]) == 4
-                answered.add(message["id"])
+            if message["op"] == "results":
+                assert [count for *_, count in message["ok"]] == [4] * len(message["ok"])
+                answered.update(entry[0] for entry in message["ok"])
         assert answered == set(range(calls))
     finally:
         other.close()
@@ -241,14 +244,33 @@ async def test_malformed_frames_to_the_engine_are_skipped(
     try:
         for bad in ([b"\xc1"], [pack([1, 2, 3])], [pack({"no": "op"})],
                     [pack({"op": "launch", "id": 1})], [pack({"op": "submit"})],
-                    [b"two", b"frames"], [pack({"op": "ping"}), b"extra"]):
+                    [b"two", b"frames"], [pack({"op": "ping"}), b"extra"],
+                    *[[pack({"op": "batch", **fields})] for fields in hostile_batches()]):
             await rogue.send_multipart(bad)
         reply = await asyncio.wait_for(submit(clients[0], "after the garbage"), 10)
         assert len(reply["values"]) == 1  # type: ignore[arg-type]
         assert process.is_alive()
+        assert await forwards(clients[0]) == (1, 1)  # no hostile batch ran anything
     finally:
         rogue.close(0)
         context.term()
+
+
+def hostile_batches() -> list[dict[str, Any]]:
+    """Batch messages that must be refused whole: nothing of them may start."""
+    one = items_to_wire([PreparedItem("x", 1, 0)])
+    call = [[900, SLOW, 0, None, 1]]
+    return [
+        {"params": {0: PARAMS}, "items": one, "calls": [[900, SLOW, 0, None, 5]]},  # 5 of 1
+        {"params": {0: PARAMS}, "items": one, "calls": [[900, SLOW, 0, None, 0]]},
+        {"params": {0: PARAMS}, "items": one, "calls": []},  # an item no call claims
+        {"params": {0: {"a": 1}}, "items": one, "calls": call},  # a map is no group
+        {"params": {"zero": PARAMS}, "items": one, "calls": call},
+        {"params": [PARAMS], "items": one, "calls": call},
+        {"params": {0: PARAMS}, "items": one, "calls": [[900, 7, 0, None, 1]]},
+        {"params": {0: PARAMS}, "items": ["tokens", [1, 2], [0, 2]], "calls": call},
+        {"params": {0: PARAMS}, "calls": call},
+    ]
 
 
 @pytest_asyncio.fixture
@@ -264,14 +286,15 @@ async def fake_engine(tmp_path: Path) -> AsyncIterator[tuple[str, zmq.asyncio.So
     context.term()
 
 
-async def next_call(router: zmq.asyncio.Socket) -> tuple[bytes, dict[str, Any]]:
+async def next_call(router: zmq.asyncio.Socket,
+                    engine: str = "fake") -> tuple[bytes, dict[str, Any]]:
     """The next message other than a ping; pings are answered as the engine would."""
     while True:
         peer, frame = await asyncio.wait_for(router.recv_multipart(), 10)
         message = unpack(frame)
         if message["op"] != "ping":
             return peer, message
-        await router.send_multipart([peer, pack({"op": "pong", "engine": "fake"})])
+        await router.send_multipart([peer, pack({"op": "pong", "engine": engine})])
 
 
 async def test_malformed_frames_to_an_api_process_are_skipped(
@@ -390,3 +413,87 @@ async def test_a_stale_high_depth_does_not_refuse_once_the_engine_has_room(
         client.close()
         others.close()
         stop(process)
+
+
+async def test_the_submits_of_one_turn_go_as_one_message_with_their_group_sent_once(
+        fake_engine: tuple[str, zmq.asyncio.Socket]) -> None:
+    address, router = fake_engine
+    client = EngineClient(address, "api-test-batching")
+    try:
+        first_turn = [submit(client, f"text {i}", "and more") for i in range(5)]
+        peer, message = await next_call(router)
+        assert message["op"] == "batch" and len(message["calls"]) == 5
+        assert list(message["params"].values()) == [PARAMS]  # one group, sent once
+        pid = message["calls"][0][2]
+        items = items_from_wire(message["items"])
+        assert [item.payload for item in items[:2]] == ["text 0", "and more"]
+        second_turn = submit(client, "later")
+        _, later = await next_call(router)
+        assert later["params"] == {} and later["calls"][0][2] == pid  # named by its id
+        await router.send_multipart([peer, pack({
+            "op": "results", "errors": [],
+            "ok": [[c[0], 1.0, 2.0, 1, 0, 2] for c in message["calls"]]
+            + [[later["calls"][0][0], 1.0, 2.0, 1, 0, 1]],
+            "values": values_to_wire([np.full(3, i, np.float32) for i in range(11)])})])
+        results = await asyncio.wait_for(asyncio.gather(*first_turn, second_turn), 10)
+        assert [[float(v[0]) for v in r["values"]] for r in results] == [  # type: ignore[attr-defined]
+            [0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10]]
+    finally:
+        client.close()
+
+
+async def test_a_new_engine_is_sent_the_group_again_with_the_unanswered_calls(
+        fake_engine: tuple[str, zmq.asyncio.Socket]) -> None:
+    address, router = fake_engine
+    client = EngineClient(address, "api-test-reintern", heartbeat_s=0.05)
+    try:
+        waiting = submit(client, "in flight")
+        peer, first = await next_call(router)
+        assert list(first["params"].values()) == [PARAMS]
+        while True:  # a new engine answers the next ping: its intern table is empty
+            peer, frame = await asyncio.wait_for(router.recv_multipart(), 10)
+            message = unpack(frame)
+            if message["op"] == "ping":
+                await router.send_multipart([peer, pack({"op": "pong", "engine": "fake-2"})])
+                break
+        again = await next_call(router, engine="fake-2")
+        assert again[1]["calls"] == first["calls"]  # the same call, by its id
+        assert list(again[1]["params"].values()) == [PARAMS]  # and its group with it
+        # This engine lost the group anyway: the call is sent once more, with it.
+        call_id = first["calls"][0][0]
+        await router.send_multipart([peer, pack({
+            "op": "results", "ok": [], "values": ["list", []],
+            "errors": [[call_id, {"type": "ParamsUnknown", "message": "not held"}]]})])
+        _, third = await next_call(router, engine="fake-2")
+        assert list(third["params"].values()) == [PARAMS]
+        await router.send_multipart([peer, pack({
+            "op": "results", "errors": [], "ok": [[call_id, 1.0, 2.0, 1, 0, 1]],
+            "values": values_to_wire([np.ones(3, np.float32)])})])
+        assert len((await asyncio.wait_for(waiting, 10))["values"]) == 1  # type: ignore[arg-type]
+    finally:
+        client.close()
+
+
+async def test_one_forward_answers_an_api_process_in_one_message(
+        engine: tuple[str, BaseProcess], clients: list[EngineClient]) -> None:
+    address, _ = engine
+    context = zmq.asyncio.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(address)
+    try:
+        items = [PreparedItem(f"row {i}", 1, 0) for i in range(3)]
+        await raw.send(pack({"op": "batch", "params": {4: PARAMS}, "items": items_to_wire(items),
+                             "calls": [[i, SLOW, 4, None, 1] for i in range(3)]}))
+        message = unpack(await asyncio.wait_for(raw.recv(), 10))
+        assert message["op"] == "results" and sorted(e[0] for e in message["ok"]) == [0, 1, 2]
+        assert message["values"][1].shape == (3, 8)  # one array, a row a call
+        unknown = [PreparedItem("no group", 1, 0)]
+        await raw.send(pack({"op": "batch", "params": {}, "items": items_to_wire(unknown),
+                             "calls": [[10, SLOW, 77, None, 1]]}))
+        message = unpack(await asyncio.wait_for(raw.recv(), 10))
+        assert [(i, e["type"]) for i, e in message["errors"]] == [(10, "ParamsUnknown")]
+        assert await forwards(clients[0]) == (1, 3)
+    finally:
+        raw.close(0)
+        context.term()

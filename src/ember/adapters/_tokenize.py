@@ -8,7 +8,7 @@ its backend's truncation and padding (two threads at once fail with "Already
 borrowed"), and its Python costs about as much as tokenizing a short text does.
 
 `off_loop` runs large tokenizing in a small shared thread pool, so one long text never
-holds the event loop while the other requests wait (docs/benchmarks.md, Tokenizing).
+holds the event loop while the other requests wait (docs/bench/notes.md, Tokenizing).
 The pool's threads tokenize one text at a time, so a large request takes at most
 POOL_THREADS cores from the small ones, not every core.
 """

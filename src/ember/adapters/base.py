@@ -156,7 +156,7 @@ def default_onnx_threads() -> int:
     """ONNX Runtime's intra-op threads: every core. Its forward runs without the GIL and
     its threads sleep between forwards, so the front end has the cores whenever no
     forward runs; measured faster than all cores but one once the front end got cheap
-    (docs/benchmarks.md, Backends)."""
+    (docs/bench/notes.md, Backends)."""
     return usable_cores()
 
 

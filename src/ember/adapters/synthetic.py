@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -52,15 +51,6 @@ class CostModel:
         return (self.overhead_ms * 1e3 + self.per_token_us * items * longest) / 1e6
 
 
-@dataclass(frozen=True, slots=True)
-class ForwardCall:
-    """What one synthetic forward was given (tests read these)."""
-
-    payloads: tuple[str, ...]
-    params: Hashable
-    lora: str | None
-
-
 class SyntheticFault(RuntimeError):
     """Raised by a forward that carries the fault marker."""
 
@@ -69,14 +59,11 @@ class SyntheticAdapter:
     """Deterministic vectors and a modelled forward time. For tests and benchmarks only."""
 
     def __init__(self, dims: int = 32, cost: CostModel | None = None,
-                 fault_marker: str = "__fail__", *, log_forwards: bool = True) -> None:
+                 fault_marker: str = "__fail__") -> None:
         self.dims = dims
         self.cost = cost or CostModel()
         self.fault_marker = fault_marker
-        self.log_forwards = log_forwards  # what tests read; a server would only accumulate it
-        self.forward_log: list[ForwardCall] = []
         self._lora: str | None = None
-        self._lock = threading.Lock()
         self._spin_a = np.ones((64, 64), dtype=np.float32)
 
     @staticmethod
@@ -90,9 +77,6 @@ class SyntheticAdapter:
     def forward(self, items: Sequence[PreparedItem],
                 params: Hashable) -> list[npt.NDArray[np.float32]]:
         texts = tuple(str(item.payload) for item in items)
-        if self.log_forwards:
-            with self._lock:
-                self.forward_log.append(ForwardCall(texts, params, self._lora))
         self._spend(self.cost.forward_seconds(len(items), max(item.cost for item in items)))
         if any(self.fault_marker in text for text in texts):
             raise SyntheticFault(f"synthetic fault injected by an input containing "
@@ -124,9 +108,7 @@ class SyntheticModel(SyntheticAdapter):
     """
 
     def __init__(self, info: ModelInfo, dims: int, cost: CostModel, fault_marker: str) -> None:
-        # Served, it keeps no log of its forwards: a benchmark's millions of forwards
-        # would grow the heap, and every collection would walk them.
-        super().__init__(dims, cost, fault_marker, log_forwards=False)
+        super().__init__(dims, cost, fault_marker)
         self.info = info
 
     async def encode(self, submit: Submit, texts: Sequence[str],
@@ -156,7 +138,7 @@ class SyntheticModel(SyntheticAdapter):
         return 0
 
     def close(self) -> None:
-        self.forward_log.clear()
+        """Nothing to release."""
 
 
 def load(spec: ModelSpec, runtime: Runtime) -> SyntheticModel:

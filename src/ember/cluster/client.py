@@ -55,7 +55,6 @@ class RayEngineClient:
 
     def __init__(self, handle: DeploymentHandle[Any]) -> None:
         self.handle = handle
-        self.retries = 0  # calls sent again after their replica died (tests read it)
 
     async def call(self, op: str, **fields: Any) -> dict[str, Any]:
         handle = self.handle
@@ -81,7 +80,6 @@ class RayEngineClient:
                     raise WorkerFailed(str(fields.get("model", "engine")),
                                        ReplicaLost(f"{op}: two engine replicas died before "
                                                    "answering")) from None
-                self.retries += 1
                 log.warning("an engine replica died before answering %s (%s); sending it "
                             "to another replica", op, type(exc).__name__)
         if reply["op"] == "error":

@@ -37,10 +37,20 @@ class Limits:
 
 def cost_bucket(cost: int) -> int:
     """A key that orders like the cost and groups costs at most ~3 % apart."""
+    if 0 <= cost < TABLED_COSTS:
+        return _BUCKETS[cost]
+    return _cost_bucket(cost)
+
+
+def _cost_bucket(cost: int) -> int:
     if cost < EXACT_COSTS:
         return max(cost, 0)
     shift = cost.bit_length() - 6
     return shift * STEPS_PER_OCTAVE + (cost >> shift)
+
+
+TABLED_COSTS = 8192  # the bucket of every cost below this is looked up, not computed
+_BUCKETS = [_cost_bucket(cost) for cost in range(TABLED_COSTS)]
 
 
 class Owner(Protocol):
@@ -194,13 +204,14 @@ class BatchFormer:
         return self._arrivals[0] if self._arrivals else None
 
     def add(self, items: list[PendingItem]) -> None:
+        groups, owners = self._groups, self._per_owner
         for pending in items:
-            group = self._groups.get(pending.group)
+            group = groups.get(pending.group)
             if group is None:
-                group = self._groups[pending.group] = _Group()
+                group = groups[pending.group] = _Group()
             group.add(pending)
-            self._arrivals.append(pending)
-            self._per_owner[pending.owner] = self._per_owner.get(pending.owner, 0) + 1
+            owners[pending.owner] = owners.get(pending.owner, 0) + 1
+        self._arrivals.extend(items)
         self._count += len(items)
 
     def discard(self, pending: PendingItem) -> bool:
@@ -256,13 +267,29 @@ class BatchFormer:
                 <= self._added_padding(batch, longer.item.cost)) else (longer, shorter)
             for chosen in (first, second):
                 if chosen is not None and batch.fits(chosen.item.cost, limits):
-                    group.buckets[keys[low] if chosen is shorter else keys[high]].popleft()
+                    bucket = group.buckets[keys[low] if chosen is shorter else keys[high]]
+                    bucket.popleft()
                     batch.add(chosen)
+                    self._take_level(batch, bucket)
                     break
             else:
                 batch.full = True
                 return
         batch.full = True
+
+    def _take_level(self, batch: Batch, bucket: deque[PendingItem]) -> None:
+        """The items of `bucket` that cost exactly the batch's widest add no padding, so
+        the choice above would take each of them next: take them at once while they fit."""
+        cost, limits = batch.widest, self.limits
+        while bucket:
+            pending = bucket[0]
+            if not pending.queued:
+                bucket.popleft()  # a tombstone
+                continue
+            if pending.item.cost != cost or not batch.fits(cost, limits):
+                return
+            bucket.popleft()
+            batch.add(pending)
 
     @staticmethod
     def _added_padding(batch: Batch, cost: int) -> int:

@@ -111,7 +111,7 @@ class ModelWorker:
         self._requests: set[_Request] = set()  # accepted and not yet resolved
         self._seq = itertools.count()
         self._queued = 0  # items in the lanes' formers
-        self._wake = asyncio.Event()  # R1: set by submit, a forward's end, resume, stop
+        self._wake = asyncio.Event()  # R1: set by submit, a forward's end, stop
         self._cond = threading.Condition()  # guards the slot and the forward in flight
         self._slot: Batch | None = None  # the next batch, formed ahead (prefetch)
         self._released = False  # the slot may go as soon as the thread is free
@@ -120,7 +120,6 @@ class ModelWorker:
         self._thread_exit = False
         self._thread: threading.Thread | None = None
         self._active_lora: str | None = None
-        self._paused = False
         self._stopping = False
         self._failure: WorkerFailed | None = None
         self._task: asyncio.Task[None] | None = None
@@ -164,7 +163,6 @@ class ModelWorker:
     async def stop(self) -> None:
         """R8: refuse new work, dispatch all that is pending at once, resolve every future."""
         self._stopping = True
-        self._paused = False
         self._wake.set()
         task = self._task
         if task is not None and not task.done():
@@ -183,22 +181,20 @@ class ModelWorker:
             self._queued = 0
             self._slot, self._released, self._in_flight = None, False, None
             self._finished.clear()
-            self._failure, self._stopping, self._paused = None, False, False
+            self._failure, self._stopping = None, False
             self._task = None
             await self.start()
-
-    def pause(self) -> None:
-        """Hold dispatch: requests queue but no batch is released until resume()."""
-        self._paused = True
-
-    def resume(self) -> None:
-        self._paused = False
-        self._wake.set()
 
     async def submit(self, items: Sequence[PreparedItem], params: Hashable,
                      *, lora: str | None = None) -> asyncio.Future[RequestResult]:
         """Queue one request. Its future resolves when all of its items have results;
         cancelling it drops the items not yet dispatched (R9)."""
+        return self.submit_nowait(items, params, lora=lora)
+
+    def submit_nowait(self, items: Sequence[PreparedItem], params: Hashable,
+                      *, lora: str | None = None) -> asyncio.Future[RequestResult]:
+        """`submit` from a plain function (on the event loop): the engine process queues a
+        message's requests this way, with no Task for each."""
         if self._failure is not None:
             raise self._failure
         if self._stopping:
@@ -248,7 +244,7 @@ class ModelWorker:
                     self._deliver(self._finished.popleft())  # R9, R10
                 if self._stopping and self._drained():
                     return
-                if self._slot is None and not self._paused:
+                if self._slot is None:
                     self._fill_slot()  # R2, R5, R6: formed while the forward runs
                 deadline = self._review_slot()  # R3, R4
                 if deadline is None:
@@ -284,7 +280,7 @@ class ModelWorker:
         """Release the slot when the policy says; else return when to look again."""
         with self._cond:
             slot = self._slot
-            if slot is None or self._released or (self._paused and not self._stopping):
+            if slot is None or self._released:
                 return None
             running = self._in_flight
             running_requests = (running.requests if running is not None
@@ -425,7 +421,7 @@ class ModelWorker:
         self.stats.record_batch(BatchRecord(len(batch.items), len(requests),
                                             batch.padded_tokens, batch.lora, elapsed * 1000,
                                             forward.error is not None, forward.started,
-                                            forward.ended, sum(p.item.cost for p in batch.items),
+                                            forward.ended, batch.real_tokens,
                                             forward.dispatched))
         if forward.error is None:
             for pending, value in zip(batch.items, forward.values, strict=True):
@@ -529,9 +525,9 @@ class ModelWorker:
         return former.pending_requests + sum(not former.holds(o) for o in in_slot.values())
 
     def _idle(self) -> bool:
-        """Nothing formed, running or awaiting delivery, and dispatch not held."""
+        """Nothing formed, running or awaiting delivery."""
         return (self._slot is None and self._in_flight is None and not self._finished
-                and not self._paused and not self._stopping and self.running)
+                and not self._stopping and self.running)
 
     def _drained(self) -> bool:
         with self._cond:

@@ -4,9 +4,10 @@ replicas on Ray through their deployment (`ember.cluster`), which so never impor
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from typing import Any
 
-from ember.engine import PreparedItem
+from ember.engine import PreparedItem, RequestResult
 from ember.registry import Registry
 
 
@@ -17,13 +18,20 @@ class RegistryCalls:
         self.registry = registry
 
     async def submit(self, message: dict[str, Any]) -> dict[str, Any]:
-        name = message["model"]
-        items = [PreparedItem(payload, cost, index) for payload, cost, index in message["items"]]
+        items = [item if isinstance(item, PreparedItem) else PreparedItem(*item)
+                 for item in message["items"]]
+        result, pending = await self.submit_items(message["model"], items, message["params"],
+                                                  message["lora"])
+        return {"values": result.values, "queue_ms": result.queue_ms,
+                "inference_ms": result.inference_ms, "forwards": result.forwards,
+                "pending": pending}
+
+    async def submit_items(self, name: str, items: Sequence[PreparedItem], params: Hashable,
+                           lora: str | None) -> tuple[RequestResult, int]:
+        """A request's result, and the model's queue depth after it."""
         async with self.registry.use(name) as model:
-            result = await model.submit(items, message["params"], message["lora"])
-            return {"values": result.values, "queue_ms": result.queue_ms,
-                    "inference_ms": result.inference_ms, "forwards": result.forwards,
-                    "pending": model.worker.pending_items}
+            result = await model.submit(items, params, lora)
+            return result, model.worker.pending_items
 
     async def load(self, message: dict[str, Any]) -> dict[str, Any]:
         await self.registry.get(message["model"])

@@ -15,18 +15,24 @@ import itertools
 import logging
 import os
 import time
+from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 import zmq
 import zmq.asyncio
 
-from ember.engine import ShuttingDown, WorkerFailed
+from ember.engine import PreparedItem, ShuttingDown, WorkerFailed
+from ember.ipc.batch import PARAMS_UNKNOWN, items_to_wire, values_from_wire
 from ember.ipc.wire import error_from_wire, pack, unpack
 
 log = logging.getLogger("ember.ipc")
 HEARTBEAT_S = 0.5  # a ping this often; the engine's reader answers it at once
 RESTART_WAIT_S = 30.0  # how long calls wait for a silent engine (or its replacement)
+PARAMS_KEPT = 512  # interned parameter groups (the engine holds more per API process)
+PARAMS_TRIES = 3  # times a call is sent again because the engine lacked its group
 
 
 class EngineUnavailable(WorkerFailed):
@@ -42,9 +48,20 @@ class EngineUnavailable(WorkerFailed):
 
 @dataclass(eq=False)
 class _Call:
-    message: bytes  # packed once; sent again as is to a new engine
+    id: int
     reply: asyncio.Future[dict[str, Any]]
     engine: str  # the boot id of the engine it went to
+    message: bytes = b""  # load and status: packed once; sent again as is to a new engine
+    submit: _Submit | None = None  # a submit: packed with the others of its turn
+    tries: int = 0  # times a submit was sent again for its parameter group
+
+
+@dataclass(eq=False, slots=True)
+class _Submit:
+    model: str
+    items: list[PreparedItem]
+    params: Hashable
+    lora: str | None
 
 
 class EngineClient:
@@ -69,6 +86,10 @@ class EngineClient:
         self._reader: asyncio.Task[None] | None = None
         self._heart: asyncio.Task[None] | None = None
         self._sends: set[asyncio.Task[None]] = set()
+        self._outbox: list[_Call] = []  # submits of this turn, sent together at its end
+        self._params: OrderedDict[Hashable, int] = OrderedDict()  # interned groups, by value
+        self._param_ids = itertools.count()
+        self._sent_params: set[int] = set()  # the groups the engine `self.engine` was sent
 
     @property
     def silent_s(self) -> float:
@@ -90,18 +111,77 @@ class EngineClient:
             if self._socket.closed or self.engine is None:
                 raise ShuttingDown()
         call_id = next(self._ids)
-        call = _Call(pack({"op": op, "id": call_id, **fields}),
-                     asyncio.get_running_loop().create_future(), self.engine)
+        reply = asyncio.get_running_loop().create_future()
+        if op == "submit":
+            call = _Call(call_id, reply, self.engine, submit=_Submit(
+                fields["model"], _prepared(fields["items"]), fields["params"], fields["lora"]))
+        else:
+            call = _Call(call_id, reply, self.engine, pack({"op": op, "id": call_id, **fields}))
         self._waiting[call_id] = call
         try:
-            await self._socket.send(call.message, copy=False)
+            if call.submit is not None:
+                self._post(call)
+            else:
+                await self._socket.send(call.message, copy=False)
             return await call.reply
         except asyncio.CancelledError:
-            if not self._socket.closed and (call.reply.cancelled() or not call.reply.done()):
+            if call in self._outbox:  # never sent: nothing to cancel in the engine
+                self._outbox.remove(call)
+            elif not self._socket.closed and (call.reply.cancelled() or not call.reply.done()):
                 await asyncio.shield(self._socket.send(pack({"op": "cancel", "id": call_id})))
             raise
         finally:
             self._waiting.pop(call_id, None)
+
+    # -- batching: the submits of one turn in one message ----------------------------
+
+    def _post(self, call: _Call) -> None:
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._send_outbox)
+        self._outbox.append(call)
+
+    def _send_outbox(self) -> None:
+        calls = [call for call in self._outbox if not call.reply.done()]
+        self._outbox = []
+        if not calls or self._socket.closed:
+            return
+        try:
+            message = self._pack_batch(calls)
+        except Exception as exc:  # e.g. a payload that cannot cross: its callers learn why
+            for call in calls:
+                if not call.reply.done():
+                    call.reply.set_exception(exc)
+            return
+        sent = cast("asyncio.Future[Any]", self._socket.send(message, copy=False))
+        sent.add_done_callback(partial(_fail_unsent, calls))
+
+    def _pack_batch(self, calls: list[_Call]) -> bytes:
+        groups: dict[int, Hashable] = {}
+        entries: list[tuple[int, str, int, str | None, int]] = []
+        items: list[PreparedItem] = []
+        engine = cast(str, self.engine)
+        for call in calls:
+            submit = cast(_Submit, call.submit)
+            pid = self._param_id(submit.params)
+            if pid not in self._sent_params:
+                groups[pid] = submit.params
+            entries.append((call.id, submit.model, pid, submit.lora, len(submit.items)))
+            items.extend(submit.items)
+            call.engine = engine
+        message = pack({"op": "batch", "params": groups, "items": items_to_wire(items),
+                        "calls": entries})
+        self._sent_params.update(groups)
+        return message
+
+    def _param_id(self, params: Hashable) -> int:
+        pid = self._params.get(params)
+        if pid is None:
+            pid = self._params[params] = next(self._param_ids)
+            if len(self._params) > PARAMS_KEPT:  # the engine forgets old ones too
+                self._sent_params.discard(self._params.popitem(last=False)[1])
+        else:
+            self._params.move_to_end(params)
+        return pid
 
     async def notify(self, op: str, **fields: Any) -> None:
         """Send a message that has no answer."""
@@ -146,6 +226,9 @@ class EngineClient:
             self._heard(str(message["engine"]))
             return
         self.heard_at = time.monotonic()
+        if op == "results":
+            self._results(message)
+            return
         call = self._waiting.get(message["id"])
         if call is None or call.reply.done():
             return  # its caller went away, or a copy of the call answered first
@@ -156,6 +239,38 @@ class EngineClient:
         else:
             raise ValueError(f"unknown reply op {op!r}")
 
+    def _results(self, message: dict[str, Any]) -> None:
+        """One message of results: each call's values are the next `count` of the block."""
+        block, start = message["values"], 0
+        answers: list[tuple[_Call, dict[str, Any]]] = []
+        for call_id, queue_ms, inference_ms, forwards, pending, count in message["ok"]:
+            values = values_from_wire(block, start, start + count)
+            start += count
+            call = self._waiting.get(call_id)
+            if call is not None and not call.reply.done():
+                answers.append((call, {"values": values, "queue_ms": queue_ms,
+                                       "inference_ms": inference_ms, "forwards": forwards,
+                                       "pending": pending}))
+        for call, answer in answers:
+            call.reply.set_result(answer)
+        for call_id, error in message["errors"]:
+            call = self._waiting.get(call_id)
+            if call is None or call.reply.done():
+                continue
+            if error.get("type") == PARAMS_UNKNOWN and call.tries < PARAMS_TRIES:
+                self._resend_params(call)
+            else:
+                call.reply.set_exception(error_from_wire(error))
+
+    def _resend_params(self, call: _Call) -> None:
+        """The engine does not hold the call's parameter group (it is new, or let the
+        group go): send the call again with the group."""
+        call.tries += 1
+        pid = self._params.get(cast(_Submit, call.submit).params)
+        if pid is not None:
+            self._sent_params.discard(pid)
+        self._post(call)
+
     def _heard(self, engine: str) -> None:
         self.heard_at = time.monotonic()
         if engine == self.engine:
@@ -164,11 +279,16 @@ class EngineClient:
         self._met.set()
         if first:
             return
-        stale = [c for c in self._waiting.values() if c.engine != engine and not c.reply.done()]
+        self._sent_params.clear()  # a new engine holds no parameter group yet
+        stale = [c for c in self._waiting.values()
+                 if c.engine != engine and not c.reply.done() and c not in self._outbox]
         log.warning("a new engine process answers; sending it the %d requests the last "
                     "one left unanswered", len(stale))
         for call in stale:
             call.engine = engine
+            if call.submit is not None:
+                self._post(call)
+                continue
             task = asyncio.get_running_loop().create_task(self._send(call.message))
             self._sends.add(task)
             task.add_done_callback(self._sends.discard)
@@ -190,6 +310,20 @@ class EngineClient:
         for call in self._waiting.values():
             if not call.reply.done():
                 call.reply.set_exception(error)
+
+
+def _prepared(items: Any) -> list[PreparedItem]:
+    return [item if isinstance(item, PreparedItem) else PreparedItem(*item) for item in items]
+
+
+def _fail_unsent(calls: list[_Call], sent: asyncio.Future[Any]) -> None:
+    """A batch the socket could not take: its callers get the error, not a hang."""
+    error = None if sent.cancelled() else sent.exception()
+    if error is None:
+        return
+    for call in calls:
+        if not call.reply.done():
+            call.reply.set_exception(error)
 
 
 def _ignore_outcome(sent: asyncio.Future[Any]) -> None:

@@ -3,15 +3,23 @@ ROUTER socket that every API process connects to.
 
 Requests arrive as prepared items (token ids, pairs, texts) with their parameter group,
 so every request, from whichever API process, joins the same batcher. Each message is
-one msgpack frame (see `wire`):
+one msgpack frame (see `wire`); submits travel many to a message (see `batch`):
 
-    submit {id, model, items: [[payload, cost, index], ...], params, lora}
-        -> result {id, values, queue_ms, inference_ms, forwards, pending} | error {id, error}
+    batch {params: {pid: group}, items: [payloads, costs, indices],
+           calls: [[id, model, pid, lora, count], ...]}
+        -> results {ok: [[id, queue_ms, inference_ms, forwards, pending, count], ...],
+                    values, errors: [[id, error], ...]}
     cancel {id}                      the caller went away: its queued items are dropped (R9)
     load {id, model}                 -> result {id} | error: load the model now
     status {id}                      -> result {id, states, pending, info, forwards}
     ping {}                          -> pong {engine}: answered by the reader at once
     forget {peer}                    (the supervisor) an API process died: drop its work
+
+A call's items are the next `count` of the message's items. A parameter group is sent
+once to each engine (`pid` is the sender's name for it, kept per sender, at most
+PARAMS_PER_PEER of them); a call naming one this engine does not hold is answered with
+the error `ParamsUnknown`, and its sender sends the group again. The replies of one turn
+of the loop to one API process (a forward's results, as a rule) go as one message.
 
 No reply is dropped: the socket reports a peer it cannot reach (ROUTER_MANDATORY) and a
 peer whose queue is full (its send limit); replies to a peer that is slow to read wait
@@ -28,9 +36,10 @@ import logging
 import signal
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Coroutine, Hashable
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing import parent_process
 from multiprocessing.connection import Connection
 from typing import Any, cast
@@ -39,16 +48,52 @@ import zmq
 import zmq.asyncio
 
 from ember.config import ServerSettings, load_catalog
+from ember.engine import PreparedItem, RequestResult
+from ember.ipc.batch import PARAMS_UNKNOWN, items_from_wire, values_to_wire
 from ember.ipc.calls import RegistryCalls
 from ember.ipc.lifeline import die_with_parent
 from ember.ipc.wire import error_to_wire, pack, unpack
 from ember.logs import configure_logging, name_process
 from ember.metrics import Metrics
-from ember.registry import Registry, preload_models
+from ember.registry import LoadedModel, Registry, preload_models
 
 log = logging.getLogger("ember.engine")
 SEND_LIMIT = 1000  # replies ZeroMQ queues for one peer; more wait in that peer's backlog
 RETRY_FIRST_S, RETRY_MAX_S = 0.001, 0.05  # a full peer queue is tried again this often
+
+
+PARAMS_PER_PEER = 1024  # parameter groups held per API process; the oldest go first
+# (id, (queue_ms, inference_ms, forwards, pending), values) or (id, None, error)
+Reply = tuple[int, tuple[float, float, int, int] | None, Any]
+
+
+def pack_results(replies: list[Reply]) -> bytes:
+    """One message for `replies`; a reply that cannot be packed becomes an error, so its
+    caller still gets an answer."""
+    try:
+        return _pack_results(replies)
+    except Exception:
+        return _pack_results([_packable(reply) for reply in replies])
+
+
+def _pack_results(replies: list[Reply]) -> bytes:
+    ok = [(call_id, *timings, len(values)) for call_id, timings, values in replies
+          if timings is not None]
+    errors = [(call_id, error) for call_id, timings, error in replies if timings is None]
+    values = [v for _, timings, vs in replies if timings is not None for v in vs]
+    return pack({"op": "results", "ok": ok, "values": values_to_wire(values),
+                 "errors": errors})
+
+
+def _packable(reply: Reply) -> Reply:
+    try:
+        _pack_results([reply])
+    except Exception as exc:
+        log.error("could not pack the reply to call %d: %s: %s", reply[0],
+                  type(exc).__name__, exc)
+        return (reply[0], None, {"type": "ReplyNotSent", "message": (
+            f"the engine could not send its answer ({type(exc).__name__})")})
+    return reply
 
 
 @dataclass(frozen=True)
@@ -73,7 +118,10 @@ class EngineServer(RegistryCalls):
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._socket.setsockopt(zmq.SNDHWM, SEND_LIMIT if send_limit is None else send_limit)
         self._socket.bind(address)
-        self._calls: dict[Call, asyncio.Task[None]] = {}
+        self._calls: dict[Call, asyncio.Future[Any]] = {}  # a task, or a worker's future
+        self._params: dict[bytes, OrderedDict[int, Hashable]] = {}  # interned, per peer
+        self._replies: dict[bytes, list[Reply]] = {}  # answered this turn, not yet sent
+        self._flush_due = False
         self._backlogs: dict[bytes, deque[bytes]] = {}
         self._flushers: dict[bytes, asyncio.Task[None]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -124,18 +172,123 @@ class EngineServer(RegistryCalls):
                 if call.peer == gone:
                     task.cancel()
             self._backlogs.pop(gone, None)
+            self._params.pop(gone, None)
+            self._replies.pop(gone, None)
             return
-        name = message.get("model")
-        if (self.on_loading is not None and isinstance(name, str)
-                and name in self.registry.catalog and self.registry.state(name) == "available"):
-            self.on_loading(name)
+        if op == "batch":
+            self._batch(peer, message)
+            return
+        self._note_loading(message.get("model"))
         call = Call(peer, message["id"])
         if call in self._calls:
             return  # a copy its sender sent again, after it lost sight of this engine
-        work = {"submit": self.submit, "load": self.load, "status": self.status}[op]
-        task = asyncio.get_running_loop().create_task(self._answer(call, work(message)))
+        work = {"load": self.load, "status": self.status}[op]
+        self._start(call, self._answer(call, work(message)))
+
+    def _note_loading(self, name: Any) -> None:
+        if (self.on_loading is not None and isinstance(name, str)
+                and name in self.registry.catalog and self.registry.state(name) == "available"):
+            self.on_loading(name)
+
+    def _start(self, call: Call, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._calls[call] = task
         task.add_done_callback(lambda _: self._calls.pop(call, None))
+
+    def _batch(self, peer: bytes, message: dict[str, Any]) -> None:
+        """Every submit of one message; the message is checked whole before any starts."""
+        table = self._params.setdefault(peer, OrderedDict())
+        groups = message["params"]
+        if not isinstance(groups, dict):
+            raise ValueError("params must be a map of id to parameter group")
+        for pid, group in groups.items():
+            if not isinstance(pid, int):
+                raise ValueError(f"a parameter group's id is an int, not {pid!r}")
+            hash(group)  # a group is hashable (R6): a map or list here is refused now
+            table[pid] = group
+            table.move_to_end(pid)
+        while len(table) > PARAMS_PER_PEER:
+            table.popitem(last=False)
+        block, start = items_from_wire(message["items"]), 0
+        submits: list[tuple[Call, str, Hashable, str | None, list[PreparedItem]]] = []
+        unknown: list[int] = []
+        for call_id, model, pid, lora, count in message["calls"]:
+            if not (isinstance(call_id, int) and isinstance(model, str) and isinstance(count, int)
+                    and (lora is None or isinstance(lora, str))):
+                raise ValueError("a call is [id, model, params id, lora, item count]")
+            if not 0 < count <= len(block) - start:
+                raise ValueError(f"a call's {count} items are not in the message")
+            items = block[start:start + count]
+            start += count
+            if pid not in table:
+                unknown.append(call_id)
+            else:
+                submits.append((Call(peer, call_id), model, table[pid], lora, items))
+        if start != len(block):
+            raise ValueError(f"{len(block)} items, but the calls claim {start}")
+        for call_id in unknown:
+            self._reply(peer, (call_id, None, {"type": PARAMS_UNKNOWN, "message": (
+                "this engine does not hold the call's parameter group; send it again")}))
+        for call, name, params, lora, items in submits:
+            if call in self._calls:
+                continue  # a copy its sender sent again, after it lost sight of this engine
+            model = self.registry.ready(name)
+            if model is None:  # it loads (or its worker restarts) first: a task awaits that
+                self._note_loading(name)
+                self._start(call, self._answer_submit(call, name, items, params, lora))
+                continue
+            try:  # the common case: straight into the worker, no task for the request
+                future = model.worker.submit_nowait(items, params, lora=lora)
+            except Exception as exc:
+                self._reply(peer, (call.id, None, error_to_wire(exc)))
+                continue
+            model.in_use += 1  # held against eviction until it is answered
+            model.last_used = time.monotonic()
+            self._calls[call] = future
+            future.add_done_callback(partial(self._submitted, call, model))
+
+    def _submitted(self, call: Call, model: LoadedModel,
+                   future: asyncio.Future[RequestResult]) -> None:
+        model.in_use -= 1
+        self._calls.pop(call, None)
+        if future.cancelled():
+            return  # the caller is gone or asked to drop it: nobody waits for an answer
+        error = future.exception()
+        if error is not None:
+            self._reply(call.peer, (call.id, None, error_to_wire(error)))
+            return
+        result = future.result()
+        self._reply(call.peer, (call.id, (result.queue_ms, result.inference_ms,
+                                          result.forwards, model.worker.pending_items),
+                                result.values))
+
+    async def _answer_submit(self, call: Call, model: str, items: list[PreparedItem],
+                             params: Hashable, lora: str | None) -> None:
+        try:
+            result, pending = await self.submit_items(model, items, params, lora)
+        except asyncio.CancelledError:
+            return  # the caller is gone or asked to drop it: nobody waits for an answer
+        except Exception as exc:
+            self._reply(call.peer, (call.id, None, error_to_wire(exc)))
+            return
+        self._reply(call.peer, (call.id, (result.queue_ms, result.inference_ms,
+                                          result.forwards, pending), result.values))
+
+    def _reply(self, peer: bytes, reply: Reply) -> None:
+        """Gather the replies of this turn; they go to each peer as one message."""
+        replies = self._replies.get(peer)
+        if replies is None:
+            replies = self._replies[peer] = []
+        replies.append(reply)
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._send_replies)
+
+    def _send_replies(self) -> None:
+        self._flush_due = False
+        gathered, self._replies = self._replies, {}
+        for peer, replies in gathered.items():
+            self._send(peer, pack_results(replies))
 
     async def _answer(self, call: Call, work: Any) -> None:
         try:

@@ -69,7 +69,7 @@ class RemoteModel:
         try:
             reply = await self.client.call(
                 "submit", model=self.spec.name, params=params, lora=lora,
-                items=[[item.payload, item.cost, item.index] for item in items])
+                items=items)
         except QueueFull as refused:  # the engine's own figure, now
             self.note_pending(refused.pending)
             raise

@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""Engine benchmark: what the engine itself costs per forward and per item, with a device
+that costs nothing.
+
+The real ModelWorker runs a no-op adapter (a forward returns rows of one preallocated
+array at once), so every microsecond measured is the engine's own: submit, queueing,
+batch formation, the dispatch rules, the hand-off to the forward thread, delivery of the
+results and the stats. A burst of `--requests` requests of `--items` items each
+(256 x 16 = 4,096 items, the default queue limit) is submitted in one go and awaited;
+the process's CPU time over the burst, divided by the forwards it took (64-item
+forwards), is the engine time per forward. Each repetition runs the burst several times
+and keeps the median.
+
+    python bench/engine.py                  # ~20 s
+    python bench/engine.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import sys
+import time
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+from typing import Any
+
+import benchlib
+import numpy as np
+from benchlib import Json
+
+from ember.engine import ModelWorker, PreparedItem, WorkerConfig
+
+OUT = Path("docs/bench/engine.json")
+
+
+class NoOpDevice:
+    """A device that takes no time: each forward returns rows of one array."""
+
+    def __init__(self, dims: int = 384) -> None:
+        self.output = np.zeros((4096, dims), dtype=np.float32)
+
+    def forward(self, items: Sequence[PreparedItem], params: Hashable) -> Sequence[Any]:
+        return list(self.output[:len(items)])
+
+    def set_lora(self, name: str | None) -> None:
+        """No LoRAs here."""
+
+
+async def burst(worker: ModelWorker, requests: int, items: int) -> Json:
+    bodies = [[PreparedItem(np.arange(13, dtype=np.int32), 13, i) for i in range(items)]
+              for _ in range(requests)]
+    batches_before = worker.stats.batches
+    gc.collect()
+    cpu, wall = time.process_time(), time.perf_counter()
+    futures = [await worker.submit(body, "params") for body in bodies]
+    await asyncio.gather(*futures)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    forwards = worker.stats.batches - batches_before
+    return {"forwards": forwards, "cpu_ms": cpu * 1000, "wall_ms": wall * 1000,
+            "ms_per_forward": cpu * 1000 / forwards,
+            "us_per_item": cpu * 1e6 / (requests * items)}
+
+
+async def run(args: argparse.Namespace) -> Json:
+    config = WorkerConfig(max_queue_items=args.requests * args.items, max_batch_items=64)
+    worker = ModelWorker(NoOpDevice(), config, name="bench")
+    await worker.start()
+    try:
+        await burst(worker, 16, args.items)  # warm-up
+        runs = [await burst(worker, args.requests, args.items) for _ in range(args.bursts)]
+    finally:
+        await worker.stop()
+    keys = ("ms_per_forward", "us_per_item", "forwards", "wall_ms")
+    return {"requests": args.requests, "items_per_request": args.items,
+            "queued_items": args.requests * args.items, "runs": runs,
+            "median": {k: benchlib.median(r[k] for r in runs) for k in keys},
+            "spread": {k: benchlib.spread([r[k] for r in runs]) for k in keys[:2]}}
+
+
+def markdown(data: Json) -> str:
+    med = data["median"]
+    return benchlib.table(
+        ["queued items", "forwards", "engine ms / forward", "us / item", "spread (ms/fwd)"],
+        [[data["queued_items"], med["forwards"], med["ms_per_forward"], med["us_per_item"],
+          benchlib.fmt_spread(data["spread"]["ms_per_forward"])]])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    benchlib.add_common_args(parser, OUT, 1, "one short burst")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--items", type=int, default=16)
+    parser.add_argument("--bursts", type=int, default=None, help="bursts a run (default 15)")
+    args = parser.parse_args(argv)
+    if args.report is not None:
+        print(markdown(benchlib.read_json(args.report)))
+        return 0
+    args.bursts = args.bursts or (3 if args.quick else 15)
+    began = time.perf_counter()
+    import uvloop
+
+    data = {"meta": benchlib.meta(sys.argv), **uvloop.run(run(args))}
+    return benchlib.finish(args.out, data, began, markdown(data), "engine")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

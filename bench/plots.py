@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""The plots of docs/benchmarks.md, drawn from the JSON beside it (no benchmark runs here).
+
+    python bench/plots.py            # writes docs/bench/{headline,frontend,idle_rule}.png
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from benchlib import Json, read_json
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "bench"
+
+
+def headline(http: Json, out: Path) -> None:
+    """Ember over HTTP against the model's own limit (all-MiniLM-L6-v2, CPU)."""
+    cases = [("short", "short_c8", "8 in flight\nshort texts"),
+             ("short", "short_c32", "32 in flight\nshort texts"),
+             ("mixed_sorted", "mixed_c8", "8 in flight\nmixed lengths"),
+             ("mixed_sorted", "mixed_c32", "32 in flight\nmixed lengths")]
+    limits = [[run["best_items_per_s"][kind] for run in http["limit"]] for kind, _, _ in cases]
+    ember = [http["summary"]["closed"][case]["default"]["median"]["items_per_s"]
+             for _, case, _ in cases]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    xs = range(len(cases))
+    low = [min(v) for v in limits]
+    high = [max(v) for v in limits]
+    mid = [(a + b) / 2 for a, b in zip(low, high, strict=True)]
+    ax.bar([x - 0.2 for x in xs], mid, 0.4, label="the model alone, best batch (two runs)",
+           yerr=[[m - a for m, a in zip(mid, low, strict=True)],
+                 [b - m for m, b in zip(mid, high, strict=True)]], color="#bbbbbb", capsize=4)
+    ax.bar([x + 0.2 for x in xs], ember, 0.4, label="Ember over HTTP", color="#d9534f")
+    ax.set_xticks(list(xs), [label for _, _, label in cases])
+    ax.set_ylabel("items/s")
+    ax.set_title("all-MiniLM-L6-v2 on 2 CPU cores: Ember against its model's limit")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def frontend(data: Json, extra: Json | None, out: Path) -> None:
+    """Requests/s against requests in flight, one text a request, synthetic GPU-like model."""
+    closed = data["summary"]["closed"]
+    labels = {"single": "one process", "w2": "--workers 2", "granian": "granian, one process",
+              "landed": "--workers 2, before batched messages"}
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for variant in ("single", "w2"):
+        levels = sorted(int(k.split("_c")[1]) for k in closed if k.startswith("t1_"))
+        rates = [closed[f"t1_c{n}"][variant]["median"]["requests_per_s"] for n in levels]
+        ax.plot(levels, rates, marker="o", label=f"{labels[variant]} (earlier round)")
+    if extra is not None:
+        later = extra["summary"]["closed"]
+        for variant, style in (("single", "s"), ("w2", "D"), ("granian", "^"), ("landed", "x")):
+            levels = sorted(int(k.split("_c")[1]) for k in later if variant in later[k])
+            if levels:
+                ax.scatter(levels, [later[f"t1_c{n}"][variant]["median"]["requests_per_s"]
+                                    for n in levels], marker=style,
+                           label=f"{labels[variant]} (this round)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests in flight (one text each)")
+    ax.set_ylabel("requests/s")
+    ax.set_title("The front end's ceiling on 2 cores (synthetic GPU-like model)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def idle_rule(scheduler: Json, out: Path) -> None:
+    """Sequential latency p50: the earlier idle rule (a lone request waits the window)
+    against the default (it goes at once)."""
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    names = {"gpu": "GPU-like model\n(2 ms forward)", "cpu": "CPU-like model\n(~MiniLM, 13 ms)"}
+    for i, cost in enumerate(("gpu", "cpu")):
+        summary = scheduler["results"][cost]["sequential"]["summary"]
+        before = summary["earlier"]["median"]["latency_p50_ms"]
+        after = summary["default"]["median"]["latency_p50_ms"]
+        ax.bar(i - 0.2, before, 0.4, color="#bbbbbb", label="before" if i == 0 else None)
+        ax.bar(i + 0.2, after, 0.4, color="#d9534f", label="after" if i == 0 else None)
+    ax.set_xticks([0, 1], [names["gpu"], names["cpu"]])
+    ax.set_ylabel("latency p50, ms (one request at a time)")
+    ax.set_title("The idle rule: a lone request no longer waits 3 ms")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    headline(read_json(DOCS / "http.json"), DOCS / "headline.png")
+    extra = DOCS / "request_path.json"
+    frontend(read_json(DOCS / "frontend.json"), read_json(extra) if extra.exists() else None,
+             DOCS / "frontend.png")
+    idle_rule(read_json(DOCS / "scheduler.json"), DOCS / "idle_rule.png")
+    print(f"[plots] wrote {DOCS}/headline.png, frontend.png, idle_rule.png", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Many calls in one message: token ids as one array with offsets, vectors as one 2-D
+array, other payloads as a list; and a hostile block is refused before anything is built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ember.adapters.cross_encoder import Pair
+from ember.engine import PreparedItem
+from ember.ipc.batch import items_from_wire, items_to_wire, values_from_wire, values_to_wire
+from ember.ipc.wire import pack, unpack
+
+
+def crossed(value: Any) -> Any:
+    return unpack(pack(value))
+
+
+def test_token_rows_travel_as_one_array_with_offsets() -> None:
+    items = [PreparedItem([101, 7, 102], 3, 0), PreparedItem((101, 2**20, 9, 102), 4, 1),
+             PreparedItem([5], 1, 2)]
+    block = items_to_wire(items)
+    payloads = block[0]
+    assert payloads[0] == "tokens" and payloads[1].dtype == np.int32
+    assert payloads[2].tolist() == [0, 3, 7, 8]
+    back = items_from_wire(crossed(block))
+    assert [list(item.payload) for item in back] == [[101, 7, 102], [101, 2**20, 9, 102], [5]]
+    assert [(item.cost, item.index) for item in back] == [(3, 0), (4, 1), (1, 2)]
+
+
+def test_texts_pairs_and_empty_rows_travel_as_a_list() -> None:
+    for payloads in (["a text", "another"], [Pair((1, 2), None), Pair((3,), (0,))],
+                     [[1, 2], []], [[1.5, 2.0]]):
+        items = [PreparedItem(p, 1, i) for i, p in enumerate(payloads)]
+        block = items_to_wire(items)
+        assert block[0][0] == "list"
+        back = [item.payload for item in items_from_wire(crossed(block))]
+        assert [list(p) if isinstance(p, tuple) else p for p in back] == [
+            list(p) if isinstance(p, list) else p for p in payloads]
+
+
+def test_vectors_of_one_shape_travel_as_rows_of_one_array() -> None:
+    values = [np.full(4, i, np.float32) for i in range(5)]
+    block = crossed(values_to_wire(values))
+    assert block[0] == "rows" and block[1].shape == (5, 4)
+    middle = values_from_wire(block, 1, 3)
+    assert [v.tolist() for v in middle] == [[1.0] * 4, [2.0] * 4]
+    mixed = crossed(values_to_wire([np.zeros(2, np.float32), np.zeros(3, np.float32)]))
+    assert mixed[0] == "list" and [len(v) for v in values_from_wire(mixed, 0, 2)] == [2, 3]
+
+
+@pytest.mark.parametrize("block", [
+    "not a block",
+    (("tokens", np.arange(3), np.array([0, 2])), np.array([1, 1]), np.array([0, 1])),
+    (("tokens", np.arange(3), np.array([0, 2, 9])), np.array([1, 1]), np.array([0, 1])),
+    (("tokens", np.arange(3), np.array([0, 3, 3])), np.array([1, 1]), np.array([0, 1])),
+    (("tokens", np.arange(3), np.array([1, 2, 3])), np.array([1, 1]), np.array([0, 1])),
+    (("tokens", np.arange(3.0), np.array([0, 1, 3])), np.array([1, 1]), np.array([0, 1])),
+    (("list", ("a",)), np.array([1, 1]), np.array([0, 1])),
+    (("list", ("a", "b")), np.array([1.0, 1.0]), np.array([0, 1])),
+    (("list", ("a", "b")), np.array([1, 1]), np.array([0])),
+    (("pickle", b"..."), np.array([1]), np.array([0])),
+])
+def test_a_hostile_items_block_is_refused(block: Any) -> None:
+    with pytest.raises(ValueError):
+        items_from_wire(crossed(block))
+
+
+@pytest.mark.parametrize(("block", "start", "end"), [
+    (("rows", np.zeros((2, 3), np.float32)), 1, 3),
+    (("rows", np.zeros(3, np.float32)), 0, 1),
+    (("list", (1, 2)), -1, 1),
+    (("eval", ("x",)), 0, 1),
+])
+def test_a_hostile_values_block_is_refused(block: Any, start: int, end: int) -> None:
+    with pytest.raises(ValueError):
+        values_from_wire(crossed(block), start, end)
