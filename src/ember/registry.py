@@ -240,7 +240,7 @@ class Registry(CatalogLookup):
             await self._evict(name)
         if self._idle_collection is not None:
             self._idle_collection.cancel()
-        heap.collect_all()
+        heap.settle()
 
     async def _load(self, spec: ModelSpec, done: asyncio.Future[LoadedModel]) -> None:
         try:

@@ -23,8 +23,9 @@ from ember.adapters._images import ImageInput, ItemInput
 from ember.adapters.base import EncodeOptions, Runtime, ScoreOptions
 from ember.adapters.clip import ClipAdapter, ClipParams
 from ember.config import load_catalog
-from ember.engine import PreparedItem, WorkerConfig
+from ember.engine import WorkerConfig
 from ember.errors import InvalidInput
+from ember.ipc.batch import items_from_wire, items_to_wire
 from ember.ipc.models import front_loader
 from ember.ipc.wire import pack, unpack
 from ember.registry import adapter_loader
@@ -186,9 +187,15 @@ def test_pixels_cross_the_process_wire_as_arrays(tiny: Tiny) -> None:
     assert isinstance(half, ClipAdapter) and half.memory_bytes() == 0
     prepared = half.prepare(items(IMAGES[0], TEXTS[0]), True, ["items[0]", "items[1]"])
     assert isinstance(prepared[0].payload, np.ndarray) and prepared[0].payload.dtype == np.float32
-    # As the API process sends them: payload, cost and index of each item.
-    wire = unpack(pack([[item.payload, item.cost, item.index] for item in prepared]))
-    crossed = [PreparedItem(payload, cost, index) for payload, cost, index in wire]
+    # As an API process sends them: one batch message's item block (texts' ids as one
+    # int array with offsets when every item is text; here pixels and ids as a list).
+    crossed = items_from_wire(unpack(pack(items_to_wire(prepared))))
+    texts_only = half.prepare(items(TEXTS[0], TEXTS[1]), True, ["items[0]", "items[1]"])
+    ids_crossed = items_from_wire(unpack(pack(items_to_wire(texts_only))))
+    assert isinstance(ids_crossed[0].payload, np.ndarray)  # a view of the id block
+    for a, b in zip(tiny.adapter.forward(texts_only, ClipParams(True)),
+                    tiny.adapter.forward(ids_crossed, ClipParams(True)), strict=True):
+        assert np.allclose(a, b)
     params = unpack(pack(ClipParams(True)))
     here = tiny.adapter.forward(prepared, ClipParams(True))
     there = tiny.adapter.forward(crossed, params)

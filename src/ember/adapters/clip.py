@@ -112,8 +112,10 @@ class ClipAdapter(common.TorchModel):
 
     def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[Vector]:
         assert isinstance(params, ClipParams)
-        texts = [i for i, item in enumerate(items) if not isinstance(item.payload, np.ndarray)]
-        images = [i for i, item in enumerate(items) if isinstance(item.payload, np.ndarray)]
+        # Pixels are a 3-D array; token ids a list, or a 1-D array once they crossed the IPC
+        # wire in a batch's id block.
+        images = [i for i, item in enumerate(items) if is_pixels(item.payload)]
+        texts = [i for i, item in enumerate(items) if not is_pixels(item.payload)]
         towers: torch.nn.Module = self.model.model  # type: ignore[attr-defined]
         out: list[Vector] = [np.empty(0, np.float32)] * len(items)
         with torch.inference_mode():
@@ -290,3 +292,7 @@ def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> ClipAdapter
 def load_front(spec: ModelSpec, runtime: Runtime) -> ClipAdapter:
     """The request path alone (tokenizer, image preprocessing), without weights."""
     return load(spec, runtime, weights=False)
+
+
+def is_pixels(payload: object) -> bool:
+    return isinstance(payload, np.ndarray) and payload.ndim == 3

@@ -6,7 +6,7 @@ models, metrics, docs). The requests of the routes declared with `InferenceRoute
 are taken before FastAPI's router sees them: the body is decoded once (JSON by orjson, or
 msgpack), validated by the route's pydantic model, and handed to the endpoint.
 That skips FastAPI's dependency solving and its own middleware stack, which the
-profile showed cost more than the rest of a request (docs/benchmarks.md).
+profile showed cost more than the rest of a request (docs/bench/notes.md).
 """
 
 from __future__ import annotations
