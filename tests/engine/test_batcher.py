@@ -148,3 +148,20 @@ def test_a_request_that_fits_one_forward_is_not_split_by_the_sweep() -> None:
     assert sorted(costs(former.form())) == [2, 9]
     assert former.form() is None
 
+
+
+def test_equal_costs_fill_a_batch_to_each_limit_skipping_dropped_items() -> None:
+    former = BatchFormer(max_batch_tokens=100, max_batch_items=64, max_padding=1.05)
+    pending = add(former, [13] * 20)
+    gone = Owner(live=False)
+    dropped = add(former, [13] * 3, owner=gone, seq_start=20)
+    for item in dropped:
+        assert former.discard(item)
+    assert len(costs(former.form())) == 7  # 7 x 13 = 91 tokens; an 8th makes 104
+    assert former.pending_items == 13
+    small = BatchFormer(max_batch_tokens=10**6, max_batch_items=5, max_padding=1.05)
+    add(small, [13] * 12)
+    assert [len(costs(small.form())) for _ in range(3)] == [5, 5, 2]
+    assert small.pending_items == 0 and small.form() is None
+    taken = {id(p) for p in pending[:7]}
+    assert all(not p.queued for p in pending if id(p) in taken)

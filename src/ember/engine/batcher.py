@@ -143,12 +143,11 @@ class _Group:
         self.buckets[key].append(pending)
         self.live[key] = count + 1
 
-    def forget(self, pending: PendingItem) -> None:
-        """Bookkeeping for an item that left its bucket (taken or dropped)."""
-        key = cost_bucket(pending.item.cost)
-        count = self.live[key] - 1
-        if count:
-            self.live[key] = count
+    def forget(self, key: int, count: int = 1) -> None:
+        """Bookkeeping for `count` items that left bucket `key` (taken or dropped)."""
+        left = self.live[key] - count
+        if left:
+            self.live[key] = left
             return
         del self.live[key], self.buckets[key]
         del self.keys[bisect.bisect_left(self.keys, key)]
@@ -219,7 +218,13 @@ class BatchFormer:
         if not pending.queued:
             return False
         pending.queued = False
-        self._left(pending)
+        self._groups[pending.group].forget(cost_bucket(pending.item.cost))
+        left = self._per_owner[pending.owner] - 1
+        if left:
+            self._per_owner[pending.owner] = left
+        else:
+            del self._per_owner[pending.owner]
+        self._count -= 1
         return True
 
     def form(self, lora: str | None = None) -> Batch | None:
@@ -233,20 +238,30 @@ class BatchFormer:
         if start == len(group.keys):  # the sweep reached the top: wrap to the cheapest
             start = 0
         bottom = group.keys[start]
-        self._pack(batch, group, -1, start)  # upward first: the sweep's items lead
+        taken: dict[int, int] = {}  # items taken per bucket, forgotten once packing ends
+        self._pack(batch, group, -1, start, taken)  # upward first: the sweep's items lead
         if not batch.full and start > 0:
             # Room left above: the cheaper buckets too, so a request's items and a burst
             # that fits one forward are not split by where the cursor stood.
-            self._pack(batch, group, start - 1, len(group.keys))
+            self._pack(batch, group, start - 1, len(group.keys), taken)
+        for key, count in taken.items():
+            group.forget(key, count)
+        owners = self._per_owner
         for pending in batch.items:
-            self._left(pending)
+            left = owners[pending.owner] - 1
+            if left:
+                owners[pending.owner] = left
+            else:
+                del owners[pending.owner]
+        self._count -= len(batch.items)
         top = cost_bucket(batch.widest)
         # Leftovers of the top bucket lead the next batch; a one-bucket batch moves on, so
         # the cursor rises with every batch and a busy bucket cannot hold the sweep.
         group.cursor = top + 1 if top == bottom else top
         return batch
 
-    def _pack(self, batch: Batch, group: _Group, low: int, high: int) -> None:
+    def _pack(self, batch: Batch, group: _Group, low: int, high: int,
+              taken: dict[int, int]) -> None:
         """Grow `batch` from the buckets around it: at each step the candidate (next
         shorter or next longer) that adds the fewest padded tokens, while it fits."""
         keys, limits = group.keys, self.limits
@@ -267,41 +282,41 @@ class BatchFormer:
                 <= self._added_padding(batch, longer.item.cost)) else (longer, shorter)
             for chosen in (first, second):
                 if chosen is not None and batch.fits(chosen.item.cost, limits):
-                    bucket = group.buckets[keys[low] if chosen is shorter else keys[high]]
+                    key = keys[low] if chosen is shorter else keys[high]
+                    bucket = group.buckets[key]
                     bucket.popleft()
                     batch.add(chosen)
-                    self._take_level(batch, bucket)
+                    taken[key] = taken.get(key, 0) + 1 + self._take_level(batch, bucket)
                     break
             else:
                 batch.full = True
                 return
         batch.full = True
 
-    def _take_level(self, batch: Batch, bucket: deque[PendingItem]) -> None:
+    def _take_level(self, batch: Batch, bucket: deque[PendingItem]) -> int:
         """The items of `bucket` that cost exactly the batch's widest add no padding, so
-        the choice above would take each of them next: take them at once while they fit."""
-        cost, limits = batch.widest, self.limits
-        while bucket:
+        the choice above would take each of them next: take them at once while they fit.
+        Returns how many it took."""
+        cost, limits, count = batch.widest, self.limits, len(batch.items)
+        # Items as wide as the widest only lower the padding ratio: the count limits alone.
+        room = limits.max_items - count
+        if cost > 0:
+            room = min(room, limits.max_tokens // cost - count)
+        level: list[PendingItem] = []
+        while bucket and len(level) < room:
             pending = bucket[0]
-            if not pending.queued:
-                bucket.popleft()  # a tombstone
-                continue
-            if pending.item.cost != cost or not batch.fits(cost, limits):
-                return
-            bucket.popleft()
-            batch.add(pending)
+            if pending.queued:
+                if pending.item.cost != cost:
+                    break
+                pending.queued = False
+                level.append(pending)
+            bucket.popleft()  # taken, or a tombstone
+        if level:
+            batch.items.extend(level)
+            batch.real_tokens += cost * len(level)
+        return len(level)
 
     @staticmethod
     def _added_padding(batch: Batch, cost: int) -> int:
         widest = max(batch.widest, cost)
         return (widest - cost) + len(batch.items) * (widest - batch.widest)
-
-    def _left(self, pending: PendingItem) -> None:
-        """Counters for an item that left the queue (taken into a batch or dropped)."""
-        self._groups[pending.group].forget(pending)
-        left = self._per_owner[pending.owner] - 1
-        if left:
-            self._per_owner[pending.owner] = left
-        else:
-            del self._per_owner[pending.owner]
-        self._count -= 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 HISTORY = 10_000  # recent records kept for inspection; totals are never trimmed
@@ -25,7 +25,7 @@ class BatchRecord:
     dispatched: float = 0.0  # released with the device free; started - dispatched: hand-off
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made a request, and frozen init costs 3x
 class RequestRecord:
     """One finished request (R10)."""
 
@@ -41,7 +41,7 @@ class RequestRecord:
 
 
 BatchListener = Callable[[BatchRecord], None]
-RequestListener = Callable[[RequestRecord], None]
+RequestListener = Callable[[Sequence[RequestRecord]], None]  # the requests one forward ended
 
 
 @dataclass
@@ -85,10 +85,10 @@ class WorkerStats:
         for listener in self.batch_listeners:
             listener(record)
 
-    def record_request(self, record: RequestRecord) -> None:
-        self.recent_requests.append(record)
+    def record_requests(self, records: Sequence[RequestRecord]) -> None:
+        self.recent_requests.extend(records)
         for listener in self.request_listeners:
-            listener(record)
+            listener(records)
 
     def record_dropped(self, count: int) -> None:
         self.dropped_items += count

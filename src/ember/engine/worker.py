@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from operator import attrgetter
 from typing import Any, cast
 
 from ember.engine.batcher import Batch, BatchFormer, PendingItem
@@ -28,9 +29,10 @@ from ember.engine.stats import BatchRecord, RequestRecord, WorkerStats
 from ember.engine.types import Adapter, PreparedItem, RequestResult
 
 log = logging.getLogger("ember.engine")
+_OWNER = attrgetter("owner")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Request:
     """A submitted request while it is in the worker."""
 
@@ -67,9 +69,19 @@ class _Forward:
     dispatched: float = 0.0
     started: float = 0.0
     ended: float = 0.0
-    requests: int = 0
     values: Sequence[Any] = ()
     error: BaseException | None = None
+    _owners: list[Any] | None = None
+
+    def owners(self) -> list[Any]:
+        """The batch's requests, each once, in batch order (worked out once)."""
+        if self._owners is None:
+            self._owners = list(dict.fromkeys(map(_OWNER, self.batch.items)))
+        return self._owners
+
+    @property
+    def requests(self) -> int:
+        return len(self.owners())
 
 
 @dataclass
@@ -203,8 +215,10 @@ class ModelWorker:
             raise RuntimeError(f"worker {self.name!r} is not started: await start() first")
         if not items:
             raise ValueError("a request needs at least one item")
-        indices = {item.index for item in items}
-        if len(indices) != len(items) or min(indices) != 0 or max(indices) != len(items) - 1:
+        if len(items) == 1:
+            if items[0].index != 0:
+                raise ValueError("item indices must be 0..n-1, one each")
+        elif sorted(item.index for item in items) != list(range(len(items))):
             raise ValueError("item indices must be 0..n-1, one each")
         limit = self.config.max_queue_items
         if len(items) > limit:  # R7: it could never fit
@@ -214,8 +228,8 @@ class ModelWorker:
         now = self._now()
         request = _Request(asyncio.get_running_loop().create_future(), lora, now,
                            results=[None] * len(items), remaining=len(items))
-        request.items = [PendingItem(item, request, params, now, next(self._seq))
-                         for item in items]
+        seq = next(self._seq)  # a request's items arrive together: one place in line
+        request.items = [PendingItem(item, request, params, now, seq) for item in items]
         lane = self._lane(lora)
         lane.arrived += 1
         lane.last_arrival = now
@@ -369,7 +383,7 @@ class ModelWorker:
                 self._slot, self._released = None, False
                 started = self._now()
                 forward = _Forward(batch, min(started, max(batch.released_at, device_free)),
-                                   started, requests=len({id(p.owner) for p in batch.items}))
+                                   started)
                 self._in_flight = forward
             self._tell_loop(loop)  # so it forms the next batch while this one runs
             try:
@@ -405,7 +419,7 @@ class ModelWorker:
         batch = forward.batch
         lane = self._lanes[batch.lora]
         elapsed = forward.ended - forward.started
-        requests = list(dict.fromkeys(cast(_Request, p.owner) for p in batch.items))
+        requests: list[_Request] = forward.owners()
         if 0 <= lane.probe_end < self._now():  # the last probe ran out: they did not
             lane.senders_return, lane.probe_end = False, -1.0
         lane.last_forward = LastForward(forward.ended, len(requests), elapsed,
@@ -425,9 +439,10 @@ class ModelWorker:
                                             forward.dispatched))
         if forward.error is None:
             for pending, value in zip(batch.items, forward.values, strict=True):
-                owner = cast(_Request, pending.owner)
+                owner: _Request = pending.owner  # type: ignore[assignment]
                 owner.results[pending.item.index] = value
                 owner.remaining -= 1
+        finished: list[RequestRecord] = []
         for request in requests:
             # An item may join a released batch before the thread takes it.
             dispatched = max(forward.dispatched, request.submitted_at)
@@ -436,11 +451,15 @@ class ModelWorker:
             request.inference_s += forward.ended - dispatched
             request.forwards += 1
             if forward.error is not None:
-                self._finish(request, forward.error)
+                self._finish(request, forward.error, finished)
             elif request.remaining == 0 or request.future.cancelled():
-                self._finish(request, None)
+                self._finish(request, None, finished)
+        if finished:
+            self.stats.record_requests(finished)  # one call a forward: listeners batch writes
 
-    def _finish(self, request: _Request, error: BaseException | None) -> None:
+    def _finish(self, request: _Request, error: BaseException | None,
+                finished: list[RequestRecord]) -> None:
+        """Resolve `request`, and add its record to `finished`."""
         if request.recorded:
             return
         request.recorded = True
@@ -460,8 +479,8 @@ class ModelWorker:
                 request.release()
             else:
                 request.future.set_exception(error)
-        self.stats.record_request(RequestRecord(len(request.results), queue_ms, inference_ms,
-                                                error is not None, cancelled))
+        finished.append(RequestRecord(len(request.results), queue_ms, inference_ms,
+                                      error is not None, cancelled))
 
     def _on_resolved(self, request: _Request, future: asyncio.Future[RequestResult]) -> None:
         """A request's future is done (result, error or cancellation): drop its items
@@ -496,13 +515,16 @@ class ModelWorker:
         log.error("%s", failure, exc_info=exc if isinstance(exc, Exception) else None)
         with self._cond:
             self._slot, self._released = None, False
+        finished: list[RequestRecord] = []
         for request in list(self._requests):
             try:
-                self._finish(request, failure)
-            except Exception:  # a failing listener must not leave the rest unresolved
+                self._finish(request, failure, finished)
+            except Exception:  # a failing callback must not leave the rest unresolved
                 if not request.future.done():
                     request.future.set_exception(failure)
         self._requests.clear()
+        with contextlib.suppress(Exception):  # nor may a failing listener
+            self.stats.record_requests(finished)
         self._lanes.clear()
         self._queued = 0
 

@@ -38,11 +38,10 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine, Hashable
-from dataclasses import dataclass
 from functools import partial
 from multiprocessing import parent_process
 from multiprocessing.connection import Connection
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import zmq
 import zmq.asyncio
@@ -96,8 +95,9 @@ def _packable(reply: Reply) -> Reply:
     return reply
 
 
-@dataclass(frozen=True)
-class Call:
+class Call(NamedTuple):
+    """A call of one API process (a tuple: one is made a request, and hashed in C)."""
+
     peer: bytes
     id: int
 
