@@ -13,6 +13,11 @@ and keeps the median.
 
     python bench/engine.py                  # ~20 s
     python bench/engine.py --quick
+    python bench/engine.py --landed-src ../wt-landed/src --reps 4   # A B A B beside it
+
+With `--landed-src`, each repetition runs this tree's engine and then the other tree's
+(each in a fresh process, the shapes `--requests x --items` in turn), and the ratios
+here / landed of the engine time per forward are reported with their spread.
 """
 
 from __future__ import annotations
@@ -20,7 +25,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Hashable, Sequence
 from pathlib import Path
@@ -79,7 +88,49 @@ async def run(args: argparse.Namespace) -> Json:
             "spread": {k: benchlib.spread([r[k] for r in runs]) for k in keys[:2]}}
 
 
+SHAPES = ((256, 16), (4096, 1))  # requests x items: a deep queue, and one item a request
+
+
+def compare(args: argparse.Namespace) -> Json:
+    """Interleaved runs of this tree and `args.landed_src`, each shape in a fresh process."""
+    rows: dict[str, dict[str, list[float]]] = {}
+    for _ in range(args.reps):
+        for requests, items in SHAPES:
+            shape = f"{requests}x{items}"
+            for variant, src in (("here", None), ("landed", str(args.landed_src))):
+                rows.setdefault(shape, {}).setdefault(variant, []).append(
+                    one_run(requests, items, args.bursts, src))
+    shapes = {}
+    for shape, runs in rows.items():
+        ratios = [a / b for a, b in zip(runs["here"], runs["landed"], strict=True)]
+        shapes[shape] = {"ms_per_forward": runs, "ratio": benchlib.median(ratios),
+                         "ratio_spread": benchlib.spread(ratios),
+                         "median": {k: benchlib.median(v) for k, v in runs.items()}}
+    return {"landed_src": str(args.landed_src), "reps": args.reps, "shapes": shapes}
+
+
+def one_run(requests: int, items: int, bursts: int, src: str | None) -> float:
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        subprocess.run([sys.executable, __file__, "--requests", str(requests), "--items",
+                        str(items), "--bursts", str(bursts), "--out", str(out)],
+                       env=env, check=True, capture_output=True, timeout=300)
+        return float(json.loads(out.read_text())["median"]["ms_per_forward"])
+
+
+def compare_markdown(data: Json) -> str:
+    rows = [[shape, d["median"]["here"], d["median"]["landed"], d["ratio"],
+             benchlib.fmt_spread(d["ratio_spread"])] for shape, d in data["shapes"].items()]
+    return benchlib.table(["requests x items", "engine ms / forward", "landed ms / forward",
+                           "here / landed", "spread"], rows)
+
+
 def markdown(data: Json) -> str:
+    if "shapes" in data:
+        return compare_markdown(data)
     med = data["median"]
     return benchlib.table(
         ["queued items", "forwards", "engine ms / forward", "us / item", "spread (ms/fwd)"],
@@ -94,12 +145,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--items", type=int, default=16)
     parser.add_argument("--bursts", type=int, default=None, help="bursts a run (default 15)")
+    parser.add_argument("--landed-src", type=Path, default=None,
+                        help="another tree's src/: run it beside this one, interleaved")
     args = parser.parse_args(argv)
     if args.report is not None:
         print(markdown(benchlib.read_json(args.report)))
         return 0
     args.bursts = args.bursts or (3 if args.quick else 15)
     began = time.perf_counter()
+    if args.landed_src is not None:
+        benchlib.resolve_reps(args, 4)
+        data = {"meta": benchlib.meta(sys.argv), **compare(args)}
+        return benchlib.finish(args.out, data, began, compare_markdown(data), "engine")
     import uvloop
 
     data = {"meta": benchlib.meta(sys.argv), **uvloop.run(run(args))}

@@ -134,15 +134,6 @@ class _Group:
         self.keys: list[int] = []  # buckets with a queued item, ascending
         self.cursor = 0  # the sweep: the next batch starts at the first bucket >= this
 
-    def add(self, pending: PendingItem) -> None:
-        key = cost_bucket(pending.item.cost)
-        count = self.live.get(key, 0)
-        if count == 0:
-            self.buckets[key] = deque()
-            bisect.insort(self.keys, key)
-        self.buckets[key].append(pending)
-        self.live[key] = count + 1
-
     def forget(self, key: int, count: int = 1) -> None:
         """Bookkeeping for `count` items that left bucket `key` (taken or dropped)."""
         left = self.live[key] - count
@@ -204,11 +195,18 @@ class BatchFormer:
 
     def add(self, items: list[PendingItem]) -> None:
         groups, owners = self._groups, self._per_owner
-        for pending in items:
+        for pending in items:  # _Group.add, inlined: this loop runs once for every item
             group = groups.get(pending.group)
             if group is None:
                 group = groups[pending.group] = _Group()
-            group.add(pending)
+            cost = pending.item.cost
+            key = _BUCKETS[cost] if 0 <= cost < TABLED_COSTS else _cost_bucket(cost)
+            count = group.live.get(key, 0)
+            if count == 0:
+                group.buckets[key] = deque()
+                bisect.insort(group.keys, key)
+            group.buckets[key].append(pending)
+            group.live[key] = count + 1
             owners[pending.owner] = owners.get(pending.owner, 0) + 1
         self._arrivals.extend(items)
         self._count += len(items)
