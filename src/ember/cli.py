@@ -15,6 +15,7 @@ from pathlib import Path
 from ember import __version__, hub
 from ember.config import (
     DEFAULT_MODEL,
+    SPINNING,
     CatalogError,
     ModelSpec,
     RaySettings,
@@ -23,6 +24,7 @@ from ember.config import (
     hub_wanted,
     load_catalog,
     resolve_source,
+    spinning_mode,
 )
 from ember.engine import WorkerConfig
 from ember.logs import FORMATS, LEVELS
@@ -116,8 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
          choices=["torch", "onnx"])
     flag("cache-dir", str, None, "folder for ONNX exports (default ~/.cache/ember)")
     flag("onnx-threads", int, None, "ONNX Runtime intra-op threads (default: every core)")
-    flag("onnx-spinning", bool, False, "let ONNX Runtime's threads spin-wait between "
-         "forwards (off: spinning takes the core the front end needs)")
+    flag("onnx-spinning", str, "forward", "when ONNX Runtime's threads spin-wait: 'forward' "
+         "(within a forward, then they sleep), 'on' (also between forwards, which takes "
+         "the cores the front end needs) or 'off' (never; each step of a forward wakes "
+         "them); the flag alone means 'on'", choices=list(SPINNING), nargs="?", const="on")
     for name, kind, default, text in WORKER_FLAGS:
         flag(name, kind, default, text)
     flag("max-items-per-request", int, 2048, "items in one request before 413 (OpenAI's "
@@ -193,7 +197,8 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         preload=_list(args.preload, ","), default_model=args.default_model,
         device=args.device, torch_threads=args.torch_threads, backend=args.backend,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-        onnx_threads=args.onnx_threads, onnx_spinning=args.onnx_spinning, worker=worker,
+        onnx_threads=args.onnx_threads, onnx_spinning=spinning_mode(args.onnx_spinning),
+        worker=worker,
         max_items_per_request=args.max_items_per_request, max_body_bytes=args.max_body_bytes,
         max_images_per_request=args.max_images_per_request,
         request_timeout_s=args.request_timeout_s, max_loaded_models=args.max_loaded_models,
@@ -380,6 +385,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"ember: {name} must be one of {', '.join(allowed)}, not {value!r}",
                       file=sys.stderr)
                 return 2
+        try:
+            spinning_mode(args.onnx_spinning)
+        except ValueError as exc:
+            print(f"ember: {exc}", file=sys.stderr)
+            return 2
         return serve(settings_from(args))
     except CatalogError as exc:
         print(f"ember: {exc}", file=sys.stderr)

@@ -32,6 +32,22 @@ DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 Backend = Literal["torch", "onnx"]
 BACKENDS: tuple[Backend, ...] = ("torch", "onnx")
 QUANTIZE = ("int8",)  # dynamic quantization, onnx backend only
+# When ONNX Runtime's threads spin-wait: never, within a forward only, or also between
+# forwards (ONNX Runtime's own default).
+Spinning = Literal["off", "forward", "on"]
+SPINNING: tuple[Spinning, ...] = ("off", "forward", "on")
+
+
+def spinning_mode(value: str | bool) -> Spinning:
+    """A spinning mode from a flag or a variable; yes/no words read as on/off."""
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return "on"
+    if text in ("0", "false", "no", "off"):
+        return "off"
+    if text == "forward":
+        return "forward"
+    raise ValueError(f"onnx spinning {value!r} is not one of {list(SPINNING)}")
 
 
 class CatalogError(ValueError):
@@ -380,8 +396,8 @@ class ServerSettings:
     torch_threads: int | None = None  # None: all cores but one
     backend: Backend = "onnx"
     cache_dir: Path | None = None  # None: $EMBER_CACHE_DIR, else ~/.cache/ember
-    onnx_threads: int | None = None  # None: all cores but one
-    onnx_spinning: bool = False
+    onnx_threads: int | None = None  # None: every core
+    onnx_spinning: Spinning = "forward"
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     max_items_per_request: int = 2048  # OpenAI's own limit; the engine splits into forwards
     max_body_bytes: int = 16 * 1024 * 1024

@@ -19,6 +19,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from ember.engine import BatchRecord, RequestRecord
+from ember.engine.stats import GAP_CAUSES, GAP_FLOOR_S, IdleGap
 from ember.registry import LoadedModel, Registry
 
 SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10,
@@ -114,6 +115,13 @@ class Metrics:
         self.dropped_items = Counter("ember_dropped_items", "Queued items dropped before a "
                                      "forward (caller gone or request failed)", ["model"],
                                      registry=reg)
+        self.idle_gap_seconds = Counter("ember_device_idle_gap_seconds", "Seconds a model's "
+                                        "device was idle while its work waited, by cause: "
+                                        "hold, formation, wakeup", ["model", "cause"],
+                                        registry=reg)
+        self.idle_gap_count = Counter("ember_device_idle_gap_count", "Idle gaps (of at "
+                                      "least 0.1 ms) before a forward, by cause",
+                                      ["model", "cause"], registry=reg)
         self.rejections = Counter("ember_rejections", "Requests refused, by reason",
                                   ["reason"], registry=reg)
         self.loads = Counter("ember_model_loads", "Model loads", ["model"], registry=reg)
@@ -167,8 +175,18 @@ class Metrics:
             observe_all(queue, [r.queue_ms / 1e3 for r in records])
             observe_all(inference, [r.inference_ms / 1e3 for r in records])
 
+        gap_seconds = {c: self.idle_gap_seconds.labels(name, c) for c in GAP_CAUSES}
+        gap_count = {c: self.idle_gap_count.labels(name, c) for c in GAP_CAUSES}
+
+        def on_gap(gap: IdleGap) -> None:
+            for cause, seconds in gap.by_cause().items():
+                gap_seconds[cause].inc(seconds)
+                if seconds >= GAP_FLOOR_S:
+                    gap_count[cause].inc()
+
         stats = model.worker.stats
         stats.batch_listeners.append(on_batch)
+        stats.gap_listeners.append(on_gap)
         stats.request_listeners.append(on_requests)
         stats.drop_listeners.append(dropped.inc)
 

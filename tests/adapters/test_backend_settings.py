@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from ember.adapters._backend import choose_backend
+from ember.adapters._onnx import session_options
 from ember.adapters.base import Runtime, default_onnx_threads, default_threads, usable_cores
-from ember.cli import build_parser, settings_from
-from ember.config import CatalogError, ModelSpec, Source, parse_spec
+from ember.cli import build_parser, main, settings_from
+from ember.config import CatalogError, ModelSpec, Source, Spinning, parse_spec
 from ember.errors import ModelLoadError
 
 BASE = {"name": "me/model", "adapter": "transformer", "source": {"path": "/m"},
@@ -37,15 +38,39 @@ def test_flags_and_variables_make_the_runtime(monkeypatch: pytest.MonkeyPatch,
         monkeypatch.delenv(name, raising=False)
     default = Runtime.from_settings(settings_from(build_parser().parse_args(["serve"])))
     assert default == Runtime()
-    assert default.backend == "onnx" and not default.onnx_spinning
+    assert default.backend == "onnx" and default.onnx_spinning == "forward"
     flags = ["serve", "--backend", "torch", "--cache-dir", str(tmp_path), "--onnx-threads",
              "3", "--onnx-spinning", "--torch-threads", "2"]
     runtime = Runtime.from_settings(settings_from(build_parser().parse_args(flags)))
-    assert runtime == Runtime("cpu", 2, "torch", tmp_path, 3, True)
+    assert runtime == Runtime("cpu", 2, "torch", tmp_path, 3, "on")
+    off = settings_from(build_parser().parse_args(["serve", "--onnx-spinning", "off"]))
+    assert off.onnx_spinning == "off"
     monkeypatch.setenv("EMBER_BACKEND", "torch")
-    monkeypatch.setenv("EMBER_ONNX_SPINNING", "1")
+    monkeypatch.setenv("EMBER_ONNX_SPINNING", "1")  # yes/no words, as before
     from_env = settings_from(build_parser().parse_args(["serve"]))
-    assert from_env.backend == "torch" and from_env.onnx_spinning
+    assert from_env.backend == "torch" and from_env.onnx_spinning == "on"
+    monkeypatch.setenv("EMBER_ONNX_SPINNING", "no")
+    assert settings_from(build_parser().parse_args(["serve"])).onnx_spinning == "off"
+
+
+def test_a_bad_spinning_mode_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--onnx-spinning", "sometimes"])
+    assert "invalid choice: 'sometimes'" in capsys.readouterr().err
+    monkeypatch.setenv("EMBER_ONNX_SPINNING", "sometimes")
+    assert main(["serve"]) == 2
+    assert "onnx spinning 'sometimes'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("mode", "spinning", "stop"), [
+    ("off", "0", "0"), ("forward", "1", "1"), ("on", "1", "0")])
+def test_each_spinning_mode_sets_the_session_options(mode: Spinning, spinning: str,
+                                                     stop: str) -> None:
+    options = session_options(Runtime(onnx_spinning=mode, onnx_threads=2))
+    assert options.intra_op_num_threads == 2
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == spinning
+    assert options.get_session_config_entry("session.force_spinning_stop") == stop
 
 
 def test_a_bad_backend_flag_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

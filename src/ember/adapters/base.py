@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ember.config import Backend
+from ember.config import Backend, Spinning
 from ember.engine.types import PreparedItem, RequestResult
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ class Runtime:
     backend: Backend = "onnx"
     cache_dir: Path | None = None  # None: $EMBER_CACHE_DIR, else ~/.cache/ember
     onnx_threads: int | None = None  # None: default_onnx_threads()
-    onnx_spinning: bool = False
+    onnx_spinning: Spinning = "forward"
 
     @property
     def half(self) -> bool:

@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 HISTORY = 10_000  # recent records kept for inspection; totals are never trimmed
+GAP_CAUSES = ("hold", "formation", "wakeup")
+GAP_FLOOR_S = 1e-4  # a cause's share under this is not counted as a gap (still summed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +25,23 @@ class BatchRecord:
     ended: float = 0.0
     real_tokens: int = 0  # the items' own costs, before padding
     dispatched: float = 0.0  # released with the device free; started - dispatched: hand-off
+    oldest_arrival: float = 0.0  # the batch's oldest item reached the worker
+    hold_until: float = 0.0  # the policy may hold the next batch until then (R4's hold)
+
+
+@dataclass(frozen=True, slots=True)
+class IdleGap:
+    """Before one forward: seconds the device was idle while its items waited, by cause.
+    `hold`: within the hold the policy may keep after the last forward (R4); `formation`:
+    the rest until the batch was released (an idle burst's window, R3c, or the loop's
+    turn to form and release it); `wakeup`: release to the forward thread's start."""
+
+    hold: float
+    formation: float
+    wakeup: float
+
+    def by_cause(self) -> dict[str, float]:
+        return {"hold": self.hold, "formation": self.formation, "wakeup": self.wakeup}
 
 
 @dataclass(slots=True)  # not frozen: one is made a request, and frozen init costs 3x
@@ -41,6 +60,7 @@ class RequestRecord:
 
 
 BatchListener = Callable[[BatchRecord], None]
+GapListener = Callable[[IdleGap], None]
 RequestListener = Callable[[Sequence[RequestRecord]], None]  # the requests one forward ended
 
 
@@ -55,6 +75,12 @@ class WorkerStats:
     batch_listeners: list[BatchListener] = field(default_factory=list)
     request_listeners: list[RequestListener] = field(default_factory=list)
     drop_listeners: list[Callable[[int], None]] = field(default_factory=list)
+    gap_listeners: list[GapListener] = field(default_factory=list)
+    # Device idle while work waited: seconds and gaps (share >= GAP_FLOOR_S), by cause.
+    idle_gap_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(GAP_CAUSES, 0.0))
+    idle_gaps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GAP_CAUSES, 0))
+    _device_free: float = 0.0  # the last forward's end
+    _hold_until: float = 0.0
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -82,8 +108,26 @@ class WorkerStats:
         self.items += record.items
         self.failed_batches += record.failed
         self.recent_batches.append(record)
+        gap = self.idle_gap(record)
+        self._device_free, self._hold_until = record.ended, record.hold_until
+        if gap is not None:
+            for cause, seconds in gap.by_cause().items():
+                self.idle_gap_s[cause] += seconds
+                self.idle_gaps[cause] += seconds >= GAP_FLOOR_S
+            for gap_listener in self.gap_listeners:
+                gap_listener(gap)
         for listener in self.batch_listeners:
             listener(record)
+
+    def idle_gap(self, record: BatchRecord) -> IdleGap | None:
+        """The device idle before `record`'s forward while its items waited (records come
+        in order, so the last one's end is when the device became free); None if none."""
+        waiting = max(self._device_free, record.oldest_arrival)
+        if record.oldest_arrival <= 0.0 or record.started <= waiting:
+            return None
+        released = min(max(record.dispatched, waiting), record.started)
+        hold = max(0.0, min(released, self._hold_until) - waiting)
+        return IdleGap(hold, released - waiting - hold, record.started - released)
 
     def record_requests(self, records: Sequence[RequestRecord]) -> None:
         self.recent_requests.extend(records)

@@ -432,11 +432,14 @@ class ModelWorker:
             log.debug("%s: forward started=%.6f ended=%.6f items=%d requests=%d padded=%d "
                       "senders_return=%s", self.name, forward.started, forward.ended,
                       len(batch.items), len(requests), batch.padded_tokens, lane.senders_return)
+        held = self.policy.hold_s(len(requests), elapsed) if lane.senders_return else 0.0
         self.stats.record_batch(BatchRecord(len(batch.items), len(requests),
                                             batch.padded_tokens, batch.lora, elapsed * 1000,
                                             forward.error is not None, forward.started,
                                             forward.ended, batch.real_tokens,
-                                            forward.dispatched))
+                                            forward.dispatched,  # idle gaps: stats.py
+                                            min(p.arrival for p in batch.items),
+                                            forward.ended + held))
         if forward.error is None:
             for pending, value in zip(batch.items, forward.values, strict=True):
                 owner: _Request = pending.owner  # type: ignore[assignment]
