@@ -80,13 +80,13 @@ class EarlierIdleRule(DispatchPolicy):
 
     def idle_release_at(self, queue: QueueView) -> float:
         cfg = self.config
-        return min(queue.last_arrival + cfg.idle_coalesce_ms / 1000,
-                   queue.oldest_arrival + cfg.max_batch_wait_ms / 1000)
+        return min(queue.last_arrival + cfg.coalesce_ms / 1000,
+                   queue.oldest_arrival + cfg.batch_wait_ms / 1000)
 
 
 def starvation_s(config: WorkerConfig) -> float:
     """The earlier R5's starvation bound, its default: 4 x `max_batch_wait_ms`."""
-    return 4 * config.max_batch_wait_ms / 1000
+    return 4 * config.batch_wait_ms / 1000
 
 
 class EarlierFormation(BatchFormer):
@@ -94,7 +94,7 @@ class EarlierFormation(BatchFormer):
     `starvation_ms`; then it leads and the rest packs around its length."""
 
     def __init__(self, config: WorkerConfig, now: Callable[[], float] = time.perf_counter) -> None:
-        super().__init__(config.max_batch_tokens, config.max_batch_items, config.max_padding)
+        super().__init__(config.max_batch_tokens, config.max_batch_items, config.padding)
         self.starvation_s, self.now = starvation_s(config), now
 
     def form(self, lora: str | None = None) -> Batch | None:

@@ -184,7 +184,7 @@ class BatchFormer:
 
     @classmethod
     def for_config(cls, config: WorkerConfig) -> BatchFormer:
-        return cls(config.max_batch_tokens, config.max_batch_items, config.max_padding)
+        return cls(config.max_batch_tokens, config.max_batch_items, config.padding)
 
     @property
     def pending_items(self) -> int:
