@@ -20,7 +20,8 @@ Neither window ever exceeds the fixed defaults, and a window set by hand stays.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from ember.engine.config import (
     FIXED_IDLE_COALESCE_MS,
@@ -171,3 +172,15 @@ class DispatchPolicy:
             quiet_s = min(quiet_s, QUIET_OF_GAPS * gap_s)  # the burst's own pace
         return min(queue.last_arrival + quiet_s,
                    queue.oldest_arrival + windows.max_batch_wait_ms / 1000)
+
+    def describe(self) -> dict[str, Any]:
+        """The learned cost model and the windows in use, as plain values (for
+        `GET /v1/models/{id}` and `/metrics`; they cross the engine's wire as they are)."""
+
+        def of(lora: str | None) -> dict[str, Any]:
+            cost = self.cost(lora)
+            return {"windows": asdict(self.windows(lora)),
+                    "cost": asdict(cost) if cost is not None else None}
+
+        return {"dispatch": self.config.dispatch, **of(None),
+                "loras": {lora: of(lora) for lora in self.loras() if lora is not None}}
