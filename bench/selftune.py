@@ -24,7 +24,13 @@ the default's throughput is >= 0.95 x that point's and its p50 <= 1.1 x.
     python bench/selftune.py                          # every device, ~15 min on 2 cores
     python bench/selftune.py --devices gpu,fast       # some devices
     python bench/selftune.py --quick                  # a smoke run
+    python bench/selftune.py --http                   # over HTTP: a subset, ~3 min
     python bench/selftune.py --report docs/bench/selftune.json
+
+`--http` serves the GPU-like synthetic model and the real model from one `ember
+serve`, each under the default and under a few grid points (catalog entries that
+differ only in their `batching:`), and runs closed loops of one-text requests at 8
+and 32 in flight against each, interleaved.
 """
 
 from __future__ import annotations
@@ -319,6 +325,126 @@ def markdown(data: Json) -> str:
         benchlib.table(["device", "sequential queue p50 ms", "p99 ms"], seq)])
 
 
+HTTP_MODELS = {"gpu": "ember/synthetic", "onnx": REAL_MODEL}
+HTTP_POINTS = ("w0.5/p0", "w2/p1.05", "w10/p1.05")
+HTTP_PLAN = loadgen.Plan(sequential=100, warmup_s=0.3, closed_s=1.5)
+
+
+def http_catalog(folder: Path, points: Sequence[str]) -> dict[str, dict[str, str]]:
+    """Catalog entries serving each model under each grid point: name by model, variant."""
+    import yaml
+
+    from ember.config import BUILTIN_CATALOG
+
+    sources = {yaml.safe_load(p.read_text(encoding="utf-8")).get("name"): p
+               for p in sorted(BUILTIN_CATALOG.glob("*.yaml"))}
+    names: dict[str, dict[str, str]] = {}
+    for device, model in HTTP_MODELS.items():
+        base = yaml.safe_load(sources[model].read_text(encoding="utf-8"))
+        names[device] = {"auto": model}
+        for point in points:
+            config = GRID[point]
+            name = f"bench/{point.replace('/', '-')}/{model.rsplit('/', 1)[-1]}"
+            entry = {**base, "name": name, "batching": {
+                "max_batch_wait_ms": config.max_batch_wait_ms,
+                "max_padding": config.max_padding}}
+            (folder / f"{device}-{point.replace('/', '-')}.yaml").write_text(
+                yaml.safe_dump(entry), encoding="utf-8")
+            names[device][point] = name
+    return names
+
+
+async def http_loads(base: str, names: dict[str, dict[str, str]], reps: int,
+                     plan: loadgen.Plan) -> Json:
+    payloads = loadgen.encode_bodies("short", 256)
+    out: Json = {d: {f"closed_c{c}": {v: [] for v in variants} for c in (8, 32)}
+                 for d, variants in names.items()}
+    sequential: Json = {d: [] for d in names}
+    async with loadgen.client_session(40) as session:
+        for variants in names.values():  # warm each model up, and let it learn its device
+            for model in variants.values():
+                for body in payloads[:40]:
+                    await loadgen.post(session, f"{base}/v1/encode/{model}", body)
+        for rep in range(reps):
+            for device, variants in names.items():
+                sequential[device].append(await loadgen.sequential(
+                    session, f"{base}/v1/encode/{variants['auto']}", payloads,
+                    plan.sequential))
+                for clients in (8, 32):
+                    order = list(variants) if rep % 2 == 0 else list(variants)[::-1]
+                    for variant in order:
+                        run = await loadgen.closed_loop(
+                            session, f"{base}/v1/encode/{variants[variant]}", payloads,
+                            clients, plan.warmup_s, plan.closed_s)
+                        summary = run.summary()
+                        out[device][f"closed_c{clients}"][variant].append(
+                            {"throughput": summary["requests_per_s"],
+                             "latency_p50_ms": summary["latency_p50_ms"],
+                             "latency_p99_ms": summary["latency_p99_ms"]})
+            print(f"[selftune] http: repetition {rep + 1}/{reps}", file=sys.stderr, flush=True)
+    return {"cells": {d: {cell: {"runs": runs, "verdict": http_verdict(runs)}
+                          for cell, runs in cells.items()} for d, cells in out.items()},
+            "sequential": sequential}
+
+
+def http_verdict(runs: dict[str, list[Json]]) -> Json:
+    med = {v: {k: benchlib.median(r[k] for r in rs) for k in ("throughput", "latency_p50_ms")}
+           for v, rs in runs.items()}
+    points = [v for v in runs if v != "auto"]
+    top = max(med[g]["throughput"] for g in points)
+    best = min((g for g in points if med[g]["throughput"] >= 0.98 * top),
+               key=lambda g: med[g]["latency_p50_ms"])
+    pairs = list(zip(runs["auto"], runs[best], strict=True))
+    tput = med["auto"]["throughput"] / med[best]["throughput"]
+    p50 = med["auto"]["latency_p50_ms"] / med[best]["latency_p50_ms"]
+    return {"best": best, "median": med, "throughput_ratio": tput, "p50_ratio": p50,
+            "throughput_ratio_reps": benchlib.spread(
+                [a["throughput"] / b["throughput"] for a, b in pairs]),
+            "p50_ratio_reps": benchlib.spread(
+                [a["latency_p50_ms"] / b["latency_p50_ms"] for a, b in pairs]),
+            "met": bool(tput >= 0.95 and p50 <= 1.1)}
+
+
+def run_http(args: argparse.Namespace, began: float) -> Json:
+    import tempfile
+
+    import uvloop
+
+    plan = loadgen.Plan(5, 0.05, 0.2) if args.quick else HTTP_PLAN
+    data: Json = {"meta": benchlib.meta(sys.argv), "settings": {
+        "reps": args.reps, "points": list(args.points), "plan": asdict(plan),
+        "models": HTTP_MODELS}}
+    with tempfile.TemporaryDirectory(prefix="ember-selftune-") as tmp:
+        folder = Path(tmp)
+        names = http_catalog(folder, args.points)
+        serve = ["--model-dir", str(folder), "--max-loaded-models", "16"]
+        for variants in names.values():
+            for name in variants.values():
+                serve += ["--preload", name]
+        with loadgen.Server(serve, folder / "server.log") as server:
+            data["server_ready_s"] = server.wait_ready()
+            data["http"] = uvloop.run(http_loads(server.url, names, args.reps, plan))
+    return data
+
+
+def http_markdown(data: Json) -> str:
+    rows = []
+    for device, cells in data["http"]["cells"].items():
+        for cell, entry in cells.items():
+            v = entry["verdict"]
+            auto = v["median"]["auto"]
+            rows.append([device, cell, v["best"], auto["throughput"], auto["latency_p50_ms"],
+                         f"{v['throughput_ratio']:.3f} ({fmt_spread(v['throughput_ratio_reps'])})",
+                         f"{v['p50_ratio']:.3f} ({fmt_spread(v['p50_ratio_reps'])})",
+                         "yes" if v["met"] else "no"])
+    seq = [[d, benchlib.median(r["queue_p50_ms"] for r in runs)]
+           for d, runs in data["http"]["sequential"].items()]
+    return "\n\n".join([
+        benchlib.table(["model", "load", "best point", "default req/s", "default p50 ms",
+                        "default / best throughput", "default / best p50", "met"], rows),
+        benchlib.table(["model", "sequential queue p50 ms (X-Queue-Time-Ms)"], seq)])
+
+
 async def run(args: argparse.Namespace, began: float) -> Json:
     plans = QUICK if args.quick else PLANS
     data: Json = {"meta": benchlib.meta(sys.argv), "settings": {
@@ -340,12 +466,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         default=["gpu", "fast", "cpu", "onnx"])
     parser.add_argument("--cells", type=lambda s: s.split(","), default=None,
                         help="loads to run (closed, open, mixed, or a cell's name)")
+    parser.add_argument("--http", action="store_true", help="the HTTP subset instead")
+    parser.add_argument("--points", type=lambda s: s.split(","), default=list(HTTP_POINTS),
+                        help="with --http, the grid points to serve beside the default")
     args = parser.parse_args(argv)
     if args.report is not None:
-        print(markdown(benchlib.read_json(args.report)))
+        data = benchlib.read_json(args.report)
+        print(http_markdown(data) if "http" in data else markdown(data))
         return 0
     benchlib.resolve_reps(args, 3)
     began = time.perf_counter()
+    if args.http:
+        data = run_http(args, began)
+        return benchlib.finish(args.out, data, began, http_markdown(data), "selftune")
     import uvloop
 
     data = uvloop.run(run(args, began))
