@@ -87,7 +87,7 @@ class Plan:
 
 
 PLANS = {"gpu": Plan(0.15, 0.5, 32), "fast": Plan(0.15, 0.5, 32),
-         "cpu": Plan(0.4, 1.2, 8), "onnx": Plan(0.3, 1.0, 32)}
+         "cpu": Plan(0.3, 0.9, 8), "onnx": Plan(0.3, 1.0, 32)}
 QUICK = {name: Plan(0.05, 0.1, plan.mixed_clients) for name, plan in PLANS.items()}
 Request = tuple[list[PreparedItem], Hashable]
 
