@@ -154,12 +154,12 @@ async def test_the_worker_feeds_its_forwards_to_the_policy() -> None:
     worker = ModelWorker(adapter, WorkerConfig())
     await worker.start()
     try:
-        for i in range(24):  # the first fit at 8 forwards, refits at 24, 40, ...
+        for i in range(40):  # the first fit at 8 forwards, refits at 40, 72, ...
             await (await worker.submit([PreparedItem(f"text {i}", 8 + i, 0)], "p"))
     finally:
         await worker.stop()
     cost = worker.policy.cost()
-    assert cost is not None and cost.forwards == 24
+    assert cost is not None and cost.forwards == 40
     assert 0.8 <= cost.fixed_ms <= 50  # a 1 ms sleep, plus the thread's scheduling
     windows = worker.policy.windows()
     assert windows.learned and windows.max_padding == 0  # no cost per token at all

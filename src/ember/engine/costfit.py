@@ -1,9 +1,10 @@
 """The device's cost per forward, learned online: `fixed + per_token x padded tokens`.
 
 A ring of the last WINDOW forwards is refitted every REFIT_EVERY forwards (O(1)
-amortised per forward). The slope is Theil-Sen's (the median of the slopes between
-pairs of forwards), the fixed part the median of what the slope leaves: up to ~29 %
-outliers (a collector pause, a page fault) move neither, and a device that drifts
+amortised per forward, ~1 us). The slope is Tukey's resistant line: the forwards split
+into thirds by padded tokens, and the slope joins the medians of the outer thirds; the
+fixed part is the median of what the slope leaves. Outliers (a collector pause, a page
+fault) move neither unless they are a large part of a third, and a device that drifts
 (clocks, thermal limits, another tenant) is followed within one window.
 """
 
@@ -15,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 WINDOW = 128  # recent forwards a fit reads
-REFIT_EVERY = 16
+REFIT_EVERY = 32
 MIN_FORWARDS = 8  # until this many forwards, there is no estimate
 # Below this spread of padded tokens (largest / smallest) a slope is noise: the last one
 # found (or 0) stays, and only the fixed part is refitted.
@@ -53,9 +54,10 @@ class CostFit:
         if not 2 <= min_forwards <= window or refit_every < 1:
             raise ValueError("need 2 <= min_forwards <= window and refit_every >= 1")
         self.window, self.refit_every, self.min_forwards = window, refit_every, min_forwards
-        self._padded = np.zeros(window)
-        self._real = np.zeros(window)
-        self._seconds = np.zeros(window)
+        # Plain lists: a slot's write costs ~50 ns; the fit reads them into arrays.
+        self._padded = [0.0] * window
+        self._real = [0.0] * window
+        self._seconds = [0.0] * window
         self._next = 0  # ring position of the next forward
         self.seen = 0  # forwards observed, ever
         self._since_fit = 0
@@ -64,7 +66,7 @@ class CostFit:
 
     def observe(self, padded_tokens: int, real_tokens: int, seconds: float) -> bool:
         """Record one forward; return True when the estimate was refitted."""
-        if padded_tokens < 1 or not 0 < seconds < 3600 or not np.isfinite(seconds):
+        if padded_tokens < 1 or not 0 < seconds < 3600:  # NaN fails the comparison too
             return False  # an empty or impossible forward says nothing about the device
         slot = self._next
         self._padded[slot], self._real[slot], self._seconds[slot] = (
@@ -82,20 +84,22 @@ class CostFit:
         return True
 
     def _fit(self, count: int) -> CostEstimate:
-        x, y = self._padded[:count], self._seconds[:count]
+        x, y = np.array(self._padded[:count]), np.array(self._seconds[:count])
         if x.max() >= MIN_SPREAD * x.min():
-            self._slope_s = max(0.0, theil_sen_slope(x, y))
+            self._slope_s = max(0.0, resistant_slope(x, y))
         fixed = max(0.0, float(np.median(y - self._slope_s * x)))
         return CostEstimate(fixed_ms=fixed * 1000, per_token_us=self._slope_s * 1e6,
                             forwards=count, real_tokens=float(np.median(self._real[:count])),
                             forward_ms=float(np.median(y)) * 1000)
 
 
-def theil_sen_slope(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> float:
-    """The median slope over all pairs of points whose x differ (0 if none do)."""
-    dx = x[:, None] - x[None, :]
-    dy = y[:, None] - y[None, :]
-    upper = dx > 0
-    if not upper.any():
+def resistant_slope(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> float:
+    """Tukey's resistant line's slope: through the medians of the lowest and the highest
+    third of the points by x (0 when those medians share an x)."""
+    order = np.argsort(x, kind="stable")
+    third = max(1, len(order) // 3)
+    low, high = order[:third], order[-third:]
+    run = float(np.median(x[high]) - np.median(x[low]))
+    if run <= 0:
         return 0.0
-    return float(np.median(dy[upper] / dx[upper]))
+    return float(np.median(y[high]) - np.median(y[low])) / run

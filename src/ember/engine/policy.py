@@ -92,8 +92,7 @@ class DispatchPolicy:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.fixed = derive_windows(config, None)
-        self._model_fit = CostFit()  # every forward of the model
-        self._lora_fits: dict[str | None, CostFit] = {}  # each LoRA's own forwards
+        self._fits: dict[str | None, CostFit] = {}  # each LoRA's forwards; None: the base
         self._windows: dict[str | None, Windows] = {}
 
     # -- the cost model and the windows it gives -----------------------------------
@@ -103,20 +102,19 @@ class DispatchPolicy:
         """One forward ran on `lora`: learn from it (auto dispatch only)."""
         if self.config.dispatch == "fixed":
             return
-        lora_fit = self._lora_fits.get(lora)
-        if lora_fit is None:
-            lora_fit = self._lora_fits[lora] = CostFit()
-        model_changed = self._model_fit.observe(padded_tokens, real_tokens, seconds)
-        if lora_fit.observe(padded_tokens, real_tokens, seconds) or model_changed:
+        fit = self._fits.get(lora)
+        if fit is None:
+            fit = self._fits[lora] = CostFit()
+        if fit.observe(padded_tokens, real_tokens, seconds):
             self._windows.clear()  # derived again on the next ask: O(1) amortised
 
     def cost(self, lora: str | None = None) -> CostEstimate | None:
         """The estimate the windows of `lora` come from: its own once it has enough
-        forwards (a LoRA may cost more), else the model's."""
-        fit = self._lora_fits.get(lora)
-        if fit is not None and fit.estimate is not None:
-            return fit.estimate
-        return self._model_fit.estimate
+        forwards (a LoRA may cost more than the base), else the base model's, else any."""
+        for fit in (self._fits.get(lora), self._fits.get(None), *self._fits.values()):
+            if fit is not None and fit.estimate is not None:
+                return fit.estimate
+        return None
 
     def windows(self, lora: str | None = None) -> Windows:
         windows = self._windows.get(lora)
@@ -126,7 +124,7 @@ class DispatchPolicy:
 
     def loras(self) -> list[str | None]:
         """The LoRAs seen so far (None: the base model)."""
-        return list(self._lora_fits)
+        return list(self._fits)
 
     # -- the rules ----------------------------------------------------------------------
 
