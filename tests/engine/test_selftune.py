@@ -18,7 +18,7 @@ def feed(fit: CostFit, fixed_ms: float, per_token_us: float, forwards: int,
     for _ in range(forwards):
         padded = int(rng.integers(13, 1000))
         seconds = (fixed_ms + per_token_us * padded / 1000) / 1000
-        fit.observe(padded, padded, seconds * (1 + rng.normal(0, noise)))
+        fit.observe(padded, padded, 8, seconds * (1 + rng.normal(0, noise)))
 
 
 @pytest.mark.parametrize(("fixed_ms", "per_token_us"),
@@ -41,7 +41,7 @@ def test_fit_ignores_outliers() -> None:
         seconds = (2.0 + 0.5 * padded / 1000) / 1000
         if i % 5 == 0:  # every fifth forward hit a pause 10-50x its length
             seconds *= float(rng.uniform(10, 50))
-        fit.observe(padded, padded, seconds)
+        fit.observe(padded, padded, 8, seconds)
     estimate = fit.estimate
     assert estimate is not None
     assert estimate.fixed_ms == pytest.approx(2.0, rel=0.1)
@@ -62,17 +62,17 @@ def test_fit_follows_drift_within_a_window() -> None:
 def test_fit_waits_for_a_few_forwards_and_refits_in_steps() -> None:
     fit = CostFit()
     for _ in range(fit.min_forwards - 1):
-        assert not fit.observe(100, 100, 0.002)
+        assert not fit.observe(100, 100, 4, 0.002)
     assert fit.estimate is None
-    assert fit.observe(100, 100, 0.002)  # the first estimate
-    refits = sum(fit.observe(100, 100, 0.002) for _ in range(10 * fit.refit_every))
+    assert fit.observe(100, 100, 4, 0.002)  # the first estimate
+    refits = sum(fit.observe(100, 100, 4, 0.002) for _ in range(10 * fit.refit_every))
     assert refits == 10
 
 
 def test_fit_with_one_length_keeps_a_slope_of_zero_and_finds_the_time() -> None:
     fit = CostFit()
     for _ in range(50):
-        fit.observe(416, 416, 0.0025)
+        fit.observe(416, 416, 32, 0.0025)
     estimate = fit.estimate
     assert estimate is not None
     assert estimate.per_token_us == 0 and estimate.fixed_ms == pytest.approx(2.5)
@@ -82,14 +82,15 @@ def test_fit_with_one_length_keeps_a_slope_of_zero_and_finds_the_time() -> None:
 def test_fit_refuses_impossible_forwards(seconds: float) -> None:
     fit = CostFit()
     for _ in range(20):
-        assert not fit.observe(100, 100, seconds)
-        assert not fit.observe(0, 0, 0.002)
+        assert not fit.observe(100, 100, 4, seconds)
+        assert not fit.observe(0, 0, 0, 0.002)
+        assert not fit.observe(100, 100, 0, 0.002)
     assert fit.estimate is None and fit.seen == 0
 
 
-def estimate(fixed_ms: float, per_token_us: float, real_tokens: float = 416.0) -> CostEstimate:
-    return CostEstimate(fixed_ms, per_token_us, 64, real_tokens,
-                        fixed_ms + per_token_us * real_tokens / 1000)
+def estimate(fixed_ms: float, per_token_us: float, item_tokens: float = 13.0) -> CostEstimate:
+    return CostEstimate(fixed_ms, per_token_us, 64, item_tokens,
+                        fixed_ms + per_token_us * 8 * item_tokens / 1000)
 
 
 def test_a_fixed_cost_device_gets_short_windows_and_no_padding_bound() -> None:
@@ -103,7 +104,10 @@ def test_a_fixed_cost_device_gets_short_windows_and_no_padding_bound() -> None:
 def test_a_per_token_device_bounds_padding_and_waits_longer() -> None:
     gpu = derive_windows(WorkerConfig(), estimate(2.0, 0.5))
     cpu = derive_windows(WorkerConfig(), estimate(13.0, 240.0))
-    assert 1 < cpu.max_padding < 2
+    assert 1 < cpu.max_padding < 1.5
+    # Longer items: a full forward holds more tokens, so the same padding costs more.
+    assert derive_windows(WorkerConfig(), estimate(13.0, 240.0, item_tokens=120)
+                          ).max_padding == 1.05
     assert cpu.max_batch_wait_ms > gpu.max_batch_wait_ms
     assert cpu.max_batch_wait_ms <= FIXED_MAX_BATCH_WAIT_MS
     assert cpu.idle_coalesce_ms <= FIXED_IDLE_COALESCE_MS
@@ -126,12 +130,12 @@ def test_the_policy_learns_per_lora_and_a_lone_request_still_goes_at_once() -> N
     rng = np.random.default_rng(4)
     for _ in range(100):
         padded = int(rng.integers(13, 1000))
-        policy.observe(None, padded, padded, (2.0 + 0.5 * padded / 1000) / 1000)
+        policy.observe(None, padded, padded, 8, (2.0 + 0.5 * padded / 1000) / 1000)
     assert policy.windows(None).learned
     assert policy.windows("slow").max_batch_wait_ms == policy.windows(None).max_batch_wait_ms
     for _ in range(100):  # a LoRA that costs 4x: its own fit once it has forwards
         padded = int(rng.integers(13, 1000))
-        policy.observe("slow", padded, padded, (8.0 + 0.5 * padded / 1000) / 1000)
+        policy.observe("slow", padded, padded, 8, (8.0 + 0.5 * padded / 1000) / 1000)
     assert policy.windows("slow").max_batch_wait_ms > policy.windows(None).max_batch_wait_ms
     # R3b: one pending request goes at its arrival, learned windows or not.
     lone = QueueView(1, False, 5.0, 5.0, 1, lora="slow")
@@ -145,7 +149,7 @@ def test_the_policy_learns_per_lora_and_a_lone_request_still_goes_at_once() -> N
 def test_fixed_dispatch_learns_nothing() -> None:
     policy = DispatchPolicy(WorkerConfig(dispatch="fixed"))
     for _ in range(100):
-        policy.observe(None, 100, 100, 0.002)
+        policy.observe(None, 100, 100, 4, 0.002)
     assert policy.cost() is None and policy.windows() == policy.fixed
 
 

@@ -170,8 +170,8 @@ def test_a_models_dispatch_crosses_as_plain_values() -> None:
 
     policy = DispatchPolicy(WorkerConfig())
     for tokens in range(10, 400, 10):
-        policy.observe(None, tokens, tokens, 0.002 + tokens * 1e-6)
-        policy.observe("a-lora", tokens, tokens, 0.004 + tokens * 1e-6)
+        policy.observe(None, tokens, tokens, 1, 0.002 + tokens * 1e-6)
+        policy.observe("a-lora", tokens, tokens, 1, 0.004 + tokens * 1e-6)
     described = policy.describe()
     assert described["cost"] is not None and "a-lora" in described["loras"]
     assert unpack(pack(described)) == described

@@ -31,7 +31,7 @@ class CostEstimate:
     fixed_ms: float
     per_token_us: float
     forwards: int  # forwards the fit read
-    real_tokens: float  # median real tokens per forward, over those forwards
+    item_tokens: float  # median real tokens per item, over those forwards
     forward_ms: float  # median forward time, over those forwards
 
     @property
@@ -56,7 +56,7 @@ class CostFit:
         self.window, self.refit_every, self.min_forwards = window, refit_every, min_forwards
         # Plain lists: a slot's write costs ~50 ns; the fit reads them into arrays.
         self._padded = [0.0] * window
-        self._real = [0.0] * window
+        self._item_tokens = [0.0] * window
         self._seconds = [0.0] * window
         self._next = 0  # ring position of the next forward
         self.seen = 0  # forwards observed, ever
@@ -64,13 +64,14 @@ class CostFit:
         self._slope_s = 0.0  # seconds per padded token, the last slope with enough spread
         self.estimate: CostEstimate | None = None
 
-    def observe(self, padded_tokens: int, real_tokens: int, seconds: float) -> bool:
+    def observe(self, padded_tokens: int, real_tokens: int, items: int,
+                seconds: float) -> bool:
         """Record one forward; return True when the estimate was refitted."""
-        if padded_tokens < 1 or not 0 < seconds < 3600:  # NaN fails the comparison too
+        if padded_tokens < 1 or items < 1 or not 0 < seconds < 3600:  # NaN fails too
             return False  # an empty or impossible forward says nothing about the device
         slot = self._next
-        self._padded[slot], self._real[slot], self._seconds[slot] = (
-            padded_tokens, real_tokens, seconds)
+        self._padded[slot], self._item_tokens[slot], self._seconds[slot] = (
+            padded_tokens, real_tokens / items, seconds)
         self._next = (slot + 1) % self.window
         self.seen += 1
         self._since_fit += 1
@@ -89,7 +90,7 @@ class CostFit:
             self._slope_s = max(0.0, resistant_slope(x, y))
         fixed = max(0.0, float(np.median(y - self._slope_s * x)))
         return CostEstimate(fixed_ms=fixed * 1000, per_token_us=self._slope_s * 1e6,
-                            forwards=count, real_tokens=float(np.median(self._real[:count])),
+                            forwards=count, item_tokens=float(np.median(self._item_tokens[:count])),
                             forward_ms=float(np.median(y)) * 1000)
 
 

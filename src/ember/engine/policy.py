@@ -12,9 +12,10 @@ The windows (docs/architecture.md, "Self-tuning windows"): with a forward costin
   wait bound is WAIT_OF_FIXED x fixed, the idle burst's quiet window
   QUIET_OF_FIXED x fixed, and never longer than twice the gaps between the burst's
   own arrivals (a stream that comes faster is over sooner);
-- padding is worth taking while it costs less than a forward's fixed part: a batch
-  may pad up to `1 + (fixed / per_token) / real tokens`; where that passes 2 (a
-  GPU), the bound is off.
+- padding is worth taking while it costs less than a forward's fixed part: the bound
+  bites when the queue is deep, where forwards are full, so a batch may pad up to
+  `1 + (fixed / per_token) / (max_batch_items x tokens per item)`; where that passes
+  1.5 (a GPU: padding is nearly free), the bound is off.
 Neither window ever exceeds the fixed defaults, and a window set by hand stays.
 """
 
@@ -34,7 +35,7 @@ from ember.engine.costfit import CostEstimate, CostFit
 WAIT_OF_FIXED = 0.5  # batch wait bound, in forwards' fixed parts
 QUIET_OF_FIXED = 0.25  # idle burst's quiet window, in forwards' fixed parts
 QUIET_OF_GAPS = 2.0  # ... and in mean gaps between the burst's arrivals
-PADDING_OFF_AT = 2.0  # a learned padding bound this loose is no bound: off
+PADDING_OFF_AT = 1.5  # a learned padding bound this loose is no bound: off
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +79,8 @@ def derive_windows(config: WorkerConfig, cost: CostEstimate | None) -> Windows:
         return Windows(config.batch_wait_ms, config.coalesce_ms, config.padding, False)
     wait = min(FIXED_MAX_BATCH_WAIT_MS, WAIT_OF_FIXED * cost.fixed_ms)
     quiet = min(FIXED_IDLE_COALESCE_MS, QUIET_OF_FIXED * cost.fixed_ms)
-    padding = 1 + cost.tokens_per_fixed / max(cost.real_tokens, 1.0)
+    full_forward = config.max_batch_items * max(cost.item_tokens, 1.0)  # real tokens
+    padding = 1 + cost.tokens_per_fixed / full_forward
     padding = 0.0 if padding >= PADDING_OFF_AT else max(FIXED_MAX_PADDING, padding)
     learned = None in (config.max_batch_wait_ms, config.idle_coalesce_ms, config.max_padding)
     return Windows(
@@ -97,7 +99,7 @@ class DispatchPolicy:
 
     # -- the cost model and the windows it gives -----------------------------------
 
-    def observe(self, lora: str | None, padded_tokens: int, real_tokens: int,
+    def observe(self, lora: str | None, padded_tokens: int, real_tokens: int, items: int,
                 seconds: float) -> None:
         """One forward ran on `lora`: learn from it (auto dispatch only)."""
         if self.config.dispatch == "fixed":
@@ -105,7 +107,7 @@ class DispatchPolicy:
         fit = self._fits.get(lora)
         if fit is None:
             fit = self._fits[lora] = CostFit()
-        if fit.observe(padded_tokens, real_tokens, seconds):
+        if fit.observe(padded_tokens, real_tokens, items, seconds):
             self._windows.clear()  # derived again on the next ask: O(1) amortised
 
     def cost(self, lora: str | None = None) -> CostEstimate | None:

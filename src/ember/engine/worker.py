@@ -417,7 +417,8 @@ class ModelWorker:
             lane.probe_end = forward.ended + self.policy.hold_s(len(requests), elapsed,
                                                                 batch.lora)
         if forward.error is None:  # the cost model learns; the padding bound may follow
-            self.policy.observe(batch.lora, batch.padded_tokens, batch.real_tokens, elapsed)
+            self.policy.observe(batch.lora, batch.padded_tokens, batch.real_tokens,
+                                len(batch.items), elapsed)
             padding = self.policy.windows(batch.lora).max_padding
             if padding != lane.former.limits.max_padding:
                 lane.former.limits = replace(lane.former.limits, max_padding=padding)
