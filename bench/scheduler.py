@@ -80,13 +80,13 @@ class EarlierIdleRule(DispatchPolicy):
 
     def idle_release_at(self, queue: QueueView) -> float:
         cfg = self.config
-        return min(queue.last_arrival + cfg.idle_coalesce_ms / 1000,
-                   queue.oldest_arrival + cfg.max_batch_wait_ms / 1000)
+        return min(queue.last_arrival + cfg.coalesce_ms / 1000,
+                   queue.oldest_arrival + cfg.batch_wait_ms / 1000)
 
 
 def starvation_s(config: WorkerConfig) -> float:
     """The earlier R5's starvation bound, its default: 4 x `max_batch_wait_ms`."""
-    return 4 * config.max_batch_wait_ms / 1000
+    return 4 * config.batch_wait_ms / 1000
 
 
 class EarlierFormation(BatchFormer):
@@ -94,7 +94,7 @@ class EarlierFormation(BatchFormer):
     `starvation_ms`; then it leads and the rest packs around its length."""
 
     def __init__(self, config: WorkerConfig, now: Callable[[], float] = time.perf_counter) -> None:
-        super().__init__(config.max_batch_tokens, config.max_batch_items, config.max_padding)
+        super().__init__(config.max_batch_tokens, config.max_batch_items, config.padding)
         self.starvation_s, self.now = starvation_s(config), now
 
     def form(self, lora: str | None = None) -> Batch | None:
@@ -104,16 +104,17 @@ class EarlierFormation(BatchFormer):
         group = self._groups[head.group]
         batch = Batch(lora, head.group)
         low, high = -1, 0  # cheapest first
+        taken: dict[int, int] = {}
         if self.now() - head.arrival >= self.starvation_s:
             key = cost_bucket(head.item.cost)
             group.head(key)  # drops the tombstones ahead of it: it is the bucket's head
             group.buckets[key].popleft()
             batch.add(head)
+            taken[key] = 1
             low = bisect.bisect_left(group.keys, key)
             high = low + 1
-        self._pack(batch, group, low, high)
-        for pending in batch.items:
-            self._left(pending)
+        self._pack(batch, group, low, high, taken)
+        self._taken(batch, group, taken)
         return batch
 
 

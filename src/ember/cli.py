@@ -27,6 +27,7 @@ from ember.config import (
     spinning_mode,
 )
 from ember.engine import WorkerConfig
+from ember.engine.config import DISPATCH_MODES
 from ember.logs import FORMATS, LEVELS
 
 log = logging.getLogger("ember")
@@ -35,10 +36,15 @@ log = logging.getLogger("ember")
 WORKER_FLAGS: list[tuple[str, type, object, str]] = [
     ("max-batch-tokens", int, 16384, "padded tokens per forward (items x longest)"),
     ("max-batch-items", int, 64, "items per forward"),
-    ("max-batch-wait-ms", float, 10.0, "longest a batch stays open after its first item"),
-    ("max-padding", float, 1.05, "padded tokens a batch may hold per real token (plus 4 a "
-     "text); 0 turns the cap off, best where a forward's fixed cost dominates (GPUs)"),
-    ("idle-coalesce-ms", float, 3.0, "quiet time that closes a burst reaching an idle model"),
+    ("dispatch", str, "auto", "auto: the batch windows below that are not set follow the "
+     "cost per forward the engine measures on each model; fixed: unset windows take the "
+     "fixed defaults (10 ms, 1.05, 3 ms)"),
+    ("max-batch-wait-ms", float, None, "longest a batch stays open after its first item "
+     "(default: learned, at most 10)"),
+    ("max-padding", float, None, "padded tokens a batch may hold per real token (plus 4 a "
+     "text); 0 turns the cap off (default: learned; 1.05 until learned)"),
+    ("idle-coalesce-ms", float, None, "quiet time that closes a burst reaching an idle model "
+     "(default: learned, at most 3)"),
     ("max-queue-items", int, 4096, "queued items per model before 429"),
 ]
 
@@ -123,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
          "the cores the front end needs) or 'off' (never; each step of a forward wakes "
          "them); the flag alone means 'on'", choices=list(SPINNING), nargs="?", const="on")
     for name, kind, default, text in WORKER_FLAGS:
-        flag(name, kind, default, text)
+        flag(name, kind, default, text, **({"choices": list(DISPATCH_MODES)}
+                                            if name == "dispatch" else {}))
     flag("max-items-per-request", int, 2048, "items in one request before 413 (OpenAI's "
          "2,048; the engine splits a request into forwards of --max-batch-items)")
     flag("max-body-bytes", int, 16 * 1024 * 1024, "request body size before 413")

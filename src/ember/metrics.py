@@ -30,6 +30,7 @@ TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 PendingSource = Callable[[], Mapping[str, int]]
+DispatchSource = Callable[[], Mapping[str, Mapping[str, Any]]]  # policy.describe() by model
 
 
 @runtime_checkable
@@ -38,6 +39,8 @@ class ReportedDepths(Protocol):
     replicas): their queue depths as last reported, brought up to date before a scrape."""
 
     def pending(self) -> Mapping[str, int]: ...
+
+    def dispatches(self) -> Mapping[str, Mapping[str, Any]]: ...
 
     async def refresh(self) -> None: ...
 
@@ -53,8 +56,10 @@ def labelled(metric: Counter | Histogram, *values: str) -> Any:
 class _PendingCollector(Collector):
     """Queue depth of each loaded model, read at scrape time."""
 
-    def __init__(self, pending: Callable[[], PendingSource]) -> None:
+    def __init__(self, pending: Callable[[], PendingSource],
+                 dispatch: Callable[[], DispatchSource] = lambda: dict) -> None:
         self.pending = pending
+        self.dispatch = dispatch
 
     def collect(self) -> Iterator[Metric]:
         items = GaugeMetricFamily("ember_pending_items", "Items queued, not yet dispatched",
@@ -66,6 +71,35 @@ class _PendingCollector(Collector):
             loaded.add_metric([name], 1)
         yield items
         yield loaded
+        yield from dispatch_metrics(self.dispatch()())
+
+
+def dispatch_metrics(models: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric]:
+    """Each model's learned cost per forward and the dispatch windows in use, per LoRA
+    ("" for the base model); the cost is absent until a few forwards have run."""
+    fixed = GaugeMetricFamily("ember_dispatch_fixed_cost_seconds", "Learned fixed part of "
+                              "a forward's time", labels=["model", "lora"])
+    per_token = GaugeMetricFamily("ember_dispatch_token_cost_seconds", "Learned time per "
+                                  "padded token of a forward", labels=["model", "lora"])
+    window = GaugeMetricFamily("ember_dispatch_window_seconds", "Dispatch window in use "
+                               "(max_batch_wait, idle_coalesce)",
+                               labels=["model", "lora", "window"])
+    padding = GaugeMetricFamily("ember_dispatch_max_padding", "Padded tokens a batch may "
+                                "hold per real token (0: no bound)", labels=["model", "lora"])
+    learned = GaugeMetricFamily("ember_dispatch_learned", "1 when a window in use comes "
+                                "from the learned cost", labels=["model", "lora"])
+    for name, described in models.items():
+        parts = {"": described, **described.get("loras", {})}
+        for lora, part in parts.items():
+            windows, cost = part["windows"], part["cost"]
+            window.add_metric([name, lora, "max_batch_wait"], windows["max_batch_wait_ms"] / 1e3)
+            window.add_metric([name, lora, "idle_coalesce"], windows["idle_coalesce_ms"] / 1e3)
+            padding.add_metric([name, lora], windows["max_padding"])
+            learned.add_metric([name, lora], float(windows["learned"]))
+            if cost is not None:
+                fixed.add_metric([name, lora], cost["fixed_ms"] / 1e3)
+                per_token.add_metric([name, lora], cost["per_token_us"] / 1e6)
+    yield from (fixed, per_token, window, padding, learned)
 
 
 class Metrics:
@@ -76,9 +110,11 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.pending: PendingSource = dict
+        self.dispatch: DispatchSource = dict
         self.multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
         if not self.multiprocess:
-            self.registry.register(_PendingCollector(lambda: self.pending))
+            self.registry.register(_PendingCollector(lambda: self.pending,
+                                                     lambda: self.dispatch))
         reg = self.registry
         self.requests = Counter("ember_requests", "HTTP requests by route, model and status, "
                                 "refusals included", ["route", "model", "status"],
@@ -135,6 +171,8 @@ class Metrics:
         registry.on_worker.append(self._watch_worker)
         registry.on_load.append(self._loaded)
         registry.on_evict.append(lambda name: self.evictions.labels(name).inc())
+        self.dispatch = lambda: {name: m.worker.policy.describe()
+                                 for name, m in registry.loaded.items()}
         self.pending = lambda: {name: m.worker.pending_items
                                 for name, m in registry.loaded.items()}
 
@@ -144,7 +182,7 @@ class Metrics:
             return self.registry
         combined = CollectorRegistry()
         MultiProcessCollector(combined)  # type: ignore[no-untyped-call]
-        combined.register(_PendingCollector(lambda: self.pending))
+        combined.register(_PendingCollector(lambda: self.pending, lambda: self.dispatch))
         return combined
 
     def rejected(self, reason: str) -> None:

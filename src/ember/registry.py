@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from ember import heap
 from ember.adapters.base import ModelAdapter, ModelInfo, Runtime
@@ -193,6 +193,11 @@ class Registry(CatalogLookup):
     def info(self, name: str) -> ModelInfo | None:
         model = self._loaded.get(name)
         return model.adapter.info if model is not None else None
+
+    def dispatch(self, name: str) -> dict[str, Any] | None:
+        """A loaded model's learned cost per forward and dispatch windows."""
+        model = self._loaded.get(name)
+        return model.worker.policy.describe() if model is not None else None
 
     async def refresh(self) -> None:
         """Nothing to do: this registry's state is always current."""

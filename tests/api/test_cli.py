@@ -302,3 +302,14 @@ def test_a_taken_port_is_one_line_and_exit_1() -> None:
 def test_listening_is_said_once_the_port_is_bound(live_server: ServerProcess) -> None:
     lines = [line for line in live_server.log_text().splitlines() if "listening on" in line]
     assert len(lines) == 1 and f"http://127.0.0.1:{live_server.port}" in lines[0]
+
+
+def test_dispatch_is_auto_unless_fixed_and_unset_windows_stay_unset(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse().worker.dispatch == "auto"
+    assert parse().worker.max_batch_wait_ms is None  # learned
+    assert parse("--dispatch", "fixed").worker == WorkerConfig(dispatch="fixed")
+    monkeypatch.setenv("EMBER_DISPATCH", "fixed")
+    assert parse().worker.dispatch == "fixed"
+    with pytest.raises(SystemExit):
+        parse("--dispatch", "sometimes")

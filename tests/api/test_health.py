@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import threading
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.conftest import (
@@ -183,6 +184,30 @@ async def test_metrics_export_the_device_idle_gaps_by_cause(apps: AppFactory) ->
         assert value(found, name, model=SYNTH, cause="wakeup") > 0
         assert value(found, name, model=SYNTH, cause="hold") == 0  # lone requests: no hold
         assert "ember_device_idle_gap_count_total" in found
+
+
+async def test_model_and_metrics_show_the_learned_cost_and_windows(apps: AppFactory) -> None:
+    async with apps.serve() as served:
+        client = served.client
+        before = (await client.get(f"/v1/models/{SYNTH}")).json()["dispatch"]
+        assert before["dispatch"] == "auto" and before["cost"] is None  # nothing run yet
+        assert before["windows"]["learned"] is False
+        for i in range(12):  # one forward each: enough for a first fit
+            assert (await client.post(f"/v1/encode/{SYNTH}", json=encode_body(
+                "word " * (1 + 3 * i)))).status_code == 200
+        dispatch = (await client.get(f"/v1/models/{SYNTH}")).json()["dispatch"]
+        cost, windows = dispatch["cost"], dispatch["windows"]
+        assert cost is not None and cost["forwards"] >= 8 and cost["fixed_ms"] > 0
+        assert windows["learned"] is True
+        found = samples(await served.metrics())
+        assert value(found, "ember_dispatch_fixed_cost_seconds", model=SYNTH,
+                     lora="") == pytest.approx(cost["fixed_ms"] / 1e3)
+        assert value(found, "ember_dispatch_window_seconds", model=SYNTH, lora="",
+                     window="max_batch_wait") == pytest.approx(
+                         windows["max_batch_wait_ms"] / 1e3)
+        assert value(found, "ember_dispatch_max_padding", model=SYNTH,
+                     lora="") == windows["max_padding"]
+        assert value(found, "ember_dispatch_learned", model=SYNTH, lora="") == 1
 
 
 async def test_metrics_count_evictions(apps: AppFactory) -> None:

@@ -247,3 +247,22 @@ def test_the_plots_are_drawn_from_the_json_beside_the_page(tmp_path: Path) -> No
         sys.path.remove(str(ROOT / "bench"))
     for name in ("headline.png", "idle.png", "frontend.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_selftune_quick_run_writes_json_and_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "selftune.json"
+    run = bench("selftune.py", "--quick", "--devices", "fast", "--cells", "closed_c8,mixed",
+                "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = strict_json(out)
+    cells = data["devices"]["fast"]["cells"]
+    assert set(cells) == {"closed_c8", "mixed_c32"}
+    for cell in cells.values():
+        assert len(cell["runs"]) == 16  # the default and 15 grid points
+        verdict = cell["verdict"]
+        assert verdict["best"] in cell["runs"] and verdict["best"] != "auto"
+        assert {"throughput_ratio", "p50_ratio", "met", "windows"} <= set(verdict)
+    assert data["devices"]["fast"]["sequential"]["queue_p50_ms"] >= 0
+    assert "default / best throughput" in run.stdout
+    report = bench("selftune.py", "--report", str(out))
+    assert report.returncode == 0 and report.stdout == run.stdout

@@ -161,3 +161,17 @@ def test_every_familys_parameter_group_is_a_wire_type() -> None:
                 found.add(f"{module.__name__}:{name}")
     assert {"ember.adapters.clip:ClipParams", "ember.adapters.gliner:GlinerParams"} <= found
     assert found <= WIRE_TYPES, sorted(found - WIRE_TYPES)
+
+
+def test_a_models_dispatch_crosses_as_plain_values() -> None:
+    """The status's learned cost and windows need no wire type: plain maps and numbers."""
+    from ember.engine import WorkerConfig
+    from ember.engine.policy import DispatchPolicy
+
+    policy = DispatchPolicy(WorkerConfig())
+    for tokens in range(10, 400, 10):
+        policy.observe(None, tokens, tokens, 1, 0.002 + tokens * 1e-6)
+        policy.observe("a-lora", tokens, tokens, 1, 0.004 + tokens * 1e-6)
+    described = policy.describe()
+    assert described["cost"] is not None and "a-lora" in described["loras"]
+    assert unpack(pack(described)) == described

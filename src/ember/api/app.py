@@ -63,6 +63,7 @@ def create_app(settings: ServerSettings, registry: Models) -> EmberAPI:
         metrics.attach(registry)
     elif isinstance(registry, ReportedDepths):
         metrics.pending = registry.pending
+        metrics.dispatch = registry.dispatches
         state.on_metrics.append(registry.refresh)
 
     @asynccontextmanager

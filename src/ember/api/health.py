@@ -67,6 +67,7 @@ def model_entry(registry: Models, name: str) -> dict[str, Any]:
                      output_types=list(info.output_types) if "encode" in info.tasks else [])
         if info.labels:
             entry["labels"] = list(info.labels)
+    entry["dispatch"] = registry.dispatch(name)  # the learned cost and windows in use
     entry["output_dtypes"] = list(DTYPES) if entry["output_types"] else []
     entry["outputs"] = entry["output_types"]
     entry["max_sequence_length"] = entry["max_seq_length"]

@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import Request
 
@@ -51,6 +51,11 @@ class Models(Protocol):
 
     def info(self, name: str) -> ModelInfo | None:
         """A loaded model's info; None while it is not loaded."""
+        ...
+
+    def dispatch(self, name: str) -> dict[str, Any] | None:
+        """A loaded model's learned cost per forward and dispatch windows; None while
+        it is not loaded."""
         ...
 
     async def refresh(self) -> None:

@@ -174,7 +174,7 @@ class BatchFormer:
 
     @classmethod
     def for_config(cls, config: WorkerConfig) -> BatchFormer:
-        return cls(config.max_batch_tokens, config.max_batch_items, config.max_padding)
+        return cls(config.max_batch_tokens, config.max_batch_items, config.padding)
 
     @property
     def pending_items(self) -> int:
@@ -242,6 +242,15 @@ class BatchFormer:
             # Room left above: the cheaper buckets too, so a request's items and a burst
             # that fits one forward are not split by where the cursor stood.
             self._pack(batch, group, start - 1, len(group.keys), taken)
+        self._taken(batch, group, taken)
+        top = cost_bucket(batch.widest)
+        # Leftovers of the top bucket lead the next batch; a one-bucket batch moves on, so
+        # the cursor rises with every batch and a busy bucket cannot hold the sweep.
+        group.cursor = top + 1 if top == bottom else top
+        return batch
+
+    def _taken(self, batch: Batch, group: _Group, taken: dict[int, int]) -> None:
+        """Counters for the items `batch` took out of the queue (`taken`: per bucket)."""
         for key, count in taken.items():
             group.forget(key, count)
         owners = self._per_owner
@@ -252,11 +261,6 @@ class BatchFormer:
             else:
                 del owners[pending.owner]
         self._count -= len(batch.items)
-        top = cost_bucket(batch.widest)
-        # Leftovers of the top bucket lead the next batch; a one-bucket batch moves on, so
-        # the cursor rises with every batch and a busy bucket cannot hold the sweep.
-        group.cursor = top + 1 if top == bottom else top
-        return batch
 
     def _pack(self, batch: Batch, group: _Group, low: int, high: int,
               taken: dict[int, int]) -> None:

@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+Dispatch = Literal["auto", "fixed"]
+DISPATCH_MODES: tuple[Dispatch, ...] = ("auto", "fixed")
+
+# The windows of `dispatch="fixed"`, and of "auto" until a model's cost is learned.
+FIXED_MAX_BATCH_WAIT_MS = 10.0
+FIXED_IDLE_COALESCE_MS = 3.0
+FIXED_MAX_PADDING = 1.05
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     """Limits and windows of the dispatch rules (docs/architecture.md).
+
+    The three windows (`max_batch_wait_ms`, `idle_coalesce_ms`, `max_padding`) are None
+    unless set: with `dispatch="auto"` the worker then derives them from the cost per
+    forward it measures (ember.engine.costfit); with "fixed" they take the FIXED_*
+    values. A window that is set is used as it is, in both modes.
 
     `hold_fraction`: after a forward that carried several requests, the next batch
     of that LoRA waits for those senders to come back, at most this fraction of that
@@ -21,18 +35,37 @@ class WorkerConfig:
 
     max_batch_tokens: int = 16384
     max_batch_items: int = 64
-    max_batch_wait_ms: float = 10.0
-    idle_coalesce_ms: float = 3.0
+    max_batch_wait_ms: float | None = None
+    idle_coalesce_ms: float | None = None
     max_queue_items: int = 4096
     hold_fraction: float = 0.25
-    max_padding: float = 1.05
+    max_padding: float | None = None
+    dispatch: Dispatch = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_batch_items", "max_queue_items"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_batch_wait_ms", "idle_coalesce_ms", "hold_fraction", "max_padding"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if 0 < self.max_padding < 1:
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.max_padding is not None and 0 < self.max_padding < 1:
             raise ValueError(f"max_padding must be 0 (off) or >= 1, got {self.max_padding}")
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
+
+    @property
+    def batch_wait_ms(self) -> float:
+        """`max_batch_wait_ms` as set, else the fixed default."""
+        return FIXED_MAX_BATCH_WAIT_MS if self.max_batch_wait_ms is None else self.max_batch_wait_ms
+
+    @property
+    def coalesce_ms(self) -> float:
+        """`idle_coalesce_ms` as set, else the fixed default."""
+        return FIXED_IDLE_COALESCE_MS if self.idle_coalesce_ms is None else self.idle_coalesce_ms
+
+    @property
+    def padding(self) -> float:
+        """`max_padding` as set, else the fixed default."""
+        return FIXED_MAX_PADDING if self.max_padding is None else self.max_padding

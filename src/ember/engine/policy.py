@@ -1,15 +1,44 @@
-"""The dispatch policy: when the next batch of a LoRA may go (R3, R4).
+"""The dispatch policy: when the next batch of a LoRA may go (R3, R4), and the
+windows it uses, learned from the device's cost per forward.
 
-It reads only timestamps and counts, so the rules fit on one screen and need no
-event loop to test. The worker asks again on every arrival, at every forward's
-end, and at the time the policy returned.
+It reads only timestamps, counts and the forwards' durations, so the rules fit on
+one screen and need no event loop to test. The worker asks again on every arrival,
+at every forward's end, and at the time the policy returned; it reports each
+forward it ran to `observe`.
+
+The windows (docs/architecture.md, "Self-tuning windows"): with a forward costing
+`fixed + per_token x padded tokens`,
+- waiting is worth at most one forward: the batch wait bound is the median forward's
+  time (WAIT_OF_FORWARD), the idle burst's quiet window a quarter of it
+  (QUIET_OF_FORWARD), and never longer than twice the gaps between the burst's own
+  arrivals (a stream that comes faster is over sooner). Where the fixed part dominates
+  (a GPU) a forward is short and so are the windows; where the cost grows with tokens
+  (a CPU) forwards are long and a fuller one saves more, so the windows reach the
+  fixed defaults;
+- padding is worth taking while it costs less than a forward's fixed part: the bound
+  bites when the queue is deep, where forwards are full, so a batch may pad up to
+  `1 + (fixed / per_token) / (max_batch_items x tokens per item)`; where that passes
+  1.5 (a GPU: padding is nearly free), the bound is off.
+Neither window ever exceeds the fixed defaults, and a window set by hand stays.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
-from ember.engine.config import WorkerConfig
+from ember.engine.config import (
+    FIXED_IDLE_COALESCE_MS,
+    FIXED_MAX_BATCH_WAIT_MS,
+    FIXED_MAX_PADDING,
+    WorkerConfig,
+)
+from ember.engine.costfit import CostEstimate, CostFit
+
+WAIT_OF_FORWARD = 1.0  # batch wait bound, in median forwards
+QUIET_OF_FORWARD = 0.25  # idle burst's quiet window, in median forwards
+QUIET_OF_GAPS = 2.0  # ... and in mean gaps between the burst's arrivals
+PADDING_OFF_AT = 1.5  # a learned padding bound this loose is no bound: off
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,46 +62,128 @@ class QueueView:
     last_arrival: float
     arrived_since_forward: int  # requests submitted since the last forward ended
     senders_return: bool = False  # the last forward's senders are back, or may still be
+    lora: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Windows:
+    """The windows a LoRA's batches are under now."""
+
+    max_batch_wait_ms: float
+    idle_coalesce_ms: float
+    max_padding: float  # 0: off
+    learned: bool  # some window came from the cost fit (else: settings and defaults)
+
+
+def derive_windows(config: WorkerConfig, cost: CostEstimate | None) -> Windows:
+    """The windows for a device of `cost` (None: not learned yet). A window set in
+    `config` wins; `dispatch="fixed"` or no estimate gives the fixed defaults."""
+    if config.dispatch == "fixed" or cost is None:
+        return Windows(config.batch_wait_ms, config.coalesce_ms, config.padding, False)
+    wait = min(FIXED_MAX_BATCH_WAIT_MS, WAIT_OF_FORWARD * cost.forward_ms)
+    quiet = min(FIXED_IDLE_COALESCE_MS, QUIET_OF_FORWARD * cost.forward_ms)
+    full_forward = config.max_batch_items * max(cost.item_tokens, 1.0)  # real tokens
+    padding = 1 + cost.tokens_per_fixed / full_forward
+    padding = 0.0 if padding >= PADDING_OFF_AT else max(FIXED_MAX_PADDING, padding)
+    learned = None in (config.max_batch_wait_ms, config.idle_coalesce_ms, config.max_padding)
+    return Windows(
+        wait if config.max_batch_wait_ms is None else config.max_batch_wait_ms,
+        quiet if config.idle_coalesce_ms is None else config.idle_coalesce_ms,
+        padding if config.max_padding is None else config.max_padding,
+        learned)
 
 
 class DispatchPolicy:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        self.fixed = derive_windows(config, None)
+        self._fits: dict[str | None, CostFit] = {}  # each LoRA's forwards; None: the base
+        self._windows: dict[str | None, Windows] = {}
 
-    def hold_s(self, requests: int, duration: float) -> float:
+    # -- the cost model and the windows it gives -----------------------------------
+
+    def observe(self, lora: str | None, padded_tokens: int, real_tokens: int, items: int,
+                seconds: float) -> None:
+        """One forward ran on `lora`: learn from it (auto dispatch only)."""
+        if self.config.dispatch == "fixed":
+            return
+        fit = self._fits.get(lora)
+        if fit is None:
+            fit = self._fits[lora] = CostFit()
+        if fit.observe(padded_tokens, real_tokens, items, seconds):
+            self._windows.clear()  # derived again on the next ask: O(1) amortised
+
+    def cost(self, lora: str | None = None) -> CostEstimate | None:
+        """The estimate the windows of `lora` come from: its own once it has enough
+        forwards (a LoRA may cost more than the base), else the base model's, else any."""
+        for fit in (self._fits.get(lora), self._fits.get(None), *self._fits.values()):
+            if fit is not None and fit.estimate is not None:
+                return fit.estimate
+        return None
+
+    def windows(self, lora: str | None = None) -> Windows:
+        windows = self._windows.get(lora)
+        if windows is None:
+            windows = self._windows[lora] = derive_windows(self.config, self.cost(lora))
+        return windows
+
+    def loras(self) -> list[str | None]:
+        """The LoRAs seen so far (None: the base model)."""
+        return list(self._fits)
+
+    # -- the rules ----------------------------------------------------------------------
+
+    def hold_s(self, requests: int, duration: float, lora: str | None = None) -> float:
         """How long the senders of a forward of `requests` may be awaited after it."""
         if requests < 2:
             return 0.0
-        return min(self.config.max_batch_wait_ms / 1000, self.config.hold_fraction * duration)
+        return min(self.windows(lora).max_batch_wait_ms / 1000,
+                   self.config.hold_fraction * duration)
 
     def release_at(self, queue: QueueView, last: LastForward | None,
                    running_requests: int | None, now: float) -> float | None:
         """When the next batch may go: at or before `now` means at once; None means
         when the forward in flight on this LoRA (of `running_requests`) has ended."""
-        cfg = self.config
         if queue.full:
             return now
         if running_requests is not None:  # R4: its backlog goes right after it...
-            awaits = queue.senders_return and self.hold_s(running_requests, 1.0) > 0
+            awaits = queue.senders_return and self.hold_s(running_requests, 1.0, queue.lora) > 0
             return None if awaits else now  # ...unless its senders are worth awaiting
         if last is not None:
             hold_end = last.ended
             if last.senders_return:  # R4: closed-loop clients: they come back at once
-                hold_end += self.hold_s(last.requests, last.duration)
+                hold_end += self.hold_s(last.requests, last.duration, queue.lora)
             if now < hold_end and queue.arrived_since_forward < last.requests:
                 return hold_end  # over HTTP returns come ms apart: no quiet window here
             if queue.oldest_arrival <= hold_end:
                 return now  # R4: work that came during a forward or its hold goes at once
+            wait_s = self.windows(queue.lora).max_batch_wait_ms / 1000
             if (queue.arrived_since_forward >= last.requests >= 2
-                    and queue.oldest_arrival <= last.ended + cfg.max_batch_wait_ms / 1000):
+                    and queue.oldest_arrival <= last.ended + wait_s):
                 return now  # R3c ends: the senders of the last forward are all back
         return self.idle_release_at(queue)
 
     def idle_release_at(self, queue: QueueView) -> float:
         """R3: work that reached an idle worker."""
-        cfg = self.config
-        if cfg.idle_coalesce_ms == 0 or queue.pending_requests == 1:
+        windows = self.windows(queue.lora)
+        if windows.idle_coalesce_ms == 0 or queue.pending_requests == 1:
             return queue.last_arrival  # R3a, R3b: a lone request never waits
         # R3c: a burst already queued coalesces until it goes quiet, or max wait.
-        return min(queue.last_arrival + cfg.idle_coalesce_ms / 1000,
-                   queue.oldest_arrival + cfg.max_batch_wait_ms / 1000)
+        quiet_s = windows.idle_coalesce_ms / 1000
+        if windows.learned and self.config.idle_coalesce_ms is None:
+            gap_s = (queue.last_arrival - queue.oldest_arrival) / (queue.pending_requests - 1)
+            quiet_s = min(quiet_s, QUIET_OF_GAPS * gap_s)  # the burst's own pace
+        return min(queue.last_arrival + quiet_s,
+                   queue.oldest_arrival + windows.max_batch_wait_ms / 1000)
+
+    def describe(self) -> dict[str, Any]:
+        """The learned cost model and the windows in use, as plain values (for
+        `GET /v1/models/{id}` and `/metrics`; they cross the engine's wire as they are)."""
+
+        def of(lora: str | None) -> dict[str, Any]:
+            cost = self.cost(lora)
+            return {"windows": asdict(self.windows(lora)),
+                    "cost": asdict(cost) if cost is not None else None}
+
+        return {"dispatch": self.config.dispatch, **of(None),
+                "loras": {lora: of(lora) for lora in self.loras() if lora is not None}}

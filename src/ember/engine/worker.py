@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from operator import attrgetter
 from typing import Any, cast
@@ -319,7 +319,7 @@ class ModelWorker:
         now = request.submitted_at
         view = QueueView(pending_requests=1, full=False, oldest_arrival=now, last_arrival=now,
                          arrived_since_forward=lane.arrived - lane.arrived_at_last_end,
-                         senders_return=lane.senders_may_return(now))
+                         senders_return=lane.senders_may_return(now), lora=request.lora)
         at = self.policy.release_at(view, lane.last_forward, None, now)
         if at is None or at > now:
             return False
@@ -348,6 +348,7 @@ class ModelWorker:
             last_arrival=lane.last_arrival,
             arrived_since_forward=lane.arrived - lane.arrived_at_last_end,
             senders_return=lane.senders_may_return(self._now()),
+            lora=slot.lora,
         )
 
     def _revise_slot(self, lora: str | None, items: list[PendingItem]) -> list[PendingItem]:
@@ -427,12 +428,20 @@ class ModelWorker:
         lane.arrived_at_last_end = lane.arrived
         if len(requests) >= 2:
             lane.probe_target = lane.arrived + (len(requests) + 1) // 2
-            lane.probe_end = forward.ended + self.policy.hold_s(len(requests), elapsed)
+            lane.probe_end = forward.ended + self.policy.hold_s(len(requests), elapsed,
+                                                                batch.lora)
+        if forward.error is None:  # the cost model learns; the padding bound may follow
+            self.policy.observe(batch.lora, batch.padded_tokens, batch.real_tokens,
+                                len(batch.items), elapsed)
+            padding = self.policy.windows(batch.lora).max_padding
+            if padding != lane.former.limits.max_padding:
+                lane.former.limits = replace(lane.former.limits, max_padding=padding)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s: forward started=%.6f ended=%.6f items=%d requests=%d padded=%d "
                       "senders_return=%s", self.name, forward.started, forward.ended,
                       len(batch.items), len(requests), batch.padded_tokens, lane.senders_return)
-        held = self.policy.hold_s(len(requests), elapsed) if lane.senders_return else 0.0
+        held = (self.policy.hold_s(len(requests), elapsed, batch.lora)
+                if lane.senders_return else 0.0)
         self.stats.record_batch(BatchRecord(len(batch.items), len(requests),
                                             batch.padded_tokens, batch.lora, elapsed * 1000,
                                             forward.error is not None, forward.started,

@@ -44,7 +44,8 @@ class RegistryCalls:
                 "pending": self.pending(),
                 "info": {name: m.adapter.info for name, m in loaded.items()},
                 "forwards": {name: [m.worker.stats.batches, m.worker.stats.items]
-                             for name, m in loaded.items()}}
+                             for name, m in loaded.items()},
+                "dispatch": {name: m.worker.policy.describe() for name, m in loaded.items()}}
 
     def pending(self) -> dict[str, int]:
         """Each loaded model's queue depth now."""

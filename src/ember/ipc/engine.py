@@ -11,7 +11,7 @@ one msgpack frame (see `wire`); submits travel many to a message (see `batch`):
                     values, errors: [[id, error], ...]}
     cancel {id}                      the caller went away: its queued items are dropped (R9)
     load {id, model}                 -> result {id} | error: load the model now
-    status {id}                      -> result {id, states, pending, info, forwards}
+    status {id}                      -> result {id, states, pending, info, forwards, dispatch}
     ping {}                          -> pong {engine}: answered by the reader at once
     forget {peer}                    (the supervisor) an API process died: drop its work
 

@@ -92,6 +92,7 @@ class RemoteModels(CatalogLookup):
     _states: dict[str, str] = field(default_factory=dict)
     _info: dict[str, ModelInfo] = field(default_factory=dict)
     _pending: dict[str, int] = field(default_factory=dict)
+    _dispatch: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def state(self, name: str) -> str:
         return self._states.get(name, "available")
@@ -102,11 +103,19 @@ class RemoteModels(CatalogLookup):
     def pending(self) -> dict[str, int]:
         return dict(self._pending)
 
+    def dispatch(self, name: str) -> dict[str, Any] | None:
+        return self._dispatch.get(name)
+
+    def dispatches(self) -> dict[str, dict[str, Any]]:
+        """Every loaded model's dispatch, as of the last status."""
+        return dict(self._dispatch)
+
     async def refresh(self) -> None:
         status = await self.client.call("status")
         self._states = dict(status["states"])
         self._info = dict(status["info"])
         self._pending = dict(status["pending"])
+        self._dispatch = dict(status.get("dispatch") or {})
 
     async def get(self, name: str) -> RemoteModel:
         """The model's front half, loaded here once (concurrent first requests share the

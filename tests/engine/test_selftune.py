@@ -1,0 +1,170 @@
+"""The learned cost model (costfit) and the windows the policy derives from it:
+pure functions and plain objects, no event loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ember.adapters.synthetic import CostModel, SyntheticAdapter
+from ember.engine import ModelWorker, PreparedItem, QueueView, WorkerConfig
+from ember.engine.config import FIXED_IDLE_COALESCE_MS, FIXED_MAX_BATCH_WAIT_MS
+from ember.engine.costfit import CostEstimate, CostFit
+from ember.engine.policy import DispatchPolicy, LastForward, derive_windows
+
+
+def feed(fit: CostFit, fixed_ms: float, per_token_us: float, forwards: int,
+         rng: np.random.Generator, noise: float = 0.03) -> None:
+    for _ in range(forwards):
+        padded = int(rng.integers(13, 1000))
+        seconds = (fixed_ms + per_token_us * padded / 1000) / 1000
+        fit.observe(padded, padded, 8, seconds * (1 + rng.normal(0, noise)))
+
+
+@pytest.mark.parametrize(("fixed_ms", "per_token_us"),
+                         [(2.0, 0.5), (0.5, 0.1), (13.0, 240.0)])
+def test_fit_recovers_the_fixed_and_per_token_parts(fixed_ms: float,
+                                                    per_token_us: float) -> None:
+    fit = CostFit()
+    feed(fit, fixed_ms, per_token_us, 300, np.random.default_rng(1))
+    estimate = fit.estimate
+    assert estimate is not None
+    assert estimate.fixed_ms == pytest.approx(fixed_ms, rel=0.15, abs=0.05)
+    assert estimate.per_token_us == pytest.approx(per_token_us, rel=0.15)
+
+
+def test_fit_ignores_outliers() -> None:
+    rng = np.random.default_rng(2)
+    fit = CostFit()
+    for i in range(400):
+        padded = int(rng.integers(13, 1000))
+        seconds = (2.0 + 0.5 * padded / 1000) / 1000
+        if i % 5 == 0:  # every fifth forward hit a pause 10-50x its length
+            seconds *= float(rng.uniform(10, 50))
+        fit.observe(padded, padded, 8, seconds)
+    estimate = fit.estimate
+    assert estimate is not None
+    assert estimate.fixed_ms == pytest.approx(2.0, rel=0.1)
+    assert estimate.per_token_us == pytest.approx(0.5, rel=0.25)
+
+
+def test_fit_follows_drift_within_a_window() -> None:
+    rng = np.random.default_rng(3)
+    fit = CostFit()
+    feed(fit, 2.0, 0.5, 300, rng)
+    feed(fit, 8.0, 2.0, fit.window + fit.refit_every, rng)  # the device slowed down 4x
+    estimate = fit.estimate
+    assert estimate is not None
+    assert estimate.fixed_ms == pytest.approx(8.0, rel=0.15)
+    assert estimate.per_token_us == pytest.approx(2.0, rel=0.15)
+
+
+def test_fit_waits_for_a_few_forwards_and_refits_in_steps() -> None:
+    fit = CostFit()
+    for _ in range(fit.min_forwards - 1):
+        assert not fit.observe(100, 100, 4, 0.002)
+    assert fit.estimate is None
+    assert fit.observe(100, 100, 4, 0.002)  # the first estimate
+    refits = sum(fit.observe(100, 100, 4, 0.002) for _ in range(10 * fit.refit_every))
+    assert refits == 10
+
+
+def test_fit_with_one_length_keeps_a_slope_of_zero_and_finds_the_time() -> None:
+    fit = CostFit()
+    for _ in range(50):
+        fit.observe(416, 416, 32, 0.0025)
+    estimate = fit.estimate
+    assert estimate is not None
+    assert estimate.per_token_us == 0 and estimate.fixed_ms == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf"), -1.0, 0.0, 1e9])
+def test_fit_refuses_impossible_forwards(seconds: float) -> None:
+    fit = CostFit()
+    for _ in range(20):
+        assert not fit.observe(100, 100, 4, seconds)
+        assert not fit.observe(0, 0, 0, 0.002)
+        assert not fit.observe(100, 100, 0, 0.002)
+    assert fit.estimate is None and fit.seen == 0
+
+
+def estimate(fixed_ms: float, per_token_us: float, item_tokens: float = 13.0) -> CostEstimate:
+    return CostEstimate(fixed_ms, per_token_us, 64, item_tokens,
+                        fixed_ms + per_token_us * 8 * item_tokens / 1000)
+
+
+def test_a_fixed_cost_device_gets_short_windows_and_no_padding_bound() -> None:
+    windows = derive_windows(WorkerConfig(), estimate(2.0, 0.5))
+    assert windows.learned
+    assert windows.max_batch_wait_ms <= 2.1  # one forward of 8 short items, no more
+    assert windows.idle_coalesce_ms <= 0.6  # a fraction of a forward
+    assert windows.max_padding == 0  # padding is nearly free
+
+
+def test_a_per_token_device_bounds_padding_and_waits_longer() -> None:
+    gpu = derive_windows(WorkerConfig(), estimate(2.0, 0.5))
+    cpu = derive_windows(WorkerConfig(), estimate(13.0, 240.0))
+    assert 1 < cpu.max_padding < 1.5
+    # Longer items: a full forward holds more tokens, so the same padding costs more.
+    assert derive_windows(WorkerConfig(), estimate(13.0, 240.0, item_tokens=120)
+                          ).max_padding == 1.05
+    assert cpu.max_batch_wait_ms > gpu.max_batch_wait_ms
+    assert cpu.max_batch_wait_ms <= FIXED_MAX_BATCH_WAIT_MS
+    assert cpu.idle_coalesce_ms <= FIXED_IDLE_COALESCE_MS
+
+
+def test_settings_override_and_fixed_dispatch_keeps_the_defaults() -> None:
+    cost = estimate(2.0, 0.5)
+    set_by_hand = derive_windows(WorkerConfig(max_batch_wait_ms=7.0, max_padding=1.2), cost)
+    assert set_by_hand.max_batch_wait_ms == 7.0 and set_by_hand.max_padding == 1.2
+    assert set_by_hand.idle_coalesce_ms < FIXED_IDLE_COALESCE_MS  # the one left unset
+    fixed = derive_windows(WorkerConfig(dispatch="fixed"), cost)
+    assert (fixed.max_batch_wait_ms, fixed.idle_coalesce_ms, fixed.max_padding) == (
+        10.0, 3.0, 1.05)
+    assert not fixed.learned
+    assert derive_windows(WorkerConfig(), None) == fixed  # nothing learned yet
+
+
+def test_the_policy_learns_per_lora_and_a_lone_request_still_goes_at_once() -> None:
+    policy = DispatchPolicy(WorkerConfig())
+    rng = np.random.default_rng(4)
+    for _ in range(100):
+        padded = int(rng.integers(13, 1000))
+        policy.observe(None, padded, padded, 8, (2.0 + 0.5 * padded / 1000) / 1000)
+    assert policy.windows(None).learned
+    assert policy.windows("slow").max_batch_wait_ms == policy.windows(None).max_batch_wait_ms
+    for _ in range(100):  # a LoRA that costs 4x: its own fit once it has forwards
+        padded = int(rng.integers(13, 1000))
+        policy.observe("slow", padded, padded, 8, (8.0 + 0.5 * padded / 1000) / 1000)
+    assert policy.windows("slow").max_batch_wait_ms > policy.windows(None).max_batch_wait_ms
+    # R3b: one pending request goes at its arrival, learned windows or not.
+    lone = QueueView(1, False, 5.0, 5.0, 1, lora="slow")
+    assert policy.release_at(lone, LastForward(1.0, 1, 0.002), None, 5.0) == 5.0
+    # R3c: a burst waits no longer than the learned wait bound from its oldest arrival.
+    burst = QueueView(3, False, 5.0, 5.0004, 3)
+    at = policy.release_at(burst, None, None, 5.0004)
+    assert at is not None and 5.0004 <= at <= 5.0 + policy.windows(None).max_batch_wait_ms / 1000
+
+
+def test_fixed_dispatch_learns_nothing() -> None:
+    policy = DispatchPolicy(WorkerConfig(dispatch="fixed"))
+    for _ in range(100):
+        policy.observe(None, 100, 100, 4, 0.002)
+    assert policy.cost() is None and policy.windows() == policy.fixed
+
+
+async def test_the_worker_feeds_its_forwards_to_the_policy() -> None:
+    adapter = SyntheticAdapter(dims=4, cost=CostModel(overhead_ms=1.0, per_token_us=0.0))
+    worker = ModelWorker(adapter, WorkerConfig())
+    await worker.start()
+    try:
+        for i in range(40):  # the first fit at 8 forwards, refits at 40, 72, ...
+            await (await worker.submit([PreparedItem(f"text {i}", 8 + i, 0)], "p"))
+    finally:
+        await worker.stop()
+    cost = worker.policy.cost()
+    assert cost is not None and cost.forwards == 40
+    assert 0.8 <= cost.fixed_ms <= 50  # a 1 ms sleep, plus the thread's scheduling
+    windows = worker.policy.windows()
+    assert windows.learned and windows.max_padding == 0  # no cost per token at all
+    assert worker._lanes[None].former.limits.max_padding == 0  # the formation follows
