@@ -112,7 +112,7 @@ def peers(data: Json, out: Path) -> None:
                    yerr=[[m - min(r) for m, r in zip(mid, runs, strict=True)],
                          [max(r) - m for m, r in zip(mid, runs, strict=True)]], capsize=2, zorder=2)
     for key, color, label in (("limit", "#bbbbbb", "the model alone, ONNX (Ember's backend)"),
-                              ("limit_torch", "#f5d5a0", "the model alone, torch")):
+                              ("limit_torch", "#d8c8ea", "the model alone, torch")):
         limits = [phase["best_items_per_s"]["short"] for phase in data.get(key, [])]
         if limits:
             left.axhspan(min(limits), max(limits), color=color, alpha=0.6, label=label,
