@@ -100,7 +100,7 @@ def peers(data: Json, out: Path) -> None:
              ("batch32_c4", "32 texts a request,\n4 in flight")]
     names = list(data["servers"])
     colors = ["#d9534f", "#5b8bd9", "#5cb85c", "#f0ad4e", "#8e6cc0", "#777777"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.9))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.4))
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         xs = [c + (i - (len(names) - 1) / 2) * width for c in range(len(cases))]
@@ -122,10 +122,11 @@ def peers(data: Json, out: Path) -> None:
         ax.set_xticks(range(len(cases)), [text for _, text in cases], fontsize=8)
         ax.set_ylabel(label, fontsize=9)
     right.set_yscale("log")
-    left.legend(fontsize=8)
+    handles, labels = left.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle("all-MiniLM-L6-v2 on 2 CPU cores, short texts: Ember beside peer servers",
                  fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(out, dpi=110)
 
 
@@ -137,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     idle_rule(read_json(DOCS / "scheduler.json"), DOCS / "idle_rule.png")
     if (DOCS / "peers.json").exists():
         peers(read_json(DOCS / "peers.json"), DOCS / "peers.png")
-    print(f"[plots] wrote {DOCS}/headline.png, frontend.png, idle_rule.png, peers.png", file=sys.stderr)
+    print(f"[plots] wrote {DOCS}/headline.png, frontend.png, idle_rule.png, peers.png",
+          file=sys.stderr)
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -119,3 +120,13 @@ def test_the_report_renders_every_server_and_case_from_a_result() -> None:
     assert "no HTTP): 380-450 items/s over 2 measures" in text
     assert "with torch (tokenize + forward, best batch, no HTTP): 210-210 items/s" in text
     assert "inf min 0.99991" in text
+
+
+def test_the_published_result_renders_with_every_server_and_load() -> None:
+    published = Path(__file__).resolve().parents[2] / "docs" / "bench" / "peers.json"
+    data = json.loads(published.read_text(encoding="utf-8"))
+    text = peers.markdown(data)
+    for name in data["servers"]:
+        for case in data["summary"]:
+            assert f"| {peers.CASE_LABELS[case]} | {name} |" in text
+    assert all(a["min_cosine"] >= peers.MIN_COSINE for a in data["load"]["agreement"].values())
