@@ -11,7 +11,7 @@ Ember runs as `ember serve` with its defaults (the default model, the ONNX CPU b
         --peer infinity="/tmp/peers/infinity/bin/infinity_emb v2 --model-id {model} \
             --served-model-name sentence-transformers/all-MiniLM-L6-v2 --url-prefix /v1 \
             --host {host} --port {port} --device cpu --log-level warning" \
-        --ready infinity=/v1/health
+        --ready infinity=/health
 
 Every server runs at once on 127.0.0.1 (the idle ones' CPU is recorded too); before any
 load, each must return embeddings for the same texts whose cosine to Ember's is >= 0.99,
@@ -479,6 +479,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvloop
 
     plan = QUICK if args.quick else FULL
+    # A SIGTERM unwinds like an error, so the `finally` below still stops every server.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     began = time.perf_counter()
     model = model_dir()
     data: Json = {"meta": benchlib.meta(sys.argv), "settings": {
