@@ -251,6 +251,12 @@ def agreement(reference: Sequence[Sequence[float]],
             "min_cosine": min(values), "mean_cosine": sum(values) / len(values)}
 
 
+def disagreeing(agreements: Mapping[str, Json]) -> dict[str, float]:
+    """The servers whose worst cosine is under MIN_COSINE (or not a number), with it."""
+    return {name: a["min_cosine"] for name, a in agreements.items()
+            if not a["min_cosine"] >= MIN_COSINE}
+
+
 async def check_agreement(session: Any, targets: Sequence[Target],
                           texts: Sequence[str]) -> Json:
     """Every server's vectors for the same texts against Ember's; below MIN_COSINE fails."""
@@ -263,7 +269,7 @@ async def check_agreement(session: Any, targets: Sequence[Target],
                 raise RuntimeError(f"{target.name}: HTTP {response.status}: {payload[:300]!r}")
         vectors[target.name] = parse_embeddings(payload)
     out = {name: agreement(vectors[EMBER], got) for name, got in vectors.items()}
-    bad = {name: a["min_cosine"] for name, a in out.items() if not a["min_cosine"] >= MIN_COSINE}
+    bad = disagreeing(out)
     if bad:
         raise RuntimeError(f"not the same embeddings as Ember's (min cosine {bad}); "
                            "the comparison would not be like for like")

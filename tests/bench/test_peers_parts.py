@@ -85,6 +85,16 @@ def test_agreement_reports_the_worst_text_and_refuses_mismatched_shapes() -> Non
         peers.cosine([1.0, 0.0], [1.0, 0.0, 0.0])
 
 
+def test_a_server_whose_vectors_differ_or_are_not_numbers_is_refused() -> None:
+    reference = [[1.0, 0.0], [0.0, 1.0]]
+    same = peers.agreement(reference, [[3.0, 0.0], [0.0, 0.5]])
+    rotated = peers.agreement(reference, [[1.0, 0.0], [0.2, 1.0]])  # cosine 0.98
+    not_numbers = peers.agreement(reference, peers.parse_embeddings(
+        b'{"data": [{"embedding": [NaN, 0]}, {"embedding": [0, 1]}]}'))
+    assert peers.disagreeing({"ember": same, "a": same, "b": rotated, "c": not_numbers}
+                             ).keys() == {"b", "c"}
+
+
 def run(items_per_s: float, p50: float, cpu: float = 1.0) -> dict[str, Any]:
     return {"requests": 10, "requests_per_s": items_per_s, "items_per_s": items_per_s,
             "latency_p50_ms": p50, "latency_p99_ms": 2 * p50, "server_cpu_cores": cpu,
