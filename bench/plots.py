@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The plots of docs/benchmarks.md, drawn from the JSON beside it (no benchmark runs here).
 
-    python bench/plots.py            # writes docs/bench/{headline,frontend,idle_rule}.png
+    python bench/plots.py            # writes docs/bench/{headline,frontend,idle_rule,peers}.png
 """
 
 from __future__ import annotations
@@ -91,13 +91,55 @@ def idle_rule(scheduler: Json, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def peers(data: Json, out: Path) -> None:
+    """Ember beside peer servers (same model, same texts, interleaved): items/s and client
+    latency p50 by load, each bar the median of the repetitions, whiskers their min-max;
+    the bands are the model alone (best batch, no HTTP; ONNX and torch) before and after
+    the load."""
+    cases = [("sequential", "1 at a time"), ("c8", "8 in flight"), ("c32", "32 in flight"),
+             ("batch32_c4", "32 texts a request,\n4 in flight")]
+    names = list(data["servers"])
+    colors = ["#d9534f", "#5b8bd9", "#5cb85c", "#f0ad4e", "#8e6cc0", "#777777"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs = [c + (i - (len(names) - 1) / 2) * width for c in range(len(cases))]
+        for ax, metric in ((left, "items_per_s"), (right, "latency_p50_ms")):
+            runs = [[r[metric] for r in data["load"]["cases"][case]["reps"][name]]
+                    for case, _ in cases]
+            mid = [data["summary"][case][name]["median"][metric] for case, _ in cases]
+            ax.bar(xs, mid, width, label=name, color=colors[i % len(colors)],
+                   yerr=[[m - min(r) for m, r in zip(mid, runs, strict=True)],
+                         [max(r) - m for m, r in zip(mid, runs, strict=True)]], capsize=2, zorder=2)
+    for key, color, label in (("limit", "#bbbbbb", "the model alone, ONNX (Ember's backend)"),
+                              ("limit_torch", "#d8c8ea", "the model alone, torch")):
+        limits = [phase["best_items_per_s"]["short"] for phase in data.get(key, [])]
+        if limits:
+            left.axhspan(min(limits), max(limits), color=color, alpha=0.6, label=label,
+                         zorder=0)
+    for ax, label in ((left, "items/s (higher is better)"),
+                      (right, "latency p50 at the client, ms (lower is better)")):
+        ax.set_xticks(range(len(cases)), [text for _, text in cases], fontsize=8)
+        ax.set_ylabel(label, fontsize=9)
+    right.set_yscale("log")
+    handles, labels = left.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.suptitle("all-MiniLM-L6-v2 on 2 CPU cores, short texts: Ember beside peer servers",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(out, dpi=110)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     headline(read_json(DOCS / "http.json"), DOCS / "headline.png")
     extra = DOCS / "request_path.json"
     frontend(read_json(DOCS / "frontend.json"), read_json(extra) if extra.exists() else None,
              DOCS / "frontend.png")
     idle_rule(read_json(DOCS / "scheduler.json"), DOCS / "idle_rule.png")
-    print(f"[plots] wrote {DOCS}/headline.png, frontend.png, idle_rule.png", file=sys.stderr)
+    if (DOCS / "peers.json").exists():
+        peers(read_json(DOCS / "peers.json"), DOCS / "peers.png")
+    print(f"[plots] wrote {DOCS}/headline.png, frontend.png, idle_rule.png, peers.png",
+          file=sys.stderr)
     return 0
 
 

@@ -10,7 +10,11 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 landed=()
 [ -n "${1:-}" ] && landed=(--landed-src "$1" --landed-args "--workers 2")
-timeout 120 "$PY" bench/engine.py --out docs/bench/engine.json
+if [ -n "${1:-}" ]; then
+  timeout 300 "$PY" bench/engine.py --landed-src "$1" --reps 6 --out docs/bench/engine.json
+else
+  timeout 120 "$PY" bench/engine.py --out docs/bench/engine.json
+fi
 timeout 200 "$PY" bench/scheduler.py --costs gpu --scenarios open_mixed_120 --reps 3 \
   --out docs/bench/overload.json
 timeout 400 "$PY" bench/frontend.py --levels 32,128 --texts-per-request 1 --reps 3 \
