@@ -16,7 +16,8 @@ The windows (docs/architecture.md, "Self-tuning windows"): with a forward costin
   bites when the queue is deep, where forwards are full, so a batch may pad up to
   `1 + (fixed / per_token) / (max_batch_items x tokens per item)`; where that passes
   1.5 (a GPU: padding is nearly free), the bound is off.
-Neither window ever exceeds the fixed defaults, and a window set by hand stays.
+The time windows never exceed the fixed defaults, the padding bound never goes under
+1.05, and a window set by hand stays as set.
 """
 
 from __future__ import annotations
