@@ -8,18 +8,16 @@ forward it ran to `observe`.
 
 The windows (docs/architecture.md, "Self-tuning windows"): with a forward costing
 `fixed + per_token x padded tokens`,
-- waiting is worth at most one forward: the batch wait bound is the median forward's
-  time (WAIT_OF_FORWARD), the idle burst's quiet window a quarter of it
-  (QUIET_OF_FORWARD), and never longer than twice the gaps between the burst's own
-  arrivals (a stream that comes faster is over sooner). Where the fixed part dominates
-  (a GPU) a forward is short and so are the windows; where the cost grows with tokens
-  (a CPU) forwards are long and a fuller one saves more, so the windows reach the
-  fixed defaults;
+- waiting is worth at most what one fewer forward saves, its fixed part: the batch
+  wait bound is WAIT_OF_FIXED x fixed, the idle burst's quiet window
+  QUIET_OF_FIXED x fixed, and never longer than twice the gaps between the burst's
+  own arrivals (a stream that comes faster is over sooner);
 - padding is worth taking while it costs less than a forward's fixed part: the bound
   bites when the queue is deep, where forwards are full, so a batch may pad up to
   `1 + (fixed / per_token) / (max_batch_items x tokens per item)`; where that passes
   1.5 (a GPU: padding is nearly free), the bound is off.
-Neither window ever exceeds the fixed defaults, and a window set by hand stays.
+The time windows never exceed the fixed defaults, the padding bound never goes under
+1.05, and a window set by hand stays as set.
 """
 
 from __future__ import annotations
@@ -35,8 +33,8 @@ from ember.engine.config import (
 )
 from ember.engine.costfit import CostEstimate, CostFit
 
-WAIT_OF_FORWARD = 1.0  # batch wait bound, in median forwards
-QUIET_OF_FORWARD = 0.25  # idle burst's quiet window, in median forwards
+WAIT_OF_FIXED = 0.5  # batch wait bound, in forwards' fixed parts
+QUIET_OF_FIXED = 0.25  # idle burst's quiet window, in forwards' fixed parts
 QUIET_OF_GAPS = 2.0  # ... and in mean gaps between the burst's arrivals
 PADDING_OFF_AT = 1.5  # a learned padding bound this loose is no bound: off
 
@@ -80,8 +78,8 @@ def derive_windows(config: WorkerConfig, cost: CostEstimate | None) -> Windows:
     `config` wins; `dispatch="fixed"` or no estimate gives the fixed defaults."""
     if config.dispatch == "fixed" or cost is None:
         return Windows(config.batch_wait_ms, config.coalesce_ms, config.padding, False)
-    wait = min(FIXED_MAX_BATCH_WAIT_MS, WAIT_OF_FORWARD * cost.forward_ms)
-    quiet = min(FIXED_IDLE_COALESCE_MS, QUIET_OF_FORWARD * cost.forward_ms)
+    wait = min(FIXED_MAX_BATCH_WAIT_MS, WAIT_OF_FIXED * cost.fixed_ms)
+    quiet = min(FIXED_IDLE_COALESCE_MS, QUIET_OF_FIXED * cost.fixed_ms)
     full_forward = config.max_batch_items * max(cost.item_tokens, 1.0)  # real tokens
     padding = 1 + cost.tokens_per_fixed / full_forward
     padding = 0.0 if padding >= PADDING_OFF_AT else max(FIXED_MAX_PADDING, padding)
