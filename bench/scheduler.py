@@ -126,7 +126,8 @@ POLICIES: dict[str, WorkerConfig] = {
 }
 # Run only where lengths differ (the mixed open loop): the padding bound off.
 MIXED_ONLY: dict[str, WorkerConfig] = {"earlyform": WorkerConfig(),
-                                        "nopad": WorkerConfig(max_padding=0.0)}
+                                        "nopad": WorkerConfig(max_padding=0.0),
+                                        "fixed": WorkerConfig(dispatch="fixed")}
 POLICY_CLASSES: dict[str, type[DispatchPolicy]] = {"earlier": EarlierIdleRule}
 FORMERS: dict[str, Callable[[WorkerConfig], BatchFormer]] = {"earlyform": EarlierFormation}
 CONTROL = "default-again"  # the A/A control: the default policy run a second time
@@ -138,6 +139,7 @@ POLICY_LABELS = {
     CONTROL: "default again (A/A control)",
     "earlyform": "earlier formation (cheapest first; a starved item leads)",
     "nopad": "max_padding=0 (no padding bound)",
+    "fixed": "dispatch fixed (the windows before self-tuning)",
 }
 PLOT_LABELS = {"default": "default", "idle0": "idle_coalesce_ms=0", "nohold": "no hold",
                "earlier": "earlier idle rule"}
