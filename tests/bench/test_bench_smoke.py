@@ -73,7 +73,7 @@ def test_scheduler_quick_run_writes_json_plot_and_tables(tmp_path: Path) -> None
                 policies.add("default-again")
             if scenario["kind"] == "open_mixed":
                 # the earlier formation rule and the padding bound off, where lengths differ
-                policies |= {"earlyform", "nopad"}
+                policies |= {"earlyform", "nopad", "fixed"}
             assert set(scenario["reps"]) == policies
             assert all(len(runs) == data["settings"]["reps"] for runs in scenario["reps"].values())
             check_summary(scenario["summary"], policies, SCHEDULER_METRICS[scenario["kind"]])

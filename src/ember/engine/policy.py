@@ -12,12 +12,12 @@ The windows (docs/architecture.md, "Self-tuning windows"): with a forward costin
   wait bound is WAIT_OF_FIXED x fixed, the idle burst's quiet window
   QUIET_OF_FIXED x fixed, and never longer than twice the gaps between the burst's
   own arrivals (a stream that comes faster is over sooner);
-- padding is worth taking while it costs less than a forward's fixed part: the bound
-  bites when the queue is deep, where forwards are full, so a batch may pad up to
-  `1 + (fixed / per_token) / (max_batch_items x tokens per item)`; where that passes
-  1.5 (a GPU: padding is nearly free), the bound is off.
-The time windows never exceed the fixed defaults, the padding bound never goes under
-1.05, and a window set by hand stays as set.
+- padding is worth taking while it costs less than a forward's fixed part: where the
+  padding a full forward (max_batch_items x tokens per item) may take for its fixed part,
+  `1 + (fixed / per_token) / full forward`, passes 1.5 (a GPU: padding is nearly free),
+  the bound is off; elsewhere it stays at the fixed 1.05, because a looser bound between
+  the two broke the overload wait bound (R5) without serving more (docs/benchmarks.md).
+The time windows never exceed the fixed defaults, and a window set by hand stays as set.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def derive_windows(config: WorkerConfig, cost: CostEstimate | None) -> Windows:
     quiet = min(FIXED_IDLE_COALESCE_MS, QUIET_OF_FIXED * cost.fixed_ms)
     full_forward = config.max_batch_items * max(cost.item_tokens, 1.0)  # real tokens
     padding = 1 + cost.tokens_per_fixed / full_forward
-    padding = 0.0 if padding >= PADDING_OFF_AT else max(FIXED_MAX_PADDING, padding)
+    padding = 0.0 if padding >= PADDING_OFF_AT else FIXED_MAX_PADDING
     learned = None in (config.max_batch_wait_ms, config.idle_coalesce_ms, config.max_padding)
     return Windows(
         wait if config.max_batch_wait_ms is None else config.max_batch_wait_ms,
