@@ -118,19 +118,11 @@ class Server:
 
     def wait_ready(self, timeout_s: float = 180.0) -> float:
         """Seconds until GET /readyz answered 200; raises if the server exits or is late."""
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout_s:
-            if self.process is None or self.process.poll() is not None:
-                code = None if self.process is None else self.process.returncode
-                raise RuntimeError(f"ember serve exited with {code}:\n{self._log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/readyz", timeout=2) as response:
-                    if response.status == 200:
-                        return time.perf_counter() - t0
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"ember serve not ready after {timeout_s} s:\n{self._log_tail()}")
+        waited = poll_ready(f"{self.url}/readyz", self.process, timeout_s)
+        if waited is None:
+            code = None if self.process is None else self.process.returncode
+            raise RuntimeError(f"ember serve exited with {code}:\n{self._log_tail()}")
+        return waited
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         """SIGTERM (the server drains), then a kill if it outlives `timeout_s`."""
@@ -351,3 +343,21 @@ def batch_deltas(before: Mapping[str, float], after: Mapping[str, float]) -> Jso
             else float("nan"),
             "forwards_per_request": forwards / delta("ember_batch_requests_sum") if ok
             else float("nan")}
+
+
+def poll_ready(url: str, process: subprocess.Popen[bytes] | None, timeout_s: float,
+               every_s: float = 0.2) -> float | None:
+    """Seconds until GET `url` answered 200; None if `process` exited (or never started)
+    first; TimeoutError after `timeout_s`."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        if process is None or process.poll() is not None:
+            return None
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return time.perf_counter() - t0
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(every_s)
+    raise TimeoutError(f"{url} not ready after {timeout_s} s")

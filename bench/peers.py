@@ -36,8 +36,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -168,19 +166,11 @@ class PeerServer:
         return self
 
     def wait_ready(self, timeout_s: float = 180.0) -> float:
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < timeout_s:
-            if self.process is None or self.process.poll() is not None:
-                tail = self.log.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.spec.name} exited:\n{tail}")
-            try:
-                with urllib.request.urlopen(self.url + self.spec.ready, timeout=2) as response:
-                    if response.status == 200:
-                        return time.perf_counter() - t0
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"{self.spec.name} not ready after {timeout_s} s")
+        waited = loadgen.poll_ready(self.url + self.spec.ready, self.process, timeout_s, 0.3)
+        if waited is None:
+            tail = self.log.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{self.spec.name} exited:\n{tail}")
+        return waited
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM to its process group, then SIGKILL to the group if it lingers."""
