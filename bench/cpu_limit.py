@@ -152,10 +152,6 @@ def run_limit(quick: bool) -> Json:
 
 # -- Ember over HTTP ----------------------------------------------------------------------
 
-def tree_cpu_s(pid: int) -> float:
-    return sum(cpu for _, cpu in loadgen.tree_cpu(pid).values())
-
-
 async def gap_counters(session: Any, base: str) -> dict[str, float]:
     """The server's device-idle gaps (seconds and count, by cause), summed over models."""
     async with session.get(f"{base}/metrics") as response:
@@ -178,7 +174,7 @@ async def measure_server(server: loadgen.Server, plan: Plan) -> Json:
         out["sequential"] = await loadgen.sequential(session, url, short, plan.sequential)
         for clients in (8, 32):
             async def snapshot() -> Json:
-                return {"cpu_s": tree_cpu_s(server.pid),
+                return {"cpu_s": loadgen.tree_cpu_seconds(server.pid),
                         "gaps": await gap_counters(session, server.url),
                         "batches": await loadgen.batch_counters(session, server.url, MODEL)}
 
@@ -202,9 +198,10 @@ async def measure_server(server: loadgen.Server, plan: Plan) -> Json:
                                             plan.closed_s)
         out["c8_contended"] = run.summary()
     await asyncio.sleep(plan.idle_delay_s)
-    cpu0, wall0 = tree_cpu_s(server.pid), time.perf_counter()
+    cpu0, wall0 = loadgen.tree_cpu_seconds(server.pid), time.perf_counter()
     await asyncio.sleep(plan.idle_s)
-    out["idle_cpu_cores"] = (tree_cpu_s(server.pid) - cpu0) / (time.perf_counter() - wall0)
+    idle_cpu = loadgen.tree_cpu_seconds(server.pid) - cpu0
+    out["idle_cpu_cores"] = idle_cpu / (time.perf_counter() - wall0)
     return out
 
 

@@ -182,6 +182,13 @@ def tree_cpu(pid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
+def tree_cpu_seconds(pid: int | None) -> float:
+    """CPU seconds of `pid`'s whole process tree (NaN for a server not started here)."""
+    if pid is None:
+        return float("nan")
+    return sum(cpu for _, cpu in tree_cpu(pid).values())
+
+
 def tree_cpu_delta(before: Mapping[int, tuple[str, float]],
                    after: Mapping[int, tuple[str, float]]) -> dict[str, float]:
     """CPU seconds each process spent between two `tree_cpu` snapshots, by label (in pid

@@ -225,13 +225,6 @@ def serve_args(args: argparse.Namespace, folder: Path, names: dict[str, str]) ->
     return out
 
 
-def tree_cpu_seconds(pid: int | None) -> float:
-    """CPU seconds of the server's whole process tree (NaN for a server not started here)."""
-    if pid is None:
-        return float("nan")
-    return sum(cpu for _, cpu in loadgen.tree_cpu(pid).values())
-
-
 # -- load ------------------------------------------------------------------------------------
 
 async def closed_loop(session: Any, base: str, model: str, payloads: Sequence[bytes],
@@ -239,7 +232,7 @@ async def closed_loop(session: Any, base: str, model: str, payloads: Sequence[by
                       server_pid: int | None) -> Json:
     """One closed loop on `model`: throughput, latency, batches and CPU (client, server)."""
     async def snapshot() -> Json:
-        return {"server_cpu_s": tree_cpu_seconds(server_pid),
+        return {"server_cpu_s": loadgen.tree_cpu_seconds(server_pid),
                 "counters": await loadgen.batch_counters(session, base, model)}
 
     run = await loadgen.closed_loop(session, f"{base}/v1/encode/{model}", payloads, clients,

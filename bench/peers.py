@@ -268,10 +268,6 @@ async def check_agreement(session: Any, targets: Sequence[Target],
 
 # -- load -----------------------------------------------------------------------------------------
 
-def tree_cpu_seconds(pid: int) -> float:
-    return sum(cpu for _, cpu in loadgen.tree_cpu(pid).values())
-
-
 async def measure(session: Any, target: Target, others: Sequence[Target], case: Case,
                   bodies: Sequence[bytes], plan: PeerPlan) -> Json:
     """One case on one server: requests/s, items/s, client latency, CPU of its process
@@ -280,16 +276,16 @@ async def measure(session: Any, target: Target, others: Sequence[Target], case: 
     if case.in_flight == 0:
         for body in bodies[:5]:
             await loadgen.post(session, url, body)
-        cpu0 = {t.name: tree_cpu_seconds(t.pid) for t in (target, *others)}
+        cpu0 = {t.name: loadgen.tree_cpu_seconds(t.pid) for t in (target, *others)}
         t0 = time.perf_counter()
         latencies = [(await loadgen.post(session, url, bodies[i % len(bodies)])).latency_ms
                      for i in range(plan.sequential)]
         wall = time.perf_counter() - t0
-        cpu1 = {t.name: tree_cpu_seconds(t.pid) for t in (target, *others)}
+        cpu1 = {t.name: loadgen.tree_cpu_seconds(t.pid) for t in (target, *others)}
         rate = len(latencies) / wall
     else:
         async def snapshot() -> Json:
-            return {t.name: tree_cpu_seconds(t.pid) for t in (target, *others)}
+            return {t.name: loadgen.tree_cpu_seconds(t.pid) for t in (target, *others)}
 
         run = await loadgen.closed_loop(session, url, bodies, case.in_flight, plan.warmup_s,
                                         plan.closed_s, snapshot)

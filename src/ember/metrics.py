@@ -218,7 +218,8 @@ class Metrics:
 
         def on_gap(gap: IdleGap) -> None:
             for cause, seconds in gap.by_cause().items():
-                gap_seconds[cause].inc(seconds)
+                if seconds > 0:  # each write costs a lock and a file write in --workers mode
+                    gap_seconds[cause].inc(seconds)
                 if seconds >= GAP_FLOOR_S:
                     gap_count[cause].inc()
 

@@ -153,7 +153,7 @@ def test_fixed_dispatch_learns_nothing() -> None:
     policy = DispatchPolicy(WorkerConfig(dispatch="fixed"))
     for _ in range(100):
         policy.observe(None, 100, 100, 4, 0.002)
-    assert policy.cost() is None and policy.windows() == policy.fixed
+    assert policy.cost() is None and policy.windows() == derive_windows(policy.config, None)
 
 
 async def test_the_worker_feeds_its_forwards_to_the_policy() -> None:

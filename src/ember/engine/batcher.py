@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -108,6 +108,11 @@ class Batch:
         self.items.append(pending)
         self.widest = max(self.widest, pending.item.cost)
         self.real_tokens += pending.item.cost
+
+    def add_level(self, level: list[PendingItem]) -> None:
+        """Add items that cost exactly the batch's widest, already out of their queue."""
+        self.items.extend(level)
+        self.real_tokens += self.widest * len(level)
 
     def remove(self, owner: Owner) -> int:
         """Drop the items of `owner`; return how many left."""
@@ -217,12 +222,7 @@ class BatchFormer:
             return False
         pending.queued = False
         self._groups[pending.group].forget(cost_bucket(pending.item.cost))
-        left = self._per_owner[pending.owner] - 1
-        if left:
-            self._per_owner[pending.owner] = left
-        else:
-            del self._per_owner[pending.owner]
-        self._count -= 1
+        self._left((pending,))
         return True
 
     def form(self, lora: str | None = None) -> Batch | None:
@@ -253,14 +253,18 @@ class BatchFormer:
         """Counters for the items `batch` took out of the queue (`taken`: per bucket)."""
         for key, count in taken.items():
             group.forget(key, count)
+        self._left(batch.items)
+
+    def _left(self, items: Sequence[PendingItem]) -> None:
+        """Per-request counts for `items`, which left the queue (taken or dropped)."""
         owners = self._per_owner
-        for pending in batch.items:
+        for pending in items:
             left = owners[pending.owner] - 1
             if left:
                 owners[pending.owner] = left
             else:
                 del owners[pending.owner]
-        self._count -= len(batch.items)
+        self._count -= len(items)
 
     def _pack(self, batch: Batch, group: _Group, low: int, high: int,
               taken: dict[int, int]) -> None:
@@ -313,9 +317,7 @@ class BatchFormer:
                 pending.queued = False
                 level.append(pending)
             bucket.popleft()  # taken, or a tombstone
-        if level:
-            batch.items.extend(level)
-            batch.real_tokens += cost * len(level)
+        batch.add_level(level)
         return len(level)
 
     @staticmethod

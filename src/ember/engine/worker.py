@@ -426,10 +426,10 @@ class ModelWorker:
         lane.last_forward = LastForward(forward.ended, len(requests), elapsed,
                                         lane.senders_return)
         lane.arrived_at_last_end = lane.arrived
+        hold = self.policy.hold_s(len(requests), elapsed, batch.lora)  # 0 for one request
         if len(requests) >= 2:
             lane.probe_target = lane.arrived + (len(requests) + 1) // 2
-            lane.probe_end = forward.ended + self.policy.hold_s(len(requests), elapsed,
-                                                                batch.lora)
+            lane.probe_end = forward.ended + hold
         if forward.error is None:  # the cost model learns; the padding bound may follow
             self.policy.observe(batch.lora, batch.padded_tokens, batch.real_tokens,
                                 len(batch.items), elapsed)
@@ -440,15 +440,14 @@ class ModelWorker:
             log.debug("%s: forward started=%.6f ended=%.6f items=%d requests=%d padded=%d "
                       "senders_return=%s", self.name, forward.started, forward.ended,
                       len(batch.items), len(requests), batch.padded_tokens, lane.senders_return)
-        held = (self.policy.hold_s(len(requests), elapsed, batch.lora)
-                if lane.senders_return else 0.0)
         self.stats.record_batch(BatchRecord(len(batch.items), len(requests),
                                             batch.padded_tokens, batch.lora, elapsed * 1000,
                                             forward.error is not None, forward.started,
                                             forward.ended, batch.real_tokens,
                                             forward.dispatched,  # idle gaps: stats.py
                                             min(p.arrival for p in batch.items),
-                                            forward.ended + held))
+                                            forward.ended
+                                            + (hold if lane.senders_return else 0.0)))
         if forward.error is None:
             for pending, value in zip(batch.items, forward.values, strict=True):
                 owner: _Request = pending.owner  # type: ignore[assignment]
