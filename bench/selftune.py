@@ -42,7 +42,7 @@ import sys
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -98,6 +98,7 @@ class Device:
     adapter: Callable[[], Adapter]
     short: list[Request]  # one text of ~13 tokens each
     mixed: list[Request]  # one text of 5-120 words each
+    fills_host_cores: bool  # a forward keeps every core busy (the server tells its worker)
 
 
 def synthetic_device(name: str) -> Device:
@@ -106,7 +107,7 @@ def synthetic_device(name: str) -> Device:
     mixed = [([PreparedItem(f"mixed {i}", int(c), 0)], "encode")
              for i, c in enumerate(rng.integers(5, 121, POOL))]
     cost = SYNTHETIC_COSTS[name]
-    return Device(name, lambda: BenchAdapter(cost), short, mixed)
+    return Device(name, lambda: BenchAdapter(cost), short, mixed, False)
 
 
 def onnx_device() -> Device:
@@ -124,7 +125,8 @@ def onnx_device() -> Device:
             out.append((list(items), params))
         return out
 
-    return Device("onnx", lambda: adapter, prepare("short"), prepare("mixed"))
+    return Device("onnx", lambda: adapter, prepare("short"), prepare("mixed"),
+                  adapter.fills_host_cores)
 
 
 # -- loads ---------------------------------------------------------------------------
@@ -219,6 +221,7 @@ def loads(device: Device, plan: Plan, capacity: float) -> dict[str, Body]:
 
 async def with_worker(device: Device, config: WorkerConfig, body: Body, plan: Plan,
                       seed: int) -> Json:
+    config = replace(config, forward_fills_cores=device.fills_host_cores)
     worker = ModelWorker(device.adapter(), config, name="bench")
     await worker.start()
     try:
@@ -234,7 +237,8 @@ async def with_worker(device: Device, config: WorkerConfig, body: Body, plan: Pl
 
 async def sequential_queue(device: Device, requests: int) -> Json:
     """One client, one request at a time, under the default: queue time per request."""
-    worker = ModelWorker(device.adapter(), WorkerConfig(), name="bench")
+    config = WorkerConfig(forward_fills_cores=device.fills_host_cores)
+    worker = ModelWorker(device.adapter(), config, name="bench")
     await worker.start()
     queue: list[float] = []
     try:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ember.adapters.base import EncodeOptions
+from ember.adapters.base import EncodeOptions, Runtime, usable_cores
 from ember.config import ModelSpec, load_catalog, parse_spec, spec_from_directory
 from ember.errors import ModelLoadError, ModelNotFound
 from ember.registry import Registry, RegistryLimits
@@ -89,6 +89,19 @@ async def test_memory_budget_evicts_to_fit_real_models() -> None:
     await registry.get(names[1])  # does not fit beside it
     assert list(registry.loaded) == [names[1]]
     await registry.close()
+
+
+async def test_each_worker_knows_whether_its_forwards_fill_the_cores() -> None:
+    name = "sentence-transformers/all-MiniLM-L6-v2"
+    spec = load_catalog()[name]
+    cases = [(Runtime(), True), (Runtime(backend="torch"), usable_cores() == 1)]
+    if usable_cores() > 1:  # a core left to the front end: the hold stays short
+        cases.append((Runtime(onnx_threads=usable_cores() - 1), False))
+    for runtime, fills in cases:
+        registry = Registry({name: spec, "a": synthetic("a")}, runtime)
+        assert (await registry.get(name)).worker.config.forward_fills_cores is fills
+        assert (await registry.get("a")).worker.config.forward_fills_cores is False
+        await registry.close()
 
 
 async def test_close_drains_every_worker() -> None:

@@ -7,7 +7,7 @@ import importlib
 import logging
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 from ember import heap
@@ -255,8 +255,9 @@ class Registry(CatalogLookup):
             load = self._loader(spec.adapter)
             adapter = await asyncio.to_thread(load, spec, self.runtime)
             seconds = time.monotonic() - started
-            worker = self._new_worker(adapter, spec.worker_config(self.worker_config),
-                                      name=spec.name)
+            config = replace(spec.worker_config(self.worker_config),
+                             forward_fills_cores=adapter.fills_host_cores)
+            worker = self._new_worker(adapter, config, name=spec.name)
             await worker.start()
             model = LoadedModel(spec, adapter, worker, adapter.memory_bytes(), seconds)
             for hook in self.on_worker:

@@ -10,7 +10,13 @@ import pytest
 
 from ember.adapters._backend import choose_backend
 from ember.adapters._onnx import session_options
-from ember.adapters.base import Runtime, default_onnx_threads, default_threads, usable_cores
+from ember.adapters.base import (
+    Runtime,
+    default_onnx_threads,
+    default_threads,
+    forward_fills_cores,
+    usable_cores,
+)
 from ember.cli import build_parser, main, settings_from
 from ember.config import CatalogError, ModelSpec, Source, Spinning, parse_spec
 from ember.errors import ModelLoadError
@@ -106,3 +112,14 @@ def test_which_backend_a_model_gets(spec: ModelSpec, runtime: Runtime, backend: 
 def test_contradictions_are_refused(spec: ModelSpec, message: str) -> None:
     with pytest.raises(ModelLoadError, match=message):
         choose_backend(spec, Runtime())
+
+
+def test_a_forward_fills_the_cores_with_a_thread_on_each_on_cpu_only() -> None:
+    cores = usable_cores()
+    assert forward_fills_cores(Runtime(), "onnx")  # ONNX Runtime's default: every core
+    assert forward_fills_cores(Runtime(onnx_threads=cores), "onnx")
+    assert forward_fills_cores(Runtime(torch_threads=cores), "torch")
+    assert forward_fills_cores(Runtime(), "torch") is (cores == 1)  # torch leaves one free
+    if cores > 1:
+        assert not forward_fills_cores(Runtime(onnx_threads=cores - 1), "onnx")
+    assert not forward_fills_cores(Runtime(device="cuda", torch_threads=cores), "torch")

@@ -128,6 +128,51 @@ def test_settings_override_and_fixed_dispatch_keeps_the_defaults() -> None:
     assert derive_windows(WorkerConfig(), None) == fixed  # nothing learned yet
 
 
+def test_a_forward_that_fills_the_cores_holds_for_its_senders_up_to_half_of_it() -> None:
+    cpu = estimate(13.0, 240.0)
+    fills = WorkerConfig(forward_fills_cores=True)
+    for cost in (None, cpu):  # learned or not
+        windows = derive_windows(fills, cost)
+        assert (windows.hold_of_forward, windows.hold_max_ms) == (0.5, None)
+        shared = derive_windows(WorkerConfig(), cost)  # a core left to the front end
+        assert shared.hold_of_forward == 0.25
+        assert shared.hold_max_ms == shared.max_batch_wait_ms
+    # A wait set by hand, or fixed dispatch, keeps the hold as it was.
+    by_hand = derive_windows(WorkerConfig(forward_fills_cores=True, max_batch_wait_ms=10.0), cpu)
+    fixed = derive_windows(WorkerConfig(forward_fills_cores=True, dispatch="fixed"), cpu)
+    assert (by_hand.hold_of_forward, by_hand.hold_max_ms) == (0.25, 10.0)
+    assert (fixed.hold_of_forward, fixed.hold_max_ms) == (0.25, 10.0)
+    assert derive_windows(WorkerConfig(forward_fills_cores=True, hold_fraction=0.0),
+                          cpu).hold_of_forward == 0  # the hold stays off when turned off
+
+    policy = DispatchPolicy(fills)
+    assert policy.hold_s(8, 0.040) == pytest.approx(0.020)  # half the forward, past 10 ms
+    assert DispatchPolicy(WorkerConfig()).hold_s(8, 0.040) == pytest.approx(0.010)
+    assert policy.hold_s(1, 0.040) == 0  # one sender: nobody to wait for
+
+
+def test_the_long_hold_ends_when_the_senders_are_back_or_stop_coming() -> None:
+    policy = DispatchPolicy(WorkerConfig(forward_fills_cores=True))
+    last = LastForward(ended=1.0, requests=8, duration=0.060, senders_return=True)  # hold 30 ms
+    # 5 of 8 back, 2 ms apart, the last 2 ms ago: they are still coming, so the batch
+    # waits (asked again at each return) until 10 ms without one...
+    coming = QueueView(5, False, 1.002, 1.010, 5, senders_return=True)
+    assert policy.release_at(coming, last, None, 1.012) == pytest.approx(1.020)
+    # ... where a forward that leaves a core free held 10 ms at most: it goes now.
+    shared = DispatchPolicy(WorkerConfig())
+    assert shared.release_at(coming, last, None, 1.012) == 1.012
+    # 7 back, the last at 25 ms: the hold's own bound, half the forward, ends it.
+    late = QueueView(7, False, 1.002, 1.025, 7, senders_return=True)
+    assert policy.release_at(late, last, None, 1.026) == pytest.approx(1.030)
+    # All 8 back: they go at once.
+    back = QueueView(8, False, 1.002, 1.016, 8, senders_return=True)
+    assert policy.release_at(back, last, None, 1.016) == 1.016
+    # 3 back and none for the fixed batch wait since: the hold ends there, not at 30 ms.
+    stopped = QueueView(3, False, 1.001, 1.003, 3, senders_return=True)
+    assert policy.release_at(stopped, last, None, 1.005) == pytest.approx(1.013)
+    assert policy.release_at(stopped, last, None, 1.014) == 1.014
+
+
 def test_the_policy_learns_per_lora_and_a_lone_request_still_goes_at_once() -> None:
     policy = DispatchPolicy(WorkerConfig())
     rng = np.random.default_rng(4)

@@ -22,6 +22,7 @@ from ember.adapters.base import (
     Submit,
     TaskOutput,
     default_threads,
+    forward_fills_cores,
 )
 from ember.config import ModelSpec
 from ember.engine.types import PreparedItem, RequestResult
@@ -199,6 +200,7 @@ class TorchModel:
         self.device = torch.device(runtime.device)
         self.pad_id = int(tokenizer.pad_token_id or 0)
         self.model = model
+        self.fills_host_cores = forward_fills_cores(runtime, model.backend)
 
     def set_lora(self, name: str | None) -> None:
         """Runs in the worker's thread, between forwards."""

@@ -123,7 +123,13 @@ class TaskModel(Protocol):
 
 
 class ModelAdapter(TaskModel, Protocol):
-    """A whole model, what the registry loads: the request path and the forward half."""
+    """A whole model, what the registry loads: the request path and the forward half.
+    `fills_host_cores`: its forwards keep every core of the host busy, so request work
+    that runs beside them slows them (the dispatch policy holds longer for returning
+    senders there; see `forward_fills_cores`)."""
+
+    @property
+    def fills_host_cores(self) -> bool: ...
 
     def forward(self, items: Sequence[PreparedItem], params: Hashable) -> Sequence[object]: ...
 
@@ -150,6 +156,17 @@ def default_threads() -> int:
     """torch's intra-op threads: all cores but one, which stays free for the front end
     (HTTP, tokenizing) and for neighbours; see README, Backends and threads."""
     return max(1, usable_cores() - 1)
+
+
+def forward_fills_cores(runtime: Runtime, backend: str) -> bool:
+    """Whether a forward on `backend` under `runtime` keeps every usable core busy: a CPU
+    device with as many intra-op threads as cores (ONNX Runtime's default; torch's
+    default leaves one core to the front end)."""
+    if not runtime.device.startswith("cpu"):
+        return False
+    threads = ((runtime.onnx_threads or default_onnx_threads()) if backend == "onnx"
+               else (runtime.torch_threads or default_threads()))
+    return threads >= usable_cores()
 
 
 def default_onnx_threads() -> int:

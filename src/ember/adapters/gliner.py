@@ -36,6 +36,7 @@ from ember.adapters.base import (
     Submit,
     Task,
     TaskOutput,
+    forward_fills_cores,
 )
 from ember.config import ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
@@ -160,6 +161,7 @@ class GlinerAdapter(GlinerFront):
                          processor.words_splitter)
         self.model = model
         self.device = torch.device(runtime.device)
+        self.fills_host_cores = forward_fills_cores(runtime, "torch")
         self.collator = model.data_collator_class(
             model.config, data_processor=processor, return_tokens=True,
             return_entities=True, return_id_to_classes=True, prepare_labels=False)

@@ -203,6 +203,8 @@ class SpacyNerFront:
 class SpacyNerAdapter(SpacyNerFront):
     """One spaCy pipeline: the request path, and the forward in the worker's thread."""
 
+    fills_host_cores = False  # spaCy's pipelines run in one thread
+
     def __init__(self, spec: ModelSpec, nlp: Any) -> None:
         makers = [name for name, factory in nlp.pipe_factories.items()
                   if factory in ENTITY_FACTORIES and name in nlp.pipe_names]

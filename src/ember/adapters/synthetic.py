@@ -71,6 +71,8 @@ class SyntheticAdapter:
         """Items whose cost is the word count (at least 1), standing in for tokens."""
         return [PreparedItem(text, max(1, len(text.split())), i) for i, text in enumerate(texts)]
 
+    fills_host_cores = False  # a forward sleeps, or keeps one core busy
+
     def set_lora(self, name: str | None) -> None:
         self._lora = name
 

@@ -25,7 +25,9 @@ class WorkerConfig:
 
     `hold_fraction`: after a forward that carried several requests, the next batch
     of that LoRA waits for those senders to come back, at most this fraction of that
-    forward's duration (and at most `max_batch_wait_ms`; 0 turns the hold off).
+    forward's duration (and at most `max_batch_wait_ms`; 0 turns the hold off). With
+    `dispatch="auto"`, a model whose forward keeps every core of the host busy
+    (`forward_fills_cores`) holds up to half a forward instead (policy.py).
 
     `max_padding`: a batch takes no item that would raise its padded tokens past
     this many per real token (plus a few per item, so close lengths still share a
@@ -41,6 +43,7 @@ class WorkerConfig:
     hold_fraction: float = 0.25
     max_padding: float | None = None
     dispatch: Dispatch = "auto"
+    forward_fills_cores: bool = False  # a forward keeps every core busy (set by the registry)
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_batch_items", "max_queue_items"):

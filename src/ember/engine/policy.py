@@ -17,12 +17,19 @@ The windows (docs/architecture.md, "Self-tuning windows"): with a forward costin
   `1 + (fixed / per_token) / full forward`, passes 1.5 (a GPU: padding is nearly free),
   the bound is off; elsewhere it stays at the fixed 1.05, because a looser bound between
   the two broke the overload wait bound (R5) without serving more (docs/benchmarks.md).
+- the hold after a forward (R4: its senders are awaited) is at most `hold_fraction` of the
+  forward and the batch wait bound, except where a forward keeps every core of the host
+  busy (ONNX Runtime on CPU): there the held time is not lost, the cores do the returning
+  senders' request work (HTTP, tokenizing) that a forward started meanwhile would fight
+  for, and half-full forwards that alternate for good cost more per item. So there the
+  hold lasts until the senders are back, at most HOLD_OF_FORWARD_ON_HOST of the forward,
+  and ends early once they stop coming (none back for the fixed batch wait).
 The time windows never exceed the fixed defaults, and a window set by hand stays as set.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ember.engine.config import (
@@ -37,6 +44,7 @@ WAIT_OF_FIXED = 0.5  # batch wait bound, in forwards' fixed parts
 QUIET_OF_FIXED = 0.25  # idle burst's quiet window, in forwards' fixed parts
 QUIET_OF_GAPS = 2.0  # ... and in mean gaps between the burst's arrivals
 PADDING_OFF_AT = 1.5  # a learned padding bound this loose is no bound: off
+HOLD_OF_FORWARD_ON_HOST = 0.5  # the hold after a forward that fills the cores, in forwards
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,13 +79,21 @@ class Windows:
     idle_coalesce_ms: float
     max_padding: float  # 0: off
     learned: bool  # some window came from the cost fit (else: settings and defaults)
+    hold_of_forward: float = 0.25  # the hold after a forward: at most this part of it...
+    hold_max_ms: float | None = None  # ...and at most this (None: no bound but the forward's)
 
 
 def derive_windows(config: WorkerConfig, cost: CostEstimate | None) -> Windows:
     """The windows for a device of `cost` (None: not learned yet). A window set in
     `config` wins; `dispatch="fixed"` or no estimate gives the fixed defaults."""
-    if config.dispatch == "fixed" or cost is None:
-        return Windows(config.batch_wait_ms, config.coalesce_ms, config.padding, False)
+    fixed = Windows(config.batch_wait_ms, config.coalesce_ms, config.padding, False,
+                    config.hold_fraction, config.batch_wait_ms)
+    if config.dispatch == "fixed":
+        return fixed
+    if config.forward_fills_cores and config.max_batch_wait_ms is None and config.hold_fraction > 0:
+        fixed = replace(fixed, hold_of_forward=HOLD_OF_FORWARD_ON_HOST, hold_max_ms=None)
+    if cost is None:
+        return fixed
     wait = min(FIXED_MAX_BATCH_WAIT_MS, WAIT_OF_FIXED * cost.fixed_ms)
     quiet = min(FIXED_IDLE_COALESCE_MS, QUIET_OF_FIXED * cost.fixed_ms)
     full_forward = config.max_batch_items * max(cost.item_tokens, 1.0)  # real tokens
@@ -85,11 +101,13 @@ def derive_windows(config: WorkerConfig, cost: CostEstimate | None) -> Windows:
     free = 1 + cost.tokens_per_fixed / full_forward >= PADDING_OFF_AT
     padding = 0.0 if free else FIXED_MAX_PADDING
     learned = None in (config.max_batch_wait_ms, config.idle_coalesce_ms, config.max_padding)
-    return Windows(
-        wait if config.max_batch_wait_ms is None else config.max_batch_wait_ms,
-        quiet if config.idle_coalesce_ms is None else config.idle_coalesce_ms,
-        padding if config.max_padding is None else config.max_padding,
-        learned)
+    wait = wait if config.max_batch_wait_ms is None else config.max_batch_wait_ms
+    return replace(
+        fixed, max_batch_wait_ms=wait,
+        idle_coalesce_ms=quiet if config.idle_coalesce_ms is None else config.idle_coalesce_ms,
+        max_padding=padding if config.max_padding is None else config.max_padding,
+        learned=learned,
+        hold_max_ms=None if fixed.hold_max_ms is None else wait)
 
 
 class DispatchPolicy:
@@ -135,8 +153,17 @@ class DispatchPolicy:
         """How long the senders of a forward of `requests` may be awaited after it."""
         if requests < 2:
             return 0.0
-        return min(self.windows(lora).max_batch_wait_ms / 1000,
-                   self.config.hold_fraction * duration)
+        windows = self.windows(lora)
+        hold = windows.hold_of_forward * duration
+        return hold if windows.hold_max_ms is None else min(hold, windows.hold_max_ms / 1000)
+
+    def hold_end(self, queue: QueueView, last: LastForward) -> float:
+        """When the hold after `last` ends: its own bound, or sooner where only the
+        forward bounds it (a forward that fills the cores) and the senders stopped coming."""
+        end = last.ended + self.hold_s(last.requests, last.duration, queue.lora)
+        if self.windows(queue.lora).hold_max_ms is None:
+            end = min(end, max(last.ended, queue.last_arrival) + FIXED_MAX_BATCH_WAIT_MS / 1000)
+        return end
 
     def release_at(self, queue: QueueView, last: LastForward | None,
                    running_requests: int | None, now: float) -> float | None:
@@ -150,7 +177,7 @@ class DispatchPolicy:
         if last is not None:
             hold_end = last.ended
             if last.senders_return:  # R4: closed-loop clients: they come back at once
-                hold_end += self.hold_s(last.requests, last.duration, queue.lora)
+                hold_end = self.hold_end(queue, last)
             if now < hold_end and queue.arrived_since_forward < last.requests:
                 return hold_end  # over HTTP returns come ms apart: no quiet window here
             if queue.oldest_arrival <= hold_end:
