@@ -64,6 +64,7 @@ GRID = {f"w{w:g}/p{p:g}": WorkerConfig(max_batch_wait_ms=w, max_padding=p)
         for w in WAITS_MS for p in PADDINGS}
 VARIANTS: dict[str, WorkerConfig] = {"auto": WorkerConfig(), **GRID}
 TURNAROUND_MS = 0.5  # the closed loops' serial return lane (HTTP's event-loop work)
+LANES = ("compute", "sleep")  # the lane's time is CPU work on the event loop, or a sleep
 SYNTHETIC_COSTS = {
     "gpu": CostModel(overhead_ms=2.0, per_token_us=0.5, mode="sleep"),
     "fast": CostModel(overhead_ms=0.5, per_token_us=0.1, mode="sleep"),
@@ -132,9 +133,12 @@ def onnx_device() -> Device:
 # -- loads ---------------------------------------------------------------------------
 
 async def closed(worker: ModelWorker, plan: Plan, pool: Sequence[Request], *,
-                 clients: int, turnaround_ms: float) -> Json:
+                 clients: int, turnaround_ms: float, lane: str = "compute") -> Json:
     """`clients` requests always in flight; each answer returns through one serial lane
-    of `turnaround_ms` a request before it is sent again."""
+    of `turnaround_ms` a request before it is sent again. The lane computes on the event
+    loop, as a server's HTTP, JSON and tokenizing do (on the cores a CPU model's forward
+    uses too, and holding up the worker's own loop work), or (`lane="sleep"`) only waits,
+    as if the front end had cores of its own."""
     forwards = Forwards(worker)
     begin = clock() + plan.warmup_s
     end = begin + plan.measure_s
@@ -154,7 +158,12 @@ async def closed(worker: ModelWorker, plan: Plan, pool: Sequence[Request], *,
             if begin <= got <= end:
                 lat.append((got - sent) * 1000)
                 queue.append(result.queue_ms)
-            if turnaround_ms:
+            if turnaround_ms and lane == "compute":  # the loop is the lane: answers queue
+                busy_until = clock() + turnaround_ms / 1000
+                while clock() < busy_until:
+                    pass
+                await asyncio.sleep(0)
+            elif turnaround_ms:
                 lane_free = max(got, lane_free) + turnaround_ms / 1000
                 await asyncio.sleep(lane_free - got)
 
@@ -204,12 +213,12 @@ async def poisson(worker: ModelWorker, plan: Plan, pool: Sequence[Request], *,
 Body = Callable[[ModelWorker, Plan, int], Awaitable[Json]]
 
 
-def loads(device: Device, plan: Plan, capacity: float) -> dict[str, Body]:
+def loads(device: Device, plan: Plan, capacity: float, lane: str) -> dict[str, Body]:
     short, mixed = device.short, device.mixed
     out: dict[str, Body] = {}
     for clients in (1, 8, 32):
         out[f"closed_c{clients}"] = lambda w, p, s, c=clients: closed(
-            w, p, short, clients=c, turnaround_ms=TURNAROUND_MS)
+            w, p, short, clients=c, turnaround_ms=TURNAROUND_MS, lane=lane)
     out["closed_c128"] = lambda w, p, s: closed(w, p, short, clients=128, turnaround_ms=0.0)
     for pct in (50, 90):
         out[f"open_{pct}"] = lambda w, p, s, r=capacity * pct / 100: poisson(
@@ -255,11 +264,11 @@ async def sequential_queue(device: Device, requests: int) -> Json:
 # -- the run ---------------------------------------------------------------------------
 
 async def run_device(device: Device, plan: Plan, reps: int, cells: Sequence[str] | None,
-                     began: float) -> Json:
-    saturate = loads(device, plan, 1.0)["closed_c128"]
+                     began: float, lane: str) -> Json:
+    saturate = loads(device, plan, 1.0, lane)["closed_c128"]
     capacity = (await with_worker(device, WorkerConfig(dispatch="fixed"), saturate, plan,
                                   0))["throughput"]
-    chosen = {k: v for k, v in loads(device, plan, capacity).items()
+    chosen = {k: v for k, v in loads(device, plan, capacity, lane).items()
               if not cells or k.split("_")[0] in cells or k in cells}
     runs: dict[str, dict[str, list[Json]]] = {c: {v: [] for v in VARIANTS} for c in chosen}
     for rep in range(reps):
@@ -452,12 +461,12 @@ def http_markdown(data: Json) -> str:
 async def run(args: argparse.Namespace, began: float) -> Json:
     plans = QUICK if args.quick else PLANS
     data: Json = {"meta": benchlib.meta(sys.argv), "settings": {
-        "reps": args.reps, "grid": list(GRID), "turnaround_ms": TURNAROUND_MS,
+        "reps": args.reps, "grid": list(GRID), "turnaround_ms": TURNAROUND_MS, "lane": args.lane,
         "devices": {d: LABELS[d] for d in args.devices}}, "devices": {}}
     for name in args.devices:
         device = onnx_device() if name == "onnx" else synthetic_device(name)
         data["devices"][name] = await run_device(device, plans[name], args.reps,
-                                                 args.cells, began)
+                                                 args.cells, began, args.lane)
         data["meta"].setdefault("loadavg", {})[name] = benchlib.loadavg()
     return data
 
@@ -471,6 +480,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cells", type=lambda s: s.split(","), default=None,
                         help="loads to run (closed, open, mixed, or a cell's name)")
     parser.add_argument("--http", action="store_true", help="the HTTP subset instead")
+    parser.add_argument("--lane", choices=LANES, default="compute",
+                        help="the closed loops' return lane: CPU work on the event loop "
+                             "(as a server's front end), or a sleep")
     parser.add_argument("--points", type=lambda s: s.split(","), default=list(HTTP_POINTS),
                         help="with --http, the grid points to serve beside the default")
     args = parser.parse_args(argv)

@@ -149,6 +149,8 @@ def test_a_forward_that_fills_the_cores_holds_for_its_senders_up_to_half_of_it()
     assert policy.hold_s(8, 0.040) == pytest.approx(0.020)  # half the forward, past 10 ms
     assert DispatchPolicy(WorkerConfig()).hold_s(8, 0.040) == pytest.approx(0.010)
     assert policy.hold_s(1, 0.040) == 0  # one sender: nobody to wait for
+    # Senders count as returning when all are back within so long a hold, else half.
+    assert (policy.returns_needed(8), DispatchPolicy(WorkerConfig()).returns_needed(8)) == (8, 4)
 
 
 def test_the_long_hold_ends_when_the_senders_are_back_or_stop_coming() -> None:

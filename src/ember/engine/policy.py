@@ -157,6 +157,13 @@ class DispatchPolicy:
         hold = windows.hold_of_forward * duration
         return hold if windows.hold_max_ms is None else min(hold, windows.hold_max_ms / 1000)
 
+    def returns_needed(self, requests: int, lora: str | None = None) -> int:
+        """How many of a forward's `requests` must be back within its hold for its senders
+        to count as returning: half, or all where the hold is long (a forward that fills
+        the cores), so that open-loop arrivals, which seldom all come that soon, do not
+        pass for returning senders and get held."""
+        return requests if self.windows(lora).hold_max_ms is None else (requests + 1) // 2
+
     def hold_end(self, queue: QueueView, last: LastForward) -> float:
         """When the hold after `last` ends: its own bound, or sooner where only the
         forward bounds it (a forward that fills the cores) and the senders stopped coming."""

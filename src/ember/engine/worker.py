@@ -93,13 +93,13 @@ class _Lane:
     arrived_at_last_end: int = 0
     last_arrival: float = 0.0
     last_forward: LastForward | None = None
-    # Whether senders come back: after each forward of several requests, did at least half
-    # of them return within the hold's own bound? Closed-loop clients on a busy device do;
-    # open-loop arrivals, one-off bursts and clients slowed by a front end that limits do
-    # not (a hold would only idle the device while they trickle in). A forward of one
-    # request leaves the answer as it was.
+    # Whether senders come back: after each forward of several requests, did enough of
+    # them (policy.returns_needed) return within the hold's own bound? Closed-loop clients
+    # on a busy device do; open-loop arrivals, one-off bursts and clients slowed by a front
+    # end that limits do not (a hold would only idle the device while they trickle in). A
+    # forward of one request leaves the answer as it was.
     senders_return: bool = False
-    probe_target: int = 0  # `arrived` that means half of them are back
+    probe_target: int = 0  # `arrived` that means enough of them are back
     probe_end: float = -1.0  # < 0: no probe running
 
     def senders_may_return(self, now: float) -> bool:
@@ -428,7 +428,8 @@ class ModelWorker:
         lane.arrived_at_last_end = lane.arrived
         hold = self.policy.hold_s(len(requests), elapsed, batch.lora)  # 0 for one request
         if len(requests) >= 2:
-            lane.probe_target = lane.arrived + (len(requests) + 1) // 2
+            lane.probe_target = lane.arrived + self.policy.returns_needed(len(requests),
+                                                                          batch.lora)
             lane.probe_end = forward.ended + hold
         if forward.error is None:  # the cost model learns; the padding bound may follow
             self.policy.observe(batch.lora, batch.padded_tokens, batch.real_tokens,
