@@ -123,3 +123,27 @@ def test_a_forward_fills_the_cores_with_a_thread_on_each_on_cpu_only() -> None:
     if cores > 1:
         assert not forward_fills_cores(Runtime(onnx_threads=cores - 1), "onnx")
     assert not forward_fills_cores(Runtime(device="cuda", torch_threads=cores), "torch")
+
+
+def test_torch_runs_one_thread_around_onnx_forwards(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from ember.adapters import _torch, transformer
+    from ember.config import load_catalog
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(_torch, "_torch_forwards", False)  # no torch model loaded yet
+    try:
+        torch.set_num_threads(2)
+        model = transformer.load(load_catalog()["sentence-transformers/all-MiniLM-L6-v2"],
+                                 Runtime())
+        assert model.model.backend == "onnx"
+        assert torch.get_num_threads() == 1  # no OpenMP team spinning beside ORT's threads
+        torch.set_num_threads(2)
+        _torch.apply_runtime_around_onnx(Runtime(torch_threads=2))  # set by hand: kept
+        assert torch.get_num_threads() == 2
+        _torch.apply_runtime(Runtime(torch_threads=2))  # a torch model: its setting stays
+        _torch.apply_runtime_around_onnx(Runtime())
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -125,4 +125,6 @@ def load_model(spec: ModelSpec, model_dir: Path, runtime: Runtime, auto_class: A
         return model
 
     plan = _onnx.ExportPlan(feeds, output, config, load_torch)
-    return _onnx.load(spec, model_dir, runtime, plan), config, tokenizer
+    forward = _onnx.load(spec, model_dir, runtime, plan)
+    common.apply_runtime_around_onnx(runtime)
+    return forward, config, tokenizer

@@ -36,11 +36,26 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+_torch_forwards = False  # a model with torch forwards set torch's threads in this process
+
+
 def apply_runtime(runtime: Runtime) -> None:
     """Set torch's thread count (process-wide, as torch has it): the runtime's, else all
     cores but one; torch's own choice (every core) collapses when a neighbour holds one
     (README, Backends and threads)."""
+    global _torch_forwards
+    _torch_forwards = True
     torch.set_num_threads(runtime.torch_threads or default_threads())
+
+
+def apply_runtime_around_onnx(runtime: Runtime) -> None:
+    """Torch's threads where the forwards run on ONNX Runtime: one, for the small padding
+    and pooling around them, whose OpenMP team would otherwise spin after each on the
+    cores ONNX Runtime's threads need (on 2 cores 1.07-1.12x the requests/s; see
+    docs/benchmarks.md). A torch model in the same process, or `--torch-threads`, keeps
+    its own setting."""
+    if not _torch_forwards and runtime.torch_threads is None:
+        torch.set_num_threads(1)
 
 
 def load_kwargs(spec: ModelSpec) -> dict[str, Any]:
