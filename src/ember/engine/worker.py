@@ -253,7 +253,7 @@ class ModelWorker:
         if self._queued == 0 and self._idle() and self._dispatch_alone(request, params, lane):
             return request.future  # the thread has it, and will wake the loop itself
         queued = self._revise_slot(lora, request.items)
-        lane.former.add(queued)
+        lane.former.add_request(queued)
         self._queued += len(queued)
         self._wake.set()
         return request.future
