@@ -134,6 +134,9 @@ class ModelWorker:
         self._cond = threading.Condition(self._lock)
         self._slot: Batch | None = None  # the next batch, formed ahead (prefetch)
         self._released = False  # the slot may go as soon as the thread is free
+        # A batch released while the thread waited: the thread's already, so the loop forms
+        # the next one at once instead of sleeping until the thread wakes and takes it.
+        self._handed: Batch | None = None
         self._in_flight: _Forward | None = None
         self._finished: deque[_Forward] = deque()  # appended by the thread, read by the loop
         self._thread_exit = False
@@ -148,9 +151,10 @@ class ModelWorker:
 
     @property
     def pending_items(self) -> int:
-        """Items accepted and not yet in a forward (the next batch included)."""
-        slot = self._slot
-        return self._queued + (len(slot.items) if slot is not None else 0)
+        """Items accepted and not yet in a forward (the next batches included)."""
+        slot, handed = self._slot, self._handed
+        return (self._queued + (len(slot.items) if slot is not None else 0)
+                + (len(handed.items) if handed is not None else 0))
 
     @property
     def pending_requests(self) -> int:
@@ -199,6 +203,7 @@ class ModelWorker:
             self._requests.clear()
             self._queued = 0
             self._slot, self._released, self._in_flight = None, False, None
+            self._handed = None
             self._finished.clear()
             self._failure, self._stopping = None, False
             self._task = None
@@ -270,7 +275,13 @@ class ModelWorker:
                     return
                 if self._slot is None:
                     self._fill_slot()  # R2, R5, R6: formed while the forward runs
+                formed = self._slot is not None
                 deadline = self._review_slot()  # R3, R4
+                if formed and self._slot is None and self._queued:
+                    # Handed to the waiting thread: the next batch forms now, as it would
+                    # once the thread had taken it (once a turn: the loop yields between).
+                    self._fill_slot()
+                    deadline = self._review_slot()
                 if deadline is None:
                     await self._wake.wait()  # R1: until submit, a forward's end, stop
                 else:
@@ -307,8 +318,11 @@ class ModelWorker:
             if slot is None or self._released:
                 return None
             running = self._in_flight
+            handed = self._handed
             running_requests = (running.requests if running is not None
                                 and running.batch.lora == slot.lora else None)
+            if handed is not None and handed.lora == slot.lora:  # it runs next: as running
+                running_requests = len(dict.fromkeys(map(_OWNER, handed.items)))
         now = self._now()
         at: float | None = now
         if not self._stopping:
@@ -317,7 +331,11 @@ class ModelWorker:
         if at is not None and at <= now:
             with self._lock:
                 if self._slot is slot:
-                    self._released, slot.released_at = True, now
+                    slot.released_at = now
+                    if self._in_flight is None and self._handed is None:
+                        self._handed, self._slot = slot, None  # the thread waits for it
+                    else:
+                        self._released = True
                     self._cond.notify_all()
             return None
         return at
@@ -343,7 +361,7 @@ class ModelWorker:
             batch.add(pending)
         batch.released_at = self._now()  # after the policy and the batch: both are queue work
         with self._lock:
-            self._slot, self._released = batch, True
+            self._handed = batch  # the worker is idle: the thread waits for it
             self._cond.notify_all()
         return True
 
@@ -362,24 +380,28 @@ class ModelWorker:
         )
 
     def _revise_slot(self, lora: str | None, items: list[PendingItem]) -> list[PendingItem]:
-        """Add arrivals to the next batch while they fit; return those that stay queued."""
-        if self._slot is None:  # only the loop fills the slot, and this runs on the loop
+        """Add arrivals to the next batches (the one handed to the thread first, while the
+        thread has not taken it) while they fit; return those that stay queued."""
+        if self._slot is None and self._handed is None:  # only the loop fills them (here)
             return items
+        limits = self._lanes[lora].former.limits
         with self._lock:
-            slot = self._slot
-            if slot is None or slot.lora != lora or slot.group != items[0].group:
-                return items
-            limits = self._lanes[lora].former.limits
-            taken = 0
-            for pending in items:
-                if not slot.fits(pending.item.cost, limits):
-                    slot.full = True
+            for batch in (self._handed, self._slot):
+                if batch is None or batch.lora != lora or batch.group != items[0].group:
+                    continue
+                taken = 0
+                for pending in items:
+                    if not batch.fits(pending.item.cost, limits):
+                        batch.full = True
+                        break
+                    batch.add(pending)
+                    taken += 1
+                if len(batch.items) >= limits.max_items:
+                    batch.full = True
+                items = items[taken:]
+                if not items:
                     break
-                slot.add(pending)
-                taken += 1
-            if len(slot.items) >= limits.max_items:
-                slot.full = True
-        return items[taken:]
+        return items
 
     # -- the forward thread ----------------------------------------------------------
 
@@ -388,17 +410,22 @@ class ModelWorker:
         device_free = 0.0
         while True:
             with self._lock:
-                while not (self._released or self._thread_exit):
+                while not (self._handed is not None or self._released or self._thread_exit):
                     self._cond.wait()
-                if not self._released:
+                tell = self._handed is None  # a handed batch: the loop forms on already
+                if self._handed is not None:
+                    batch, self._handed = self._handed, None
+                elif self._released:
+                    batch = cast(Batch, self._slot)
+                    self._slot, self._released = None, False
+                else:
                     return
-                batch = cast(Batch, self._slot)
-                self._slot, self._released = None, False
                 started = self._now()
                 forward = _Forward(batch, min(started, max(batch.released_at, device_free)),
                                    started)
                 self._in_flight = forward
-            self._tell_loop(loop)  # so it forms the next batch while this one runs
+            if tell:
+                self._tell_loop(loop)  # so it forms the next batch while this one runs
             try:
                 if batch.lora != self._active_lora:
                     self.adapter.set_lora(batch.lora)
@@ -522,11 +549,15 @@ class ModelWorker:
                 dropped += lane.former.discard(pending)
             self._queued -= dropped
         with self._lock:
-            slot = self._slot
+            slot, handed = self._slot, self._handed
             if slot is not None and any(p.owner is request for p in slot.items):
                 dropped += slot.remove(request)
                 if not slot.items:
                     self._slot, self._released = None, False
+            if handed is not None and any(p.owner is request for p in handed.items):
+                dropped += handed.remove(request)
+                if not handed.items:
+                    self._handed = None
         if dropped:
             self.stats.record_dropped(dropped)
             self._wake.set()
@@ -538,7 +569,7 @@ class ModelWorker:
         self._failure = failure
         log.error("%s", failure, exc_info=exc if isinstance(exc, Exception) else None)
         with self._lock:
-            self._slot, self._released = None, False
+            self._slot, self._released, self._handed = None, False, None
         finished: list[RequestRecord] = []
         for request in list(self._requests):
             try:
@@ -572,12 +603,14 @@ class ModelWorker:
 
     def _idle(self) -> bool:
         """Nothing formed, running or awaiting delivery."""
-        return (self._slot is None and self._in_flight is None and not self._finished
+        return (self._slot is None and self._in_flight is None and self._handed is None
+                and not self._finished
                 and not self._stopping and self.running)
 
     def _drained(self) -> bool:
         with self._lock:
-            busy = self._slot is not None or self._in_flight is not None
+            busy = (self._slot is not None or self._in_flight is not None
+                    or self._handed is not None)
         return not busy and not self._finished and self._queued == 0
 
     async def _join_thread(self) -> None:
