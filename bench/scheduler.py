@@ -105,7 +105,8 @@ class EarlierFormation(BatchFormer):
         batch = Batch(lora, head.group)
         low, high = -1, 0  # cheapest first
         taken: dict[int, int] = {}
-        if self.now() - head.arrival >= self.starvation_s:
+        # `oldest` gives the first request in line; here every request has one item: it.
+        if head.queued and self.now() - head.arrival >= self.starvation_s:
             key = cost_bucket(head.item.cost)
             group.head(key)  # drops the tombstones ahead of it: it is the bucket's head
             group.buckets[key].popleft()

@@ -223,12 +223,31 @@ def test_engine_quick_run_writes_json_and_its_table(tmp_path: Path) -> None:
     run = bench("engine.py", "--quick", "--requests", "32", "--out", str(out))
     assert run.returncode == 0, run.stderr[-3000:]
     data = strict_json(out)
-    assert data["queued_items"] == 32 * 16 and len(data["runs"]) == 3
-    assert {"ms_per_forward", "us_per_item", "forwards"} <= set(data["median"])
-    assert data["median"]["forwards"] >= 32 * 16 / 64  # forwards of at most 64 items
-    assert "engine ms / forward" in run.stdout
+    assert data["queued_items"] == 32 * 16 and set(data["placements"]) == {"one", "split"}
+    for placement in data["placements"].values():
+        assert len(placement["ms_per_forward"]) == 1 and placement["ms_per_forward"][0] > 0
+    assert "engine ms / 64-item forward" in run.stdout
     report = bench("engine.py", "--report", str(out))
     assert report.returncode == 0 and report.stdout == run.stdout
+
+
+def test_engine_single_run_pins_the_forward_thread_where_its_placement_says(
+        tmp_path: Path) -> None:
+    out = tmp_path / "engine.json"
+    for placement in ("one", "split"):
+        run = bench("engine.py", "--quick", "--single", "--placement", placement,
+                    "--requests", "32", "--out", str(out))
+        assert run.returncode == 0, run.stderr[-3000:]
+        data = strict_json(out)
+        assert data["queued_items"] == 32 * 16 and len(data["runs"]) == 3
+        assert data["median"]["forwards"] >= 32 * 16 / 64  # forwards of at most 64 items
+        if len(os.sched_getaffinity(0)) < 2:
+            assert data["placement"] == "free"
+            continue
+        assert data["placement"] == placement and len(data["loop_cpus"]) == 1
+        assert data["forward_thread_cpus"] == data["thread_cpus"]  # read back from the OS
+        apart = data["forward_thread_cpus"] != data["loop_cpus"]
+        assert apart == (placement == "split")
 
 
 def test_the_plots_are_drawn_from_the_json_beside_the_page(tmp_path: Path) -> None:

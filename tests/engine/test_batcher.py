@@ -165,3 +165,34 @@ def test_equal_costs_fill_a_batch_to_each_limit_skipping_dropped_items() -> None
     assert small.pending_items == 0 and small.form() is None
     taken = {id(p) for p in pending[:7]}
     assert all(not p.queued for p in pending if id(p) in taken)
+
+
+def test_one_add_of_several_requests_and_groups_keeps_each_in_line() -> None:
+    former = BatchFormer(max_batch_tokens=1000, max_batch_items=10, max_padding=0.0)
+    first, second = Owner(), Owner()
+    items = [PendingItem(PreparedItem(c, c, i), owner, group, 0.0, seq)
+             for i, (c, owner, group, seq) in enumerate(
+                 [(7, first, "q", 0), (3, second, "p", 1), (4, second, "p", 1),
+                  (8, first, "q", 0)])]
+    former.add(items)
+    assert former.pending_requests == 2 and former.pending_items == 4
+    oldest = former.oldest()
+    assert oldest is not None and oldest.owner is first
+    assert costs(former.form()) == [7, 8]  # the oldest request's group goes first (R6)
+    assert not former.holds(first) and former.pending_requests == 1
+    assert costs(former.form()) == [3, 4]
+    assert former.oldest() is None and former.pending_requests == 0
+
+
+def test_a_request_split_across_batches_stays_first_in_line() -> None:
+    former = BatchFormer(max_batch_tokens=1000, max_batch_items=2, max_padding=0.0)
+    early = Owner()
+    add(former, [13, 13, 13], owner=early)
+    add(former, [5], seq_start=3, group="q")
+    assert costs(former.form()) == [13, 13]
+    head = former.oldest()  # its third item still waits: the request keeps its place
+    assert head is not None and head.owner is early and former.holds(early)
+    assert costs(former.form()) == [13]
+    head = former.oldest()
+    assert head is not None and head.group == "q"
+    assert costs(former.form()) == [5] and former.oldest() is None

@@ -578,3 +578,49 @@ async def test_submit_refuses_items_whose_indices_are_not_one_each() -> None:
                 await worker.submit([PreparedItem("x", 1, i) for i in indices], "p")
         with pytest.raises(ValueError, match="at least one item"):
             await worker.submit([], "p")
+
+
+class FormationLog(PausableWorker):
+    """Records, at each batch it forms, how many forwards the device had started."""
+
+    started_at_formation: list[int]
+    adapter: LoggingSynthetic
+
+    def _fill_slot(self) -> None:
+        if self._queued and not self.paused:
+            self.started_at_formation.append(len(self.adapter.forward_log))
+        super()._fill_slot()
+
+
+async def test_a_batch_released_to_the_waiting_thread_lets_the_next_one_form_at_once(
+) -> None:
+    """Prefetch without a hand-off's wait: a batch released while the forward thread waits
+    is handed to it, and the loop forms the next batch in the same turn, before the
+    thread has even started the first (it used to wait for the thread to take it)."""
+    config = WorkerConfig(max_batch_items=4, idle_coalesce_ms=0.0)
+    adapter = LoggingSynthetic(dims=8, cost=CostModel(20.0, 0.0, "sleep"))
+    worker = FormationLog(adapter, config)
+    worker.started_at_formation = []
+    await worker.start()
+    try:
+        worker.pause()
+        futures = [await worker.submit(items(3, 3, 3, 3, text=f"r{k}-"), "p")
+                   for k in range(3)]
+        worker.resume()
+        results = await asyncio.gather(*futures)
+    finally:
+        await worker.stop()
+    assert forward_sizes(adapter) == [4, 4, 4]
+    assert [r.forwards for r in results] == [1, 1, 1]
+    assert worker.started_at_formation[:2] == [0, 0]  # the second formed before any forward
+    assert worker.pending_items == 0 and worker.stats.batches == 3
+
+
+async def test_arrivals_join_a_batch_handed_to_the_thread_until_it_takes_it() -> None:
+    """A lone request goes to the waiting thread at once (R3b); requests submitted in the
+    same turn, before the thread could take it, join its forward while they fit."""
+    config = WorkerConfig(max_batch_items=4, idle_coalesce_ms=0.0)
+    async with running(config) as (worker, adapter):
+        futures = [worker.submit_nowait(items(1, text=f"r{k}-"), "p") for k in range(6)]
+        await asyncio.gather(*futures)
+    assert forward_sizes(adapter) == [4, 2]

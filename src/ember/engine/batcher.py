@@ -173,7 +173,9 @@ class BatchFormer:
                  max_padding: float = 0.0) -> None:
         self.limits = Limits(max_batch_tokens, max_batch_items, max_padding)
         self._groups: dict[Hashable, _Group] = {}
-        self._arrivals: deque[PendingItem] = deque()  # arrival order; tombstones skipped lazily
+        # Arrival order, one entry a request (its first item here: a request's items share
+        # group, arrival and place in line); requests with nothing queued are skipped lazily.
+        self._arrivals: deque[PendingItem] = deque()
         self._per_owner: dict[Owner, int] = {}
         self._count = 0
 
@@ -194,27 +196,49 @@ class BatchFormer:
         return owner in self._per_owner
 
     def oldest(self) -> PendingItem | None:
-        while self._arrivals and not self._arrivals[0].queued:
-            self._arrivals.popleft()
-        return self._arrivals[0] if self._arrivals else None
+        """An item of the request that arrived first among those with an item queued here:
+        its group, arrival and place in line are those of the oldest pending item."""
+        arrivals, owners = self._arrivals, self._per_owner
+        while arrivals and arrivals[0].owner not in owners:
+            arrivals.popleft()
+        return arrivals[0] if arrivals else None
 
     def add(self, items: list[PendingItem]) -> None:
-        groups, owners = self._groups, self._per_owner
-        for pending in items:  # _Group.add, inlined: this loop runs once for every item
-            group = groups.get(pending.group)
-            if group is None:
-                group = groups[pending.group] = _Group()
+        """Queue `items`, of any requests and groups."""
+        begin = 0
+        for end in range(1, len(items) + 1):
+            if end == len(items) or (items[end].owner is not items[begin].owner
+                                     or items[end].group is not items[begin].group):
+                self.add_request(items[begin:end])
+                begin = end
+
+    def add_request(self, items: list[PendingItem]) -> None:
+        """Queue items of one request and one parameter group (what `submit` brings): its
+        place in line and its count are kept once, and each item only joins its bucket."""
+        if not items:
+            return
+        first = items[0]
+        owner, owners = first.owner, self._per_owner
+        held = owners.get(owner, 0)
+        if not held:  # already in line when it has items queued here
+            self._arrivals.append(first)
+        owners[owner] = held + len(items)
+        self._count += len(items)
+        group = self._groups.get(first.group)
+        if group is None:
+            group = self._groups[first.group] = _Group()
+        buckets, live = group.buckets, group.live
+        for pending in items:  # this loop runs once for every item
             cost = pending.item.cost
             key = _BUCKETS[cost] if 0 <= cost < TABLED_COSTS else _cost_bucket(cost)
-            count = group.live.get(key, 0)
-            if count == 0:
-                group.buckets[key] = deque()
+            bucket = buckets.get(key)
+            if bucket is None:
+                bucket = buckets[key] = deque()
                 bisect.insort(group.keys, key)
-            group.buckets[key].append(pending)
-            group.live[key] = count + 1
-            owners[pending.owner] = owners.get(pending.owner, 0) + 1
-        self._arrivals.extend(items)
-        self._count += len(items)
+                live[key] = 1
+            else:
+                live[key] += 1
+            bucket.append(pending)
 
     def discard(self, pending: PendingItem) -> bool:
         """Take a queued item out without running it (its request is gone, R9)."""
@@ -309,14 +333,25 @@ class BatchFormer:
         if cost > 0:
             room = min(room, limits.max_tokens // cost - count)
         level: list[PendingItem] = []
-        while bucket and len(level) < room:
-            pending = bucket[0]
-            if pending.queued:
-                if pending.item.cost != cost:
-                    break
-                pending.queued = False
-                level.append(pending)
-            bucket.popleft()  # taken, or a tombstone
+        passed = 0  # items taken and tombstones, from the bucket's head
+        if room > 0:
+            for pending in bucket:  # read in place; the bucket is cut once below
+                if pending.queued:
+                    if pending.item.cost != cost:
+                        break
+                    pending.queued = False
+                    level.append(pending)
+                    passed += 1
+                    if len(level) == room:
+                        break
+                else:
+                    passed += 1
+        if passed == len(bucket):
+            bucket.clear()
+        else:
+            popleft = bucket.popleft
+            for _ in range(passed):
+                popleft()
         batch.add_level(level)
         return len(level)
 

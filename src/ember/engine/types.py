@@ -38,7 +38,7 @@ class Adapter(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one is made a request, and frozen init costs 3x
 class RequestResult:
     """What a submitted request's future resolves to."""
 

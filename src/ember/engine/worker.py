@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -30,6 +30,9 @@ from ember.engine.types import Adapter, PreparedItem, RequestResult
 
 log = logging.getLogger("ember.engine")
 _OWNER = attrgetter("owner")
+_ITEM = attrgetter("item")
+_ARRIVAL = attrgetter("arrival")
+_INDEX = attrgetter("index")
 
 
 @dataclass(eq=False, slots=True)
@@ -39,9 +42,9 @@ class _Request:
     future: asyncio.Future[RequestResult]
     lora: str | None
     submitted_at: float
+    results: list[Any]
+    remaining: int
     items: list[PendingItem] = field(default_factory=list)
-    results: list[Any] = field(default_factory=list)
-    remaining: int = 0
     first_dispatch_at: float | None = None
     inference_s: float = 0.0
     forwards: int = 0
@@ -71,12 +74,13 @@ class _Forward:
     ended: float = 0.0
     values: Sequence[Any] = ()
     error: BaseException | None = None
-    _owners: list[Any] | None = None
+    _owners: Counter[Any] | None = None
 
-    def owners(self) -> list[Any]:
-        """The batch's requests, each once, in batch order (worked out once)."""
+    def owners(self) -> Counter[Any]:
+        """The batch's requests, each once, in batch order, with their items in it
+        (worked out once, counted in C)."""
         if self._owners is None:
-            self._owners = list(dict.fromkeys(map(_OWNER, self.batch.items)))
+            self._owners = Counter(map(_OWNER, self.batch.items))
         return self._owners
 
     @property
@@ -124,9 +128,15 @@ class ModelWorker:
         self._seq = itertools.count()
         self._queued = 0  # items in the lanes' formers
         self._wake = asyncio.Event()  # R1: set by submit, a forward's end, stop
-        self._cond = threading.Condition()  # guards the slot and the forward in flight
+        # Guards the slot and the forward in flight. A plain Lock: `with self._lock` runs
+        # in C, where `with` on a Condition is a Python call each way.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._slot: Batch | None = None  # the next batch, formed ahead (prefetch)
         self._released = False  # the slot may go as soon as the thread is free
+        # A batch released while the thread waited: the thread's already, so the loop forms
+        # the next one at once instead of sleeping until the thread wakes and takes it.
+        self._handed: Batch | None = None
         self._in_flight: _Forward | None = None
         self._finished: deque[_Forward] = deque()  # appended by the thread, read by the loop
         self._thread_exit = False
@@ -141,9 +151,10 @@ class ModelWorker:
 
     @property
     def pending_items(self) -> int:
-        """Items accepted and not yet in a forward (the next batch included)."""
-        slot = self._slot
-        return self._queued + (len(slot.items) if slot is not None else 0)
+        """Items accepted and not yet in a forward (the next batches included)."""
+        slot, handed = self._slot, self._handed
+        return (self._queued + (len(slot.items) if slot is not None else 0)
+                + (len(handed.items) if handed is not None else 0))
 
     @property
     def pending_requests(self) -> int:
@@ -192,6 +203,7 @@ class ModelWorker:
             self._requests.clear()
             self._queued = 0
             self._slot, self._released, self._in_flight = None, False, None
+            self._handed = None
             self._finished.clear()
             self._failure, self._stopping = None, False
             self._task = None
@@ -215,22 +227,25 @@ class ModelWorker:
             raise RuntimeError(f"worker {self.name!r} is not started: await start() first")
         if not items:
             raise ValueError("a request needs at least one item")
-        if len(items) == 1:
+        count = len(items)
+        if count == 1:
             if items[0].index != 0:
                 raise ValueError("item indices must be 0..n-1, one each")
-        elif sorted(item.index for item in items) != list(range(len(items))):
+        elif (indices := list(map(_INDEX, items))) != list(range(count)) and (
+                sorted(indices) != list(range(count))):
             raise ValueError("item indices must be 0..n-1, one each")
         limit = self.config.max_queue_items
-        if len(items) > limit:  # R7: it could never fit
-            raise RequestTooLarge(len(items), limit)
-        if self.pending_items + len(items) > limit:  # R7
-            raise QueueFull(self.pending_items, len(items), limit)
+        if count > limit:  # R7: it could never fit
+            raise RequestTooLarge(count, limit)
+        pending = self.pending_items
+        if pending + count > limit:  # R7
+            raise QueueFull(pending, count, limit)
         now = self._now()
         request = _Request(asyncio.get_running_loop().create_future(), lora, now,
-                           results=[None] * len(items), remaining=len(items))
+                           [None] * count, count)
         seq = next(self._seq)  # a request's items arrive together: one place in line
         request.items = [PendingItem(item, request, params, now, seq) for item in items]
-        lane = self._lane(lora)
+        lane = self._lanes.get(lora) or self._lane(lora)
         lane.arrived += 1
         lane.last_arrival = now
         if log.isEnabledFor(logging.DEBUG):  # the dispatch trace: arrivals and forwards
@@ -243,7 +258,7 @@ class ModelWorker:
         if self._queued == 0 and self._idle() and self._dispatch_alone(request, params, lane):
             return request.future  # the thread has it, and will wake the loop itself
         queued = self._revise_slot(lora, request.items)
-        lane.former.add(queued)
+        lane.former.add_request(queued)
         self._queued += len(queued)
         self._wake.set()
         return request.future
@@ -260,7 +275,13 @@ class ModelWorker:
                     return
                 if self._slot is None:
                     self._fill_slot()  # R2, R5, R6: formed while the forward runs
+                formed = self._slot is not None
                 deadline = self._review_slot()  # R3, R4
+                if formed and self._slot is None and self._queued:
+                    # Handed to the waiting thread: the next batch forms now, as it would
+                    # once the thread had taken it (once a turn: the loop yields between).
+                    self._fill_slot()
+                    deadline = self._review_slot()
                 if deadline is None:
                     await self._wake.wait()  # R1: until submit, a forward's end, stop
                 else:
@@ -271,7 +292,7 @@ class ModelWorker:
             if not isinstance(exc, Exception):
                 raise  # a cancellation (or an interpreter exit) goes on up
         finally:
-            with self._cond:
+            with self._lock:
                 self._thread_exit = True
                 self._cond.notify_all()
 
@@ -287,27 +308,34 @@ class ModelWorker:
         if batch is None:
             return
         self._queued -= len(batch.items)
-        with self._cond:
+        with self._lock:
             self._slot, self._released = batch, False
 
     def _review_slot(self) -> float | None:
         """Release the slot when the policy says; else return when to look again."""
-        with self._cond:
+        with self._lock:
             slot = self._slot
             if slot is None or self._released:
                 return None
             running = self._in_flight
+            handed = self._handed
             running_requests = (running.requests if running is not None
                                 and running.batch.lora == slot.lora else None)
+            if handed is not None and handed.lora == slot.lora:  # it runs next: as running
+                running_requests = len(dict.fromkeys(map(_OWNER, handed.items)))
         now = self._now()
         at: float | None = now
         if not self._stopping:
             at = self.policy.release_at(self._view(slot), self._lanes[slot.lora].last_forward,
                                         running_requests, now)
         if at is not None and at <= now:
-            with self._cond:
+            with self._lock:
                 if self._slot is slot:
-                    self._released, slot.released_at = True, now
+                    slot.released_at = now
+                    if self._in_flight is None and self._handed is None:
+                        self._handed, self._slot = slot, None  # the thread waits for it
+                    else:
+                        self._released = True
                     self._cond.notify_all()
             return None
         return at
@@ -332,15 +360,15 @@ class ModelWorker:
                 return False
             batch.add(pending)
         batch.released_at = self._now()  # after the policy and the batch: both are queue work
-        with self._cond:
-            self._slot, self._released = batch, True
+        with self._lock:
+            self._handed = batch  # the worker is idle: the thread waits for it
             self._cond.notify_all()
         return True
 
     def _view(self, slot: Batch) -> QueueView:
         lane = self._lanes[slot.lora]
         head = lane.former.oldest()
-        oldest = min(p.arrival for p in slot.items)
+        oldest = min(map(_ARRIVAL, slot.items))
         return QueueView(
             pending_requests=self._lane_requests(slot.lora),
             full=slot.full,
@@ -352,22 +380,28 @@ class ModelWorker:
         )
 
     def _revise_slot(self, lora: str | None, items: list[PendingItem]) -> list[PendingItem]:
-        """Add arrivals to the next batch while they fit; return those that stay queued."""
-        with self._cond:
-            slot = self._slot
-            if slot is None or slot.lora != lora or slot.group != items[0].group:
-                return items
-            limits = self._lanes[lora].former.limits
-            taken = 0
-            for pending in items:
-                if not slot.fits(pending.item.cost, limits):
-                    slot.full = True
+        """Add arrivals to the next batches (the one handed to the thread first, while the
+        thread has not taken it) while they fit; return those that stay queued."""
+        if self._slot is None and self._handed is None:  # only the loop fills them (here)
+            return items
+        limits = self._lanes[lora].former.limits
+        with self._lock:
+            for batch in (self._handed, self._slot):
+                if batch is None or batch.lora != lora or batch.group != items[0].group:
+                    continue
+                taken = 0
+                for pending in items:
+                    if not batch.fits(pending.item.cost, limits):
+                        batch.full = True
+                        break
+                    batch.add(pending)
+                    taken += 1
+                if len(batch.items) >= limits.max_items:
+                    batch.full = True
+                items = items[taken:]
+                if not items:
                     break
-                slot.add(pending)
-                taken += 1
-            if len(slot.items) >= limits.max_items:
-                slot.full = True
-        return items[taken:]
+        return items
 
     # -- the forward thread ----------------------------------------------------------
 
@@ -375,23 +409,28 @@ class ModelWorker:
         """Take each released batch as soon as the previous forward ends; run it."""
         device_free = 0.0
         while True:
-            with self._cond:
-                while not (self._released or self._thread_exit):
+            with self._lock:
+                while not (self._handed is not None or self._released or self._thread_exit):
                     self._cond.wait()
-                if not self._released:
+                tell = self._handed is None  # a handed batch: the loop forms on already
+                if self._handed is not None:
+                    batch, self._handed = self._handed, None
+                elif self._released:
+                    batch = cast(Batch, self._slot)
+                    self._slot, self._released = None, False
+                else:
                     return
-                batch = cast(Batch, self._slot)
-                self._slot, self._released = None, False
                 started = self._now()
                 forward = _Forward(batch, min(started, max(batch.released_at, device_free)),
                                    started)
                 self._in_flight = forward
-            self._tell_loop(loop)  # so it forms the next batch while this one runs
+            if tell:
+                self._tell_loop(loop)  # so it forms the next batch while this one runs
             try:
                 if batch.lora != self._active_lora:
                     self.adapter.set_lora(batch.lora)
                     self._active_lora = batch.lora
-                forward.values = self.adapter.forward([p.item for p in batch.items],
+                forward.values = self.adapter.forward(list(map(_ITEM, batch.items)),
                                                       batch.group)
                 if len(forward.values) != len(batch.items):
                     raise RuntimeError(f"adapter returned {len(forward.values)} results "
@@ -399,7 +438,7 @@ class ModelWorker:
             except BaseException as exc:  # R9: the error belongs to this forward's requests
                 forward.error = exc
             forward.ended = device_free = self._now()
-            with self._cond:
+            with self._lock:
                 self._in_flight = None
                 self._finished.append(forward)
             if not self._tell_loop(loop):
@@ -420,7 +459,8 @@ class ModelWorker:
         batch = forward.batch
         lane = self._lanes[batch.lora]
         elapsed = forward.ended - forward.started
-        requests: list[_Request] = forward.owners()
+        owners: Counter[_Request] = forward.owners()
+        requests: list[_Request] = list(owners)
         if 0 <= lane.probe_end < self._now():  # the last probe ran out: they did not
             lane.senders_return, lane.probe_end = False, -1.0
         lane.last_forward = LastForward(forward.ended, len(requests), elapsed,
@@ -446,14 +486,14 @@ class ModelWorker:
                                             forward.error is not None, forward.started,
                                             forward.ended, batch.real_tokens,
                                             forward.dispatched,  # idle gaps: stats.py
-                                            min(p.arrival for p in batch.items),
+                                            min(map(_ARRIVAL, batch.items)),
                                             forward.ended
                                             + (hold if lane.senders_return else 0.0)))
         if forward.error is None:
             for pending, value in zip(batch.items, forward.values, strict=True):
-                owner: _Request = pending.owner  # type: ignore[assignment]
-                owner.results[pending.item.index] = value
-                owner.remaining -= 1
+                pending.owner.results[pending.item.index] = value  # type: ignore[attr-defined]
+            for request, count in owners.items():
+                request.remaining -= count
         finished: list[RequestRecord] = []
         for request in requests:
             # An item may join a released batch before the thread takes it.
@@ -509,12 +549,16 @@ class ModelWorker:
             for pending in request.items:
                 dropped += lane.former.discard(pending)
             self._queued -= dropped
-        with self._cond:
-            slot = self._slot
+        with self._lock:
+            slot, handed = self._slot, self._handed
             if slot is not None and any(p.owner is request for p in slot.items):
                 dropped += slot.remove(request)
                 if not slot.items:
                     self._slot, self._released = None, False
+            if handed is not None and any(p.owner is request for p in handed.items):
+                dropped += handed.remove(request)
+                if not handed.items:
+                    self._handed = None
         if dropped:
             self.stats.record_dropped(dropped)
             self._wake.set()
@@ -525,8 +569,8 @@ class ModelWorker:
         failure = WorkerFailed(self.name, exc)
         self._failure = failure
         log.error("%s", failure, exc_info=exc if isinstance(exc, Exception) else None)
-        with self._cond:
-            self._slot, self._released = None, False
+        with self._lock:
+            self._slot, self._released, self._handed = None, False, None
         finished: list[RequestRecord] = []
         for request in list(self._requests):
             try:
@@ -555,24 +599,26 @@ class ModelWorker:
         slot = self._slot
         if slot is None or slot.lora != lora:
             return former.pending_requests
-        in_slot = {id(p.owner): p.owner for p in slot.items}
-        return former.pending_requests + sum(not former.holds(o) for o in in_slot.values())
+        in_slot = dict.fromkeys(map(_OWNER, slot.items))
+        return former.pending_requests + sum(not former.holds(o) for o in in_slot)
 
     def _idle(self) -> bool:
         """Nothing formed, running or awaiting delivery."""
-        return (self._slot is None and self._in_flight is None and not self._finished
+        return (self._slot is None and self._in_flight is None and self._handed is None
+                and not self._finished
                 and not self._stopping and self.running)
 
     def _drained(self) -> bool:
-        with self._cond:
-            busy = self._slot is not None or self._in_flight is not None
+        with self._lock:
+            busy = (self._slot is not None or self._in_flight is not None
+                    or self._handed is not None)
         return not busy and not self._finished and self._queued == 0
 
     async def _join_thread(self) -> None:
         thread = self._thread
         if thread is None:
             return
-        with self._cond:
+        with self._lock:
             self._thread_exit = True
             self._cond.notify_all()
         await asyncio.to_thread(thread.join)
