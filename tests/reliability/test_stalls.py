@@ -37,6 +37,14 @@ def p99(times: list[float]) -> float:
     return float(np.percentile(times, 99))
 
 
+def allowed(quiet_p99: float) -> float:
+    """The small requests' p99 beside the extract and the loads: twice the quiet one, or
+    25 ms more on a machine so loaded that the extract's own CPU (spaCy holds the GIL
+    between its steps) shows; a stall, the old full collection after each load, added
+    ~900 ms."""
+    return max(2 * quiet_p99, quiet_p99 + 0.025)
+
+
 def test_big_extract_and_model_loads_leave_small_requests_alone(servers: ServerPool) -> None:
     models = {f"churn{i}.yaml": synthetic_model(name, dims=8) for i, name in enumerate(CHURN)}
     server = servers.start("--default-model", SYNTH, "--preload", SPACY,
@@ -77,7 +85,7 @@ def test_big_extract_and_model_loads_leave_small_requests_alone(servers: ServerP
         # each load: p99 ~0.9 s) fails all three.
         for _ in range(3):
             busy.append(p99(small_latencies(url, 150)))
-            if busy[-1] <= 2 * min(quiet):
+            if busy[-1] <= allowed(min(quiet)):
                 break
     finally:
         stop.set()
@@ -85,7 +93,7 @@ def test_big_extract_and_model_loads_leave_small_requests_alone(servers: ServerP
             thread.join(30)
     assert len(loads) >= 6, "the model loads did not run beside the small requests"
     baseline = min(quiet)
-    assert min(busy) <= 2 * baseline, (
+    assert min(busy) <= allowed(baseline), (
         f"p99 {[round(b * 1e3, 1) for b in busy]} ms under a 16 MB extract and "
         f"{len(loads)} loads, quiet {baseline * 1e3:.1f} ms")
 
