@@ -76,6 +76,13 @@ def test_fit_with_one_length_keeps_a_slope_of_zero_and_finds_the_time() -> None:
     estimate = fit.estimate
     assert estimate is not None
     assert estimate.per_token_us == 0 and estimate.fixed_ms == pytest.approx(2.5)
+    # A slope it could not measure is not a free token: the padding bound stays.
+    assert not estimate.per_token_seen
+    assert derive_windows(WorkerConfig(), estimate).max_padding == 1.05
+    for padded in (200, 800) * 40:  # sizes apart: now it can tell, and padding is free
+        fit.observe(padded, padded, 32, 0.0025)
+    assert fit.estimate is not None and fit.estimate.per_token_seen
+    assert derive_windows(WorkerConfig(), fit.estimate).max_padding == 0
 
 
 @pytest.mark.parametrize("seconds", [float("nan"), float("inf"), -1.0, 0.0, 1e9])

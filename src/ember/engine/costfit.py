@@ -33,6 +33,7 @@ class CostEstimate:
     forwards: int  # forwards the fit read
     item_tokens: float  # median real tokens per item, over those forwards
     forward_ms: float  # median forward time, over those forwards
+    per_token_seen: bool = True  # some window had the spread of sizes to measure a slope
 
     @property
     def tokens_per_fixed(self) -> float:
@@ -62,6 +63,7 @@ class CostFit:
         self.seen = 0  # forwards observed, ever
         self._since_fit = 0
         self._slope_s = 0.0  # seconds per padded token, the last slope with enough spread
+        self._slope_seen = False
         self.estimate: CostEstimate | None = None
 
     def observe(self, padded_tokens: int, real_tokens: int, items: int,
@@ -88,10 +90,12 @@ class CostFit:
         x, y = np.array(self._padded[:count]), np.array(self._seconds[:count])
         if x.max() >= MIN_SPREAD * x.min():
             self._slope_s = max(0.0, resistant_slope(x, y))
+            self._slope_seen = True
         fixed = max(0.0, float(np.median(y - self._slope_s * x)))
         return CostEstimate(fixed_ms=fixed * 1000, per_token_us=self._slope_s * 1e6,
                             forwards=count, item_tokens=float(np.median(self._item_tokens[:count])),
-                            forward_ms=float(np.median(y)) * 1000)
+                            forward_ms=float(np.median(y)) * 1000,
+                            per_token_seen=self._slope_seen)
 
 
 def resistant_slope(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> float:

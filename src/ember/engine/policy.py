@@ -97,8 +97,9 @@ def derive_windows(config: WorkerConfig, cost: CostEstimate | None) -> Windows:
     wait = min(FIXED_MAX_BATCH_WAIT_MS, WAIT_OF_FIXED * cost.fixed_ms)
     quiet = min(FIXED_IDLE_COALESCE_MS, QUIET_OF_FIXED * cost.fixed_ms)
     full_forward = config.max_batch_items * max(cost.item_tokens, 1.0)  # real tokens
-    # Nearly free: a full forward could pad this far for the price of its fixed part.
-    free = 1 + cost.tokens_per_fixed / full_forward >= PADDING_OFF_AT
+    # Nearly free: a full forward could pad this far for the price of its fixed part. Not
+    # known while every forward had about one size (the slope is unmeasured, not zero).
+    free = cost.per_token_seen and 1 + cost.tokens_per_fixed / full_forward >= PADDING_OFF_AT
     padding = 0.0 if free else FIXED_MAX_PADDING
     learned = None in (config.max_batch_wait_ms, config.idle_coalesce_ms, config.max_padding)
     wait = wait if config.max_batch_wait_ms is None else config.max_batch_wait_ms
