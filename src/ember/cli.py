@@ -393,11 +393,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                       file=sys.stderr)
                 return 2
         try:
-            spinning_mode(args.onnx_spinning)
-        except ValueError as exc:
+            settings = settings_from(args)
+        except ValueError as exc:  # a value no flag takes (the spinning mode, a limit)
             print(f"ember: {exc}", file=sys.stderr)
             return 2
-        return serve(settings_from(args))
+        return serve(settings)
     except CatalogError as exc:
         print(f"ember: {exc}", file=sys.stderr)
         return 2

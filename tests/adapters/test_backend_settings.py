@@ -69,6 +69,12 @@ def test_a_bad_spinning_mode_is_refused(monkeypatch: pytest.MonkeyPatch,
     assert "onnx spinning 'sometimes'" in capsys.readouterr().err
 
 
+def test_a_bad_batching_limit_is_refused_with_its_name(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--max-batch-items", "0"]) == 2  # an exit, not a traceback
+    assert "max_batch_items must be >= 1, got 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("mode", "spinning", "stop"), [
     ("off", "0", "0"), ("forward", "1", "1"), ("on", "1", "0")])
 def test_each_spinning_mode_sets_the_session_options(mode: Spinning, spinning: str,

@@ -29,7 +29,7 @@ The time windows never exceed the fixed defaults, and a window set by hand stays
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ember.engine.config import (
@@ -82,33 +82,33 @@ class Windows:
     hold_of_forward: float = 0.25  # the hold after a forward: at most this part of it...
     hold_max_ms: float | None = None  # ...and at most this (None: no bound but the forward's)
 
+    @property
+    def long_hold(self) -> bool:
+        """The hold for a forward that fills the cores: until all senders are back."""
+        return self.hold_max_ms is None
+
 
 def derive_windows(config: WorkerConfig, cost: CostEstimate | None) -> Windows:
     """The windows for a device of `cost` (None: not learned yet). A window set in
     `config` wins; `dispatch="fixed"` or no estimate gives the fixed defaults."""
-    fixed = Windows(config.batch_wait_ms, config.coalesce_ms, config.padding, False,
-                    config.hold_fraction, config.batch_wait_ms)
-    if config.dispatch == "fixed":
-        return fixed
-    if config.forward_fills_cores and config.max_batch_wait_ms is None and config.hold_fraction > 0:
-        fixed = replace(fixed, hold_of_forward=HOLD_OF_FORWARD_ON_HOST, hold_max_ms=None)
-    if cost is None:
-        return fixed
-    wait = min(FIXED_MAX_BATCH_WAIT_MS, WAIT_OF_FIXED * cost.fixed_ms)
-    quiet = min(FIXED_IDLE_COALESCE_MS, QUIET_OF_FIXED * cost.fixed_ms)
-    full_forward = config.max_batch_items * max(cost.item_tokens, 1.0)  # real tokens
-    # Nearly free: a full forward could pad this far for the price of its fixed part. Not
-    # known while every forward had about one size (the slope is unmeasured, not zero).
-    free = cost.per_token_seen and 1 + cost.tokens_per_fixed / full_forward >= PADDING_OFF_AT
-    padding = 0.0 if free else FIXED_MAX_PADDING
-    learned = None in (config.max_batch_wait_ms, config.idle_coalesce_ms, config.max_padding)
-    wait = wait if config.max_batch_wait_ms is None else config.max_batch_wait_ms
-    return replace(
-        fixed, max_batch_wait_ms=wait,
-        idle_coalesce_ms=quiet if config.idle_coalesce_ms is None else config.idle_coalesce_ms,
-        max_padding=padding if config.max_padding is None else config.max_padding,
-        learned=learned,
-        hold_max_ms=None if fixed.hold_max_ms is None else wait)
+    wait, quiet, padding = config.batch_wait_ms, config.coalesce_ms, config.padding
+    learned = False
+    if config.dispatch == "auto" and cost is not None:
+        full_forward = config.max_batch_items * max(cost.item_tokens, 1.0)  # real tokens
+        # Nearly free: a full forward could pad this far for the price of its fixed part.
+        # Not known while every forward had about one size (the slope is unmeasured).
+        free = cost.per_token_seen and 1 + cost.tokens_per_fixed / full_forward >= PADDING_OFF_AT
+        if config.max_batch_wait_ms is None:
+            wait = min(FIXED_MAX_BATCH_WAIT_MS, WAIT_OF_FIXED * cost.fixed_ms)
+        if config.idle_coalesce_ms is None:
+            quiet = min(FIXED_IDLE_COALESCE_MS, QUIET_OF_FIXED * cost.fixed_ms)
+        if config.max_padding is None:
+            padding = 0.0 if free else FIXED_MAX_PADDING
+        learned = None in (config.max_batch_wait_ms, config.idle_coalesce_ms, config.max_padding)
+    if (config.dispatch == "auto" and config.forward_fills_cores
+            and config.max_batch_wait_ms is None and config.hold_fraction > 0):
+        return Windows(wait, quiet, padding, learned, HOLD_OF_FORWARD_ON_HOST, None)
+    return Windows(wait, quiet, padding, learned, config.hold_fraction, wait)
 
 
 class DispatchPolicy:
@@ -163,13 +163,13 @@ class DispatchPolicy:
         to count as returning: half, or all where the hold is long (a forward that fills
         the cores), so that open-loop arrivals, which seldom all come that soon, do not
         pass for returning senders and get held."""
-        return requests if self.windows(lora).hold_max_ms is None else (requests + 1) // 2
+        return requests if self.windows(lora).long_hold else (requests + 1) // 2
 
     def hold_end(self, queue: QueueView, last: LastForward) -> float:
         """When the hold after `last` ends: its own bound, or sooner where only the
         forward bounds it (a forward that fills the cores) and the senders stopped coming."""
         end = last.ended + self.hold_s(last.requests, last.duration, queue.lora)
-        if self.windows(queue.lora).hold_max_ms is None:
+        if self.windows(queue.lora).long_hold:
             end = min(end, max(last.ended, queue.last_arrival) + FIXED_MAX_BATCH_WAIT_MS / 1000)
         return end
 

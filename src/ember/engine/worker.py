@@ -550,15 +550,13 @@ class ModelWorker:
                 dropped += lane.former.discard(pending)
             self._queued -= dropped
         with self._lock:
-            slot, handed = self._slot, self._handed
-            if slot is not None and any(p.owner is request for p in slot.items):
-                dropped += slot.remove(request)
-                if not slot.items:
-                    self._slot, self._released = None, False
-            if handed is not None and any(p.owner is request for p in handed.items):
-                dropped += handed.remove(request)
-                if not handed.items:
-                    self._handed = None
+            for batch in (self._slot, self._handed):  # formed, not yet taken by the thread
+                if batch is not None and any(p.owner is request for p in batch.items):
+                    dropped += batch.remove(request)
+            if self._slot is not None and not self._slot.items:
+                self._slot, self._released = None, False
+            if self._handed is not None and not self._handed.items:
+                self._handed = None
         if dropped:
             self.stats.record_dropped(dropped)
             self._wake.set()
