@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from ember.adapters import _torch as common
@@ -36,6 +38,10 @@ class Forward(Protocol):
     loras: tuple[str, ...]
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor: ...
+
+    def run_arrays(self, inputs: Mapping[str, npt.NDArray[np.int64]]) -> npt.NDArray[Any]:
+        """The same forward over numpy inputs, its output on the CPU as numpy."""
+        ...
 
     def set_lora(self, name: str | None) -> None: ...
 
@@ -77,6 +83,9 @@ class ForwardElsewhere:
         self.loras: tuple[str, ...] = tuple(loras)
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        raise RuntimeError(NO_WEIGHTS)
+
+    def run_arrays(self, inputs: Mapping[str, npt.NDArray[np.int64]]) -> npt.NDArray[Any]:
         raise RuntimeError(NO_WEIGHTS)
 
     def set_lora(self, name: str | None) -> None:

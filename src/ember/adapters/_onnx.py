@@ -104,15 +104,16 @@ class OnnxForward:
         self.zero_inputs = tuple(name for name in wanted if name not in inputs)
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return torch.from_numpy(self.run_arrays({name: tensor.cpu().numpy()
+                                                 for name, tensor in inputs.items()}))
+
+    def run_arrays(self, inputs: Mapping[str, npt.NDArray[np.int64]]) -> npt.NDArray[Any]:
         assert self.session is not None, "the model was closed"
-        feeds: dict[str, npt.NDArray[np.int64]] = {}
-        for name in self.inputs:
-            if name in self.zero_inputs:
-                feeds[name] = np.zeros(tuple(inputs["input_ids"].shape), dtype=np.int64)
-            else:
-                feeds[name] = inputs[name].cpu().numpy()
-        value = self.session.run([self.output], feeds)[0]
-        return torch.from_numpy(value)
+        feeds = {name: inputs[name] for name in self.inputs if name not in self.zero_inputs}
+        for name in self.zero_inputs:
+            feeds[name] = np.zeros(inputs["input_ids"].shape, dtype=np.int64)
+        value: npt.NDArray[Any] = self.session.run([self.output], feeds)[0]
+        return value
 
     def set_lora(self, name: str | None) -> None:
         if name is not None:

@@ -12,8 +12,11 @@ from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
+from ember.adapters._arrays import padded
 from ember.adapters.base import (
     Entity,
     ExtractOptions,
@@ -123,6 +126,13 @@ class TorchForward:
         result: torch.Tensor = getattr(self.model(**inputs), self.output)
         return result
 
+    def run_arrays(self, inputs: Mapping[str, npt.NDArray[np.int64]]) -> npt.NDArray[Any]:
+        device = next(self.model.parameters()).device
+        with torch.inference_mode():
+            tensors = {name: torch.from_numpy(array).to(device) for name, array in inputs.items()}
+            output: npt.NDArray[Any] = self(tensors).float().cpu().numpy()
+        return output
+
     def _attach(self, model: torch.nn.Module, loras: Mapping[str, Path]) -> torch.nn.Module:
         from peft import PeftModel  # only models with adapters pay for the import
 
@@ -171,17 +181,11 @@ class TorchForward:
 
 def pad(rows: Sequence[Sequence[int]], value: int, device: torch.device) -> torch.Tensor:
     """Right-pad rows of token ids to the longest row (dynamic padding)."""
-    longest = max(len(row) for row in rows)
-    out = torch.full((len(rows), longest), value, dtype=torch.long)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = torch.tensor(row, dtype=torch.long)
-    return out.to(device)
+    return torch.from_numpy(padded(rows, value)[0]).to(device)
 
 
 def attention_mask(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    longest = max(len(row) for row in rows)
-    lengths = torch.tensor([len(row) for row in rows])
-    return (torch.arange(longest)[None, :] < lengths[:, None]).long().to(device)
+    return torch.from_numpy(padded(rows, 0)[1]).to(device)
 
 
 def require_items(count: int, param: str = "items") -> None:

@@ -12,8 +12,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
+from ember.adapters import _arrays as arrays
 from ember.adapters import _torch as common
 from ember.adapters._backend import FEEDABLE, Forward, load_model
 from ember.adapters._tokenize import TextTokenizer, off_loop, over_limit
@@ -84,10 +86,20 @@ class CrossEncoderAdapter(common.TorchModel):
         assert isinstance(params, ScoreParams)
         pairs: list[Pair] = [item.payload for item in items]
         rows = [p.input_ids for p in pairs]
+        typed = all(p.token_type_ids is not None for p in pairs)
+        if self.model.backend == "onnx":  # no torch between the graph and the scores
+            ids, mask = arrays.padded(rows, self.pad_id)
+            feeds = {"input_ids": ids, "attention_mask": mask}
+            if typed:
+                feeds["token_type_ids"] = arrays.padded([p.token_type_ids or [] for p in pairs],
+                                                        0)[0]
+            scores = self.model.run_arrays(feeds)[:, 0].astype(np.float32)
+            return arrays.sigmoid(scores) if params.activation == "sigmoid" else [
+                float(s) for s in scores]
         with torch.inference_mode():
             inputs = {"input_ids": common.pad(rows, self.pad_id, self.device),
                       "attention_mask": common.attention_mask(rows, self.device)}
-            if all(p.token_type_ids is not None for p in pairs):
+            if typed:
                 types = [p.token_type_ids or [] for p in pairs]
                 inputs["token_type_ids"] = common.pad(types, 0, self.device)
             logits = self.model(inputs)[:, 0].float()

@@ -20,6 +20,7 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
+from ember.adapters import _arrays as arrays
 from ember.adapters import _torch as common
 from ember.adapters._backend import Forward, load_model
 from ember.adapters._encoder import BiEncoder
@@ -131,6 +132,8 @@ class TransformerAdapter(BiEncoder[EncodeParams, Vector]):
     def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[Vector]:
         assert isinstance(params, EncodeParams)
         rows = [item.payload for item in items]
+        if self.model.backend == "onnx":  # no torch between the graph and the vectors
+            return self._forward_arrays(rows, params)
         with torch.inference_mode():
             ids = common.pad(rows, self.pad_id, self.device)
             mask = common.attention_mask(rows, self.device)
@@ -140,6 +143,12 @@ class TransformerAdapter(BiEncoder[EncodeParams, Vector]):
                 vectors = F.normalize(vectors, p=2, dim=1)
             array = vectors.cpu().numpy().astype(np.float32)
         return list(array)
+
+    def _forward_arrays(self, rows: Sequence[list[int]], params: EncodeParams) -> list[Vector]:
+        ids, mask = arrays.padded(rows, self.pad_id)
+        hidden = self.model.run_arrays({"input_ids": ids, "attention_mask": mask})
+        pooled = arrays.pool(hidden, mask, self.pooling)
+        return list(arrays.l2_normalized(pooled) if params.normalize else pooled)
 
     # -- the request path (event loop) ----------------------------------------------
 

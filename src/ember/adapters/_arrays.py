@@ -1,0 +1,50 @@
+"""A batch's inputs and poolings as numpy arrays: dynamic padding for either backend,
+and the pooling of ONNX Runtime outputs, which then never pass through torch (each
+small torch op costs tens of microseconds of dispatch on CPU, numpy's a few)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import chain
+
+import numpy as np
+import numpy.typing as npt
+
+Ids = npt.NDArray[np.int64]
+Floats = npt.NDArray[np.float32]
+
+
+def padded(rows: Sequence[Sequence[int]], value: int) -> tuple[Ids, Ids]:
+    """Rows of token ids right-padded to the longest with `value`, and the attention
+    mask (1 on a row's own tokens), both (rows, longest) int64."""
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    mask = np.arange(int(lengths.max())) < lengths[:, None]
+    ids = np.full(mask.shape, value, dtype=np.int64)
+    ids[mask] = np.fromiter(chain.from_iterable(rows), dtype=np.int64,
+                            count=int(lengths.sum()))
+    return ids, mask.astype(np.int64)
+
+
+def pool(hidden: Floats, mask: Ids, mode: str) -> Floats:
+    """One vector a row of (rows, tokens, dims) `hidden`: the first token's ("cls"),
+    or the mean over the row's own tokens ("mean")."""
+    if mode == "cls":
+        return np.ascontiguousarray(hidden[:, 0], dtype=np.float32)
+    weights = mask.astype(np.float32)
+    sums = np.einsum("btd,bt->bd", hidden.astype(np.float32, copy=False), weights)
+    counts = np.maximum(weights.sum(axis=1, keepdims=True), np.float32(1e-9))
+    means: Floats = (sums / counts).astype(np.float32, copy=False)
+    return means
+
+
+def l2_normalized(vectors: Floats) -> Floats:
+    """Each row over its L2 norm (a zero row stays zero), as torch's F.normalize."""
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    unit: Floats = (vectors / np.maximum(norms, np.float32(1e-12))).astype(np.float32,
+                                                                           copy=False)
+    return unit
+
+
+def sigmoid(values: Floats) -> list[float]:
+    """The logistic of each value, in float32 as torch's."""
+    return [float(v) for v in np.float32(1) / (np.float32(1) + np.exp(-values))]
