@@ -282,7 +282,13 @@ def test_selftune_quick_run_writes_json_and_its_table(tmp_path: Path) -> None:
         verdict = cell["verdict"]
         assert verdict["best"] in cell["runs"] and verdict["best"] != "auto"
         assert {"throughput_ratio", "p50_ratio", "met", "windows"} <= set(verdict)
+        # The cell is judged on fresh runs of the default and the point the grid chose.
+        confirm = cell["confirm"]
+        assert set(confirm["runs"]) == {"auto", verdict["best"]}
+        assert all(len(runs) == 1 for runs in confirm["runs"].values())
+        assert confirm["verdict"]["best"] == verdict["best"]
+        assert confirm["verdict"]["throughput_ratio"] > 0
     assert data["devices"]["fast"]["sequential"]["queue_p50_ms"] >= 0
-    assert "default / best throughput" in run.stdout
+    assert "default / best throughput" in run.stdout and "confirmed: p50" in run.stdout
     report = bench("selftune.py", "--report", str(out))
     assert report.returncode == 0 and report.stdout == run.stdout
