@@ -498,6 +498,36 @@ async def test_r4_a_hold_ends_at_its_bound_when_the_senders_stop_coming() -> Non
         assert 20.0 <= result.queue_ms < 30.0 + 100.0  # held to max_batch_wait_ms, no more
 
 
+async def after_a_long_hold_round(open_arrival: bool) -> list[int]:
+    """Four closed-loop senders on a 200 ms forward that fills the cores (so the hold for
+    them may last half of it), each sent again once answered; with `open_arrival`, one
+    more request arrives in that forward's last half, as open-loop arrivals do. Then
+    three requests 4 ms apart: held for, they share a forward; else the first goes alone."""
+    config = WorkerConfig(forward_fills_cores=True, idle_coalesce_ms=0.0)
+    async with running(config, overhead_ms=200.0) as (worker, adapter):
+        second = asyncio.ensure_future(burst_then_back(worker))
+        extra = []
+        if open_arrival:
+            await asyncio.sleep(0.13)  # 100-200 ms into the forward: its last half
+            extra.append(await worker.submit(items(2), "p"))
+        await asyncio.gather(*extra, *await second)
+        last = []
+        for _ in range(3):
+            last.append(await worker.submit(items(2), "p"))
+            await asyncio.sleep(0.004)
+        await asyncio.gather(*last)
+        return forward_sizes(adapter)
+
+
+async def test_r4_arrivals_through_a_forward_are_not_taken_for_its_senders() -> None:
+    # Closed-loop senders: their forward ends in quiet, so they are awaited from then on
+    # and the last three requests wait for each other (a hold).
+    assert (await after_a_long_hold_round(open_arrival=False))[-1] == 3
+    # One arrival in the forward's last half (a quarter of its four requests) says others
+    # are sending too: no hold follows, and the first of the last three goes at once.
+    assert (await after_a_long_hold_round(open_arrival=True))[-2:] == [1, 2]
+
+
 async def test_r3c_ends_as_soon_as_the_senders_of_the_last_forward_are_back() -> None:
     # A 200 ms idle window would show in the queue time if the burst waited it out.
     async with running(WINDOW_ON) as (worker, adapter):

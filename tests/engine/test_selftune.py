@@ -160,6 +160,18 @@ def test_a_forward_that_fills_the_cores_holds_for_its_senders_up_to_half_of_it()
     assert (policy.returns_needed(8), DispatchPolicy(WorkerConfig()).returns_needed(8)) == (8, 4)
 
 
+def test_the_long_hold_watches_only_senders_whose_forward_ended_in_quiet() -> None:
+    long = DispatchPolicy(WorkerConfig(forward_fills_cores=True))
+    # Closed-loop senders wait for their answers: (almost) nothing arrives as it ends.
+    assert long.watches_senders(8, arrived_in_tail=0)
+    assert long.watches_senders(8, arrived_in_tail=1)
+    # A quarter of its requests' count arrived in its tail: open-loop arrivals.
+    assert not long.watches_senders(8, arrived_in_tail=2)
+    assert not long.watches_senders(1, arrived_in_tail=0)  # one sender: nobody to await
+    # The short hold (a core left to the front end) costs at most the wait bound: as before.
+    assert DispatchPolicy(WorkerConfig()).watches_senders(8, arrived_in_tail=8)
+
+
 def test_the_long_hold_ends_when_the_senders_are_back_or_stop_coming() -> None:
     policy = DispatchPolicy(WorkerConfig(forward_fills_cores=True))
     last = LastForward(ended=1.0, requests=8, duration=0.060, senders_return=True)  # hold 30 ms

@@ -23,7 +23,9 @@ The windows (docs/architecture.md, "Self-tuning windows"): with a forward costin
   senders' request work (HTTP, tokenizing) that a forward started meanwhile would fight
   for, and half-full forwards that alternate for good cost more per item. So there the
   hold lasts until the senders are back, at most HOLD_OF_FORWARD_ON_HOST of the forward,
-  and ends early once they stop coming (none back for the fixed batch wait).
+  and ends early once they stop coming (none back for the fixed batch wait); it awaits
+  only the senders of a forward that ended in near quiet (open-loop arrivals keep coming
+  through a forward, closed-loop senders wait for their answers).
 The time windows never exceed the fixed defaults, and a window set by hand stays as set.
 """
 
@@ -45,6 +47,7 @@ QUIET_OF_FIXED = 0.25  # idle burst's quiet window, in forwards' fixed parts
 QUIET_OF_GAPS = 2.0  # ... and in mean gaps between the burst's arrivals
 PADDING_OFF_AT = 1.5  # a learned padding bound this loose is no bound: off
 HOLD_OF_FORWARD_ON_HOST = 0.5  # the hold after a forward that fills the cores, in forwards
+OTHERS_PER_SENDER = 4  # arrivals in a forward's tail that say its senders are not alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +160,19 @@ class DispatchPolicy:
         windows = self.windows(lora)
         hold = windows.hold_of_forward * duration
         return hold if windows.hold_max_ms is None else min(hold, windows.hold_max_ms / 1000)
+
+    def watches_senders(self, requests: int, arrived_in_tail: int,
+                        lora: str | None = None) -> bool:
+        """Whether the senders of a forward of `requests` may be worth awaiting after it,
+        `arrived_in_tail` requests having arrived in its last stretch as long as its hold.
+        Where the hold is long (a forward that fills the cores), only if those were fewer
+        than a quarter of its requests: closed-loop senders wait for their answers, so
+        their forward runs to its end in near quiet, while open-loop arrivals keep coming
+        through it, and a forward's worth of them arriving soon after its end, seldom as
+        that is, would otherwise pass for its senders and hold the cores idle."""
+        if requests < 2:
+            return False
+        return not self.windows(lora).long_hold or arrived_in_tail * OTHERS_PER_SENDER < requests
 
     def returns_needed(self, requests: int, lora: str | None = None) -> int:
         """How many of a forward's `requests` must be back within its hold for its senders

@@ -33,6 +33,7 @@ _OWNER = attrgetter("owner")
 _ITEM = attrgetter("item")
 _ARRIVAL = attrgetter("arrival")
 _INDEX = attrgetter("index")
+RECENT = 64  # arrival times kept per lane: enough to count those near a forward's end
 
 
 @dataclass(eq=False, slots=True)
@@ -105,10 +106,20 @@ class _Lane:
     senders_return: bool = False
     probe_target: int = 0  # `arrived` that means enough of them are back
     probe_end: float = -1.0  # < 0: no probe running
+    recent_arrivals: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
 
     def senders_may_return(self, now: float) -> bool:
         """Seen to come back, or a probe still running: the policy's `senders_return`."""
         return self.senders_return or now <= self.probe_end
+
+    def arrivals_between(self, begin: float, end: float) -> int:
+        """Requests that arrived in [begin, end), of the last RECENT (at most RECENT)."""
+        count = 0
+        for arrival in reversed(self.recent_arrivals):
+            if arrival < begin:
+                break
+            count += arrival < end
+        return count
 
 
 class ModelWorker:
@@ -248,6 +259,7 @@ class ModelWorker:
         lane = self._lanes.get(lora) or self._lane(lora)
         lane.arrived += 1
         lane.last_arrival = now
+        lane.recent_arrivals.append(now)
         if log.isEnabledFor(logging.DEBUG):  # the dispatch trace: arrivals and forwards
             log.debug("%s: submit at=%.6f items=%d lora=%s", self.name, now, len(items), lora)
         if lane.probe_end >= now and lane.arrived >= lane.probe_target:
@@ -463,11 +475,16 @@ class ModelWorker:
         requests: list[_Request] = list(owners)
         if 0 <= lane.probe_end < self._now():  # the last probe ran out: they did not
             lane.senders_return, lane.probe_end = False, -1.0
+        hold = self.policy.hold_s(len(requests), elapsed, batch.lora)  # 0 for one request
+        watch = len(requests) >= 2 and self.policy.watches_senders(
+            len(requests), lane.arrivals_between(forward.ended - hold, forward.ended),
+            batch.lora)
+        if len(requests) >= 2 and not watch:  # others arrived as it ran: not its senders
+            lane.senders_return, lane.probe_end = False, -1.0
         lane.last_forward = LastForward(forward.ended, len(requests), elapsed,
                                         lane.senders_return)
         lane.arrived_at_last_end = lane.arrived
-        hold = self.policy.hold_s(len(requests), elapsed, batch.lora)  # 0 for one request
-        if len(requests) >= 2:
+        if watch:
             lane.probe_target = lane.arrived + self.policy.returns_needed(len(requests),
                                                                           batch.lora)
             lane.probe_end = forward.ended + hold
