@@ -279,10 +279,10 @@ async def run_device(device: Device, plan: Plan, reps: int, cells: Sequence[str]
     # In process one event loop both generates the arrivals and runs the worker: what it
     # serves under Poisson arrivals offered past the closed loop's rate bounds the open
     # loops' capacity where the loop, not the device, is the limit (a GPU-like device).
-    flood = partial(poisson, pool=device.short, rate=OVERLOAD * capacity)
-    open_capacity = min(capacity, (await with_worker(
-        device, WorkerConfig(dispatch="fixed"), lambda w, p, s: flood(w, p, seed=s), plan,
-        0))["served_while_arriving"])
+    flooded = await with_worker(
+        device, WorkerConfig(dispatch="fixed"),
+        lambda w, p, s: poisson(w, p, device.short, rate=OVERLOAD * capacity, seed=s), plan, 0)
+    open_capacity = min(capacity, flooded["served_while_arriving"])
     chosen = {k: v for k, v in loads(device, plan, open_capacity, lane).items()
               if not cells or k.split("_")[0] in cells or k in cells}
     runs: dict[str, dict[str, list[Json]]] = {c: {v: [] for v in VARIANTS} for c in chosen}
@@ -369,7 +369,7 @@ def markdown(data: Json) -> str:
         for cell, entry in result["cells"].items():
             v, judged = entry["verdict"], final(entry)
             win = v["windows"]
-            confirmed = entry.get("confirm") is not None
+            confirmed = judged is not v
             rows.append([
                 name, cell, v["best"],
                 f"{v['throughput_ratio']:.3f} ({fmt_spread(v['throughput_ratio_reps'])})",

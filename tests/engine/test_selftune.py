@@ -3,6 +3,8 @@ pure functions and plain objects, no event loop."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -162,14 +164,26 @@ def test_a_forward_that_fills_the_cores_holds_for_its_senders_up_to_half_of_it()
 
 def test_the_long_hold_watches_only_senders_whose_forward_ended_in_quiet() -> None:
     long = DispatchPolicy(WorkerConfig(forward_fills_cores=True))
+    asked: list[float] = []
+
+    def arrived(count: int) -> Callable[[float], int]:
+        def in_last(seconds: float) -> int:
+            asked.append(seconds)
+            return count
+        return in_last
+
     # Closed-loop senders wait for their answers: (almost) nothing arrives as it ends.
-    assert long.watches_senders(8, arrived_in_tail=0)
-    assert long.watches_senders(8, arrived_in_tail=1)
+    assert long.watches_senders(8, 0.040, arrived(0))
+    assert long.watches_senders(8, 0.040, arrived(1))
+    assert asked == [pytest.approx(0.020)] * 2  # its last stretch as long as the hold
     # A quarter of its requests' count arrived in its tail: open-loop arrivals.
-    assert not long.watches_senders(8, arrived_in_tail=2)
-    assert not long.watches_senders(1, arrived_in_tail=0)  # one sender: nobody to await
-    # The short hold (a core left to the front end) costs at most the wait bound: as before.
-    assert DispatchPolicy(WorkerConfig()).watches_senders(8, arrived_in_tail=8)
+    assert not long.watches_senders(8, 0.040, arrived(2))
+    assert not long.watches_senders(1, 0.040, arrived(0))  # one sender: nobody to await
+    # The short hold (a core left to the front end) costs at most the wait bound: as
+    # before, and nothing is counted for it.
+    asked.clear()
+    assert DispatchPolicy(WorkerConfig()).watches_senders(8, 0.040, arrived(8))
+    assert asked == []
 
 
 def test_the_long_hold_ends_when_the_senders_are_back_or_stop_coming() -> None:
