@@ -794,8 +794,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     benchlib.add_common_args(parser, Path("docs/bench/scheduler.json"), FULL_REPS,
                              "smoke run of a few seconds")
     parser.add_argument("--plot", type=Path, default=None,
-                        help="PNG of latency against load (default "
-                        "docs/bench/latency_vs_load.png; with --report, drawn only if given)")
+                        help="PNG of latency against load, drawn only if given (the page's: "
+                        "docs/bench/latency_vs_load.png)")
     parser.add_argument("--costs", default="gpu,cpu", help="cost models to run, of gpu,cpu")
     parser.add_argument("--turnaround-ms", type=float, default=0.5,
                         help="serial per-request turnaround of closed-loop clients")
@@ -828,7 +828,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         data = uvloop.run(run(args, began))
     else:
         data = asyncio.run(run(args, began))
-    plot(data, args.plot or Path("docs/bench/latency_vs_load.png"))
+    if args.plot is not None:  # a partial run (--scenarios) must not replace the page's plot
+        plot(data, args.plot)
     return benchlib.finish(args.out, data, began, markdown(data), "scheduler")
 
 

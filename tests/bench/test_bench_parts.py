@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
@@ -70,3 +72,33 @@ def test_the_modelled_device_fills_batches_up_to_the_limits() -> None:
     assert device.items_per_s(8) == 8 / device.forward_ms(8) * 1000
     tight = frontend.Device(2.0, 0.5, 64, 100, 10)  # the token budget caps a batch at 10
     assert tight.full_batch == 10
+
+
+def test_the_overload_model_lets_an_arrival_join_the_next_batch_only_as_the_worker_does() -> None:
+    """A (long) runs; B (short) forms the next batch; C (long) does not fit it and queues;
+    D (short) fits it. The worker's rule takes D along with B, ahead of the older C; the
+    queue-first rule keeps D behind C. Every arrival goes to the device once."""
+    sim = bench_module("overload_sim")
+    times = np.array([0.0, 0.0005, 0.0010, 0.0015])
+    costs = [100, 10, 100, 10]
+    first_forward = (2.0 + 5.0 * 100 / 1000) / 1000  # the synthetic device's cost for A
+
+    worker = sim.simulate(times, costs, sim.VARIANTS["worker"]).handed_at
+    assert worker[0] == 0.0
+    assert worker[1] == worker[3] == first_forward  # D joined B's batch
+    assert worker[2] > worker[3]  # and went ahead of C
+
+    queue_first = sim.simulate(times, costs, sim.VARIANTS["queue_first"]).handed_at
+    assert queue_first[1] == first_forward
+    assert queue_first[1] < queue_first[2] < queue_first[3]  # in line behind C
+    assert not np.isnan(queue_first).any() and not np.isnan(worker).any()
+
+
+def test_the_overload_model_replays_the_benchmarks_own_arrivals() -> None:
+    sim, scheduler = bench_module("overload_sim"), bench_module("scheduler")
+    times, costs = sim.arrivals(0, 2000.0)
+    duration = scheduler.MIXED_SPAN * scheduler.PLANS["gpu"].open_s
+    assert times[0] > 0 and np.all(np.diff(times) > 0) and times[-1] < duration
+    assert len(costs) == len(times) and min(costs) >= 5 and max(costs) <= 120
+    again, _ = sim.arrivals(0, 2000.0)
+    assert np.array_equal(times, again) and not np.array_equal(times, sim.arrivals(1, 2000.0)[0])

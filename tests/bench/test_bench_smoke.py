@@ -292,3 +292,23 @@ def test_selftune_quick_run_writes_json_and_its_table(tmp_path: Path) -> None:
     assert "default / best throughput" in run.stdout and "confirmed: p50" in run.stdout
     report = bench("selftune.py", "--report", str(out))
     assert report.returncode == 0 and report.stdout == run.stdout
+
+
+def test_overload_sim_quick_run_writes_json_and_its_tables(tmp_path: Path) -> None:
+    out = tmp_path / "overload_sim.json"
+    run = bench("overload_sim.py", "--reps", "2", "--scales", "1,1.1", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = strict_json(out)
+    assert set(data["results"]) == {"1", "1.1"}
+    for by_rule in data["results"].values():
+        assert set(by_rule) == {"worker", "queue_first", "queue_first_no_cheaper"}
+        for summary in by_rule.values():
+            assert summary["runs"] == 2 and 0 <= summary["over_bound"] <= 2
+            assert 0 < summary["wait_p50_ms_median"] <= summary["wait_max_ms_median"]
+    # Each repetition of the recorded run, beside the model's run of the same arrivals.
+    recorded = strict_json(ROOT / "docs" / "bench" / "overload_engine.json")
+    reps = recorded["results"]["gpu"]["open_mixed_120"]["reps"]["default"]
+    assert [pair["rep"] for pair in data["against_recorded"]] == list(range(len(reps)))
+    assert [pair["measured"] for pair in data["against_recorded"]] == [
+        r["wait_max_over_bound"] for r in reps]
+    assert "| 1.1x | worker |" in run.stdout and "| repetition | measured |" in run.stdout
