@@ -24,28 +24,52 @@ def loop_task(name: str) -> asyncio.Task[object]:
     return next(t for t in asyncio.all_tasks() if t.get_name() == f"ember-worker-{name}")
 
 
-async def test_a_failing_stats_listener_fails_every_accepted_request_with_an_error() -> None:
+async def test_an_error_in_the_loop_fails_every_accepted_request_with_an_error() -> None:
     async with running(SLOW, overhead_ms=20.0) as (worker, _):
 
-        def broken(record: BatchRecord) -> None:
-            raise RuntimeError("listener bug")
+        def broken(*args: object) -> None:  # the cost model, learning from each forward
+            raise RuntimeError("policy bug")
 
-        worker.stats.batch_listeners.append(broken)
+        worker.policy.observe = broken  # type: ignore[method-assign]
         in_flight = await worker.submit(items(2), "p")
         await asyncio.sleep(0.005)  # its forward runs
         queued = await worker.submit(items(2), "q")  # another group: waits behind it
         done = await asyncio.wait_for(asyncio.gather(in_flight, queued,
                                                      return_exceptions=True), 2.0)
         assert all(isinstance(d, WorkerFailed) for d in done)
-        assert "listener bug" in str(done[0]) and "restarted" in str(done[0])
+        assert "policy bug" in str(done[0]) and "restarted" in str(done[0])
         assert isinstance(worker.failure, WorkerFailed) and not worker.running
         with pytest.raises(WorkerFailed):  # refused, not queued onto a dead loop
             await worker.submit(items(2), "p")
 
-        worker.stats.batch_listeners.remove(broken)
+        del worker.policy.observe
         await worker.restart()
         result = await asyncio.wait_for(await worker.submit(items(2, 3), "p"), 2.0)
         assert len(result.values) == 2 and worker.failure is None
+
+
+async def test_a_failing_stats_listener_is_logged_and_loses_no_answer(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Listeners (the metrics) hear of a forward once its answers are out: a broken one
+    is an error in the log, never a lost answer, a silenced listener or a stopped worker."""
+    async with running(SLOW, overhead_ms=5.0) as (worker, _):
+        heard: list[int] = []
+
+        def broken(record: BatchRecord) -> None:
+            raise RuntimeError("listener bug")
+
+        worker.stats.batch_listeners += [broken, lambda record: heard.append(record.items)]
+        first = await (await worker.submit(items(2, 3), "p"))
+        assert len(first.values) == 2 and worker.stats.batches == 1
+        assert heard == []  # the answer came first; the listeners are next in line
+        await asyncio.sleep(0)
+        assert heard == [2]
+        second = await (await worker.submit(items(4), "p"))
+        await asyncio.sleep(0)
+        assert len(second.values) == 1 and heard == [2, 1]
+        assert worker.failure is None and worker.running
+    failures = [r for r in caplog.records if r.exc_info and "listener bug" in str(r.exc_info[1])]
+    assert len(failures) == 2 and all(r.name == "ember.engine" for r in failures)
 
 
 async def test_a_cancelled_loop_during_a_forward_fails_its_requests_with_an_error() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -106,6 +107,9 @@ async def model(model: str, request: Request) -> JSONResponse:
 @router.get("/metrics", summary="Prometheus metrics")
 async def metrics(request: Request) -> Response:
     state = server_state(request)
+    # The engine writes a forward's metrics one turn after its answers (stats.defer):
+    # that turn first, so a scrape counts every forward answered before it.
+    await asyncio.sleep(0)
     for gather in state.on_metrics:  # figures that live in another process
         await gather()
     return Response(generate_latest(state.metrics.exposition()),

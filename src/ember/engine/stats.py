@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 HISTORY = 10_000  # recent records kept for inspection; totals are never trimmed
 GAP_CAUSES = ("hold", "formation", "wakeup")
 GAP_FLOOR_S = 1e-4  # a cause's share under this is not counted as a gap (still summed)
+
+log = logging.getLogger("ember.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,9 @@ class WorkerStats:
     idle_gaps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(GAP_CAUSES, 0))
     _device_free: float = 0.0  # the last forward's end
     _hold_until: float = 0.0
+    # Where listeners are called: at once (None), or through this (the worker sets its
+    # loop's call_soon), so metric writes run after the answers they describe are out.
+    defer: Callable[..., object] | None = None
 
     @property
     def batch_sizes(self) -> list[int]:
@@ -114,10 +121,16 @@ class WorkerStats:
             for cause, seconds in gap.by_cause().items():
                 self.idle_gap_s[cause] += seconds
                 self.idle_gaps[cause] += seconds >= GAP_FLOOR_S
-            for gap_listener in self.gap_listeners:
-                gap_listener(gap)
-        for listener in self.batch_listeners:
-            listener(record)
+        if gap is not None and self.gap_listeners:
+            self._tell(self.gap_listeners, gap)
+        if self.batch_listeners:
+            self._tell(self.batch_listeners, record)
+
+    def _tell(self, listeners: Sequence[Callable[[Any], None]], value: object) -> None:
+        if self.defer is None:
+            _call_each(listeners, value)
+        else:
+            self.defer(_call_each, listeners, value)
 
     def idle_gap(self, record: BatchRecord) -> IdleGap | None:
         """The device idle before `record`'s forward while its items waited (records come
@@ -131,10 +144,20 @@ class WorkerStats:
 
     def record_requests(self, records: Sequence[RequestRecord]) -> None:
         self.recent_requests.extend(records)
-        for listener in self.request_listeners:
-            listener(records)
+        if self.request_listeners:
+            self._tell(self.request_listeners, records)
 
     def record_dropped(self, count: int) -> None:
         self.dropped_items += count
-        for listener in self.drop_listeners:
-            listener(count)
+        if self.drop_listeners:
+            self._tell(self.drop_listeners, count)
+
+
+def _call_each(listeners: Sequence[Callable[[Any], None]], value: object) -> None:
+    """Every listener hears `value`; one that fails is logged and the rest still hear it
+    (a metric's bug must not cost an answer or another metric)."""
+    for listener in listeners:
+        try:
+            listener(value)
+        except Exception:
+            log.exception("a stats listener failed: %r", listener)

@@ -188,6 +188,7 @@ class ModelWorker:
         if self._task is not None:
             return
         loop = asyncio.get_running_loop()
+        self.stats.defer = loop.call_soon  # metrics are written once the answers are out
         self._thread_exit = False
         self._thread = threading.Thread(target=self._forward_thread, args=(loop,),
                                         name=f"ember-forward-{self.name}", daemon=True)
@@ -499,14 +500,6 @@ class ModelWorker:
             log.debug("%s: forward started=%.6f ended=%.6f items=%d requests=%d padded=%d "
                       "senders_return=%s", self.name, forward.started, forward.ended,
                       len(batch.items), len(requests), batch.padded_tokens, lane.senders_return)
-        self.stats.record_batch(BatchRecord(len(batch.items), len(requests),
-                                            batch.padded_tokens, batch.lora, elapsed * 1000,
-                                            forward.error is not None, forward.started,
-                                            forward.ended, batch.real_tokens,
-                                            forward.dispatched,  # idle gaps: stats.py
-                                            min(map(_ARRIVAL, batch.items)),
-                                            forward.ended
-                                            + (hold if lane.senders_return else 0.0)))
         if forward.error is None:
             for pending, value in zip(batch.items, forward.values, strict=True):
                 pending.owner.results[pending.item.index] = value  # type: ignore[attr-defined]
@@ -524,6 +517,16 @@ class ModelWorker:
                 self._finish(request, forward.error, finished)
             elif request.remaining == 0 or request.future.cancelled():
                 self._finish(request, None, finished)
+        # Recorded once its requests are answered: the listeners' metric writes are deferred
+        # behind the answers (stats.defer), and the counters are current when they wake.
+        self.stats.record_batch(BatchRecord(len(batch.items), len(requests),
+                                            batch.padded_tokens, batch.lora, elapsed * 1000,
+                                            forward.error is not None, forward.started,
+                                            forward.ended, batch.real_tokens,
+                                            forward.dispatched,  # idle gaps: stats.py
+                                            min(map(_ARRIVAL, batch.items)),
+                                            forward.ended
+                                            + (hold if lane.senders_return else 0.0)))
         if finished:
             self.stats.record_requests(finished)  # one call a forward: listeners batch writes
 
