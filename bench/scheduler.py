@@ -58,6 +58,7 @@ import loadgen
 import numpy as np
 from benchlib import Json, fmt_spread, percentile, summary_row, table
 
+from ember import heap
 from ember.adapters.synthetic import CostModel, SyntheticAdapter
 from ember.engine import (
     Batch,
@@ -551,6 +552,9 @@ async def measure_capacity(cost: CostModel, plan: Plan) -> tuple[float, float | 
 
 
 async def run(args: argparse.Namespace, began: float) -> Json:
+    # The collector as a server sets it: with Python's defaults, full collections of this
+    # process paused the worker for up to 36 ms in the middle of the overload runs.
+    heap.settle()
     plans = QUICK if args.quick else PLANS
     data: Json = {"meta": benchlib.meta(sys.argv), "settings": {
         "reps": args.reps, "quick": args.quick, "turnaround_ms": args.turnaround_ms,
