@@ -33,7 +33,6 @@ import argparse
 import json
 import sys
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +49,7 @@ SCENARIO = "open_mixed_120"
 RECORDED = Path(__file__).resolve().parents[1] / "docs" / "bench" / "overload_engine.json"
 SCALES = (1.0, 1.04, 1.08)  # the real worker's waits read like the model's at ~1.04x the rate
 REPS = 32
+DURATION = scheduler.mixed_duration(scheduler.PLANS["gpu"])
 
 
 class NoCheaperFormer(BatchFormer):
@@ -84,11 +84,9 @@ class Owner:
 
 def arrivals(rep: int, rate: float) -> tuple[np.ndarray, list[int]]:
     """The arrival times and item costs `bench/scheduler.py` draws for repetition `rep`."""
-    rng = np.random.default_rng(zlib.crc32(f"gpu/{SCENARIO}/{rep}".encode()))
-    duration = scheduler.MIXED_SPAN * scheduler.PLANS["gpu"].open_s
-    times = np.cumsum(rng.exponential(1 / rate, int(rate * duration * 1.5) + 50))
-    times = times[times < duration]
-    return times, [items[0].cost for items in scheduler.mixed_items(rng, len(times))]
+    times, requests = scheduler.mixed_arrivals(scheduler.seed_of("gpu", SCENARIO, rep), rate,
+                                               DURATION)
+    return times, [items[0].cost for items in requests]
 
 
 @dataclass
@@ -134,12 +132,8 @@ def simulate(times: np.ndarray, costs: Sequence[int], variant: Variant) -> Outco
 
 def waits(times: np.ndarray, outcome: Outcome) -> Json:
     """The benchmark's figures: waits of the arrivals after its warm-up, and the bound."""
-    skip = 0.1 * scheduler.MIXED_SPAN * scheduler.PLANS["gpu"].open_s
-    kept = (outcome.handed_at - times)[times >= skip] * 1000
-    median = float(np.median(kept))
-    bound = 2 * median + scheduler.starvation_s(WorkerConfig()) * 1000
-    return {"wait_p50_ms": median, "wait_p99_ms": float(np.percentile(kept, 99)),
-            "wait_max_ms": float(kept.max()), "wait_max_over_bound": float(kept.max()) / bound,
+    kept = (outcome.handed_at - times)[times >= scheduler.WARMUP_SHARE * DURATION] * 1000
+    return {**scheduler.wait_figures(kept.tolist(), WorkerConfig()),
             "padded_per_real": outcome.padded_per_real}
 
 

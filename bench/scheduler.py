@@ -163,6 +163,7 @@ MIXED_LOAD = 1.2  # the mixed open loop offers 120 % of the mixed capacity
 # is the limit: the GPU-like overhead with 10x its per-token cost.
 MIXED_COST = CostModel(overhead_ms=2.0, per_token_us=5.0, mode="sleep")
 MIXED_SPAN = 3  # the mixed open loop runs this many open-loop windows
+WARMUP_SHARE = 0.1  # the first 10 % of an open loop warm up: its waits are not counted
 PARAMS = "encode"
 LOADS = (25, 50, 75, 90)  # open loop, % of capacity
 CAPACITY_CLIENTS = 64  # = max_batch_items: every forward can be full
@@ -352,7 +353,7 @@ async def open_loop(worker: ModelWorker, plan: Plan, seed: int, *, rate: float) 
     gaps = rng.exponential(1 / rate, int(rate * plan.open_s * 1.5) + 50)
     arrivals = np.cumsum(gaps)
     arrivals = arrivals[arrivals < plan.open_s]
-    skip = 0.1 * plan.open_s  # the first 10 % warm up
+    skip = WARMUP_SHARE * plan.open_s
     lat: list[float] = []
     queue: list[float] = []
     futures: list[asyncio.Future[Any]] = []
@@ -412,19 +413,46 @@ async def mixed_capacity(worker: ModelWorker, plan: Plan, seed: int) -> Json:
     return {"throughput_rps": forwards.rate(begin, end)}
 
 
+def seed_of(cost_name: str, scenario: str, rep: int) -> int:
+    """The seed of one repetition of a scenario on a cost model (bench/overload_sim.py
+    replays the mixed open loop's arrivals by it)."""
+    return zlib.crc32(f"{cost_name}/{scenario}/{rep}".encode())
+
+
+def mixed_arrivals(seed: int, rate: float,
+                   duration: float) -> tuple[np.ndarray, list[list[PreparedItem]]]:
+    """The mixed open loop's Poisson arrival times (s) within `duration`, and a request
+    of one mixed-length item for each."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * duration * 1.5) + 50))
+    arrivals = arrivals[arrivals < duration]
+    return arrivals, mixed_items(rng, len(arrivals))
+
+
+def mixed_duration(plan: Plan) -> float:
+    return MIXED_SPAN * plan.open_s  # overload needs time to build a queue
+
+
+def wait_figures(waits: Sequence[float], config: WorkerConfig) -> Json:
+    """The waits' percentiles and the longest against the issue's bound: 2 x the median
+    wait + starvation_ms (40 ms by default). Formation no longer reads starvation_ms (the
+    sweep bounds waits itself); the bound keeps it."""
+    longest = max(waits, default=float("nan"))
+    bound = 2 * percentile(waits, 50) + starvation_s(config) * 1000
+    return {**benchlib.percentiles("wait", waits), "wait_max_ms": longest,
+            "wait_bound_ms": bound, "wait_max_over_bound": longest / bound}
+
+
 async def open_mixed(worker: ModelWorker, plan: Plan, seed: int, *, rate: float) -> Json:
     """Poisson arrivals of mixed-length items above capacity: padding per real token,
     served items/s, and the waits (submit to dispatch) against the starvation bound."""
-    rng = np.random.default_rng(seed)
-    duration = MIXED_SPAN * plan.open_s  # overload needs time to build a queue
-    arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * duration * 1.5) + 50))
-    arrivals = arrivals[arrivals < duration]
-    requests = mixed_items(rng, len(arrivals))
+    duration = mixed_duration(plan)
+    arrivals, requests = mixed_arrivals(seed, rate, duration)
     forwards = Forwards(worker)
     waits: list[float] = []
     futures: list[asyncio.Future[Any]] = []
     refused = 0
-    skip = 0.1 * duration
+    skip = WARMUP_SHARE * duration
     start = clock() + 0.002
     for at, items in zip(arrivals, requests, strict=True):
         delay = start + float(at) - clock()
@@ -440,17 +468,10 @@ async def open_mixed(worker: ModelWorker, plan: Plan, seed: int, *, rate: float)
         futures.append(future)
     await asyncio.gather(*futures)
     begin, end = start + skip, clock()
-    wait_p50, longest = percentile(waits, 50), max(waits, default=float("nan"))
-    # The issue's bound: 2 x median wait + starvation_ms (40 ms by default). Formation no
-    # longer reads starvation_ms (the sweep bounds waits itself); the bound keeps it.
-    starvation_ms = starvation_s(worker.config) * 1000
     return {"offered_rps": len(arrivals) / duration, "refused": refused,
             "items_per_s": forwards.rate(begin, end),
             "padded_per_real": forwards.padding(begin, end),
-            **benchlib.percentiles("wait", waits),
-            "wait_max_ms": longest,
-            "wait_bound_ms": 2 * wait_p50 + starvation_ms,
-            "wait_max_over_bound": longest / (2 * wait_p50 + starvation_ms),
+            **wait_figures(waits, worker.config),
             "gap_p50_ms": percentile(forwards.gaps_ms(begin, end), 50)}
 
 
@@ -581,7 +602,7 @@ async def run(args: argparse.Namespace, began: float) -> Json:
                                                   for s in chosen}
         for rep in range(args.reps):
             for scenario in chosen:
-                seed = zlib.crc32(f"{cost_name}/{scenario.name}/{rep}".encode())
+                seed = seed_of(cost_name, scenario.name, rep)
                 for policy in scenario.policies:  # interleaved: A B C, then the next
                     gc.collect()
                     device = MIXED_COST if scenario.kind == "open_mixed" else cost

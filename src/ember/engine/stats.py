@@ -117,20 +117,22 @@ class WorkerStats:
         self.recent_batches.append(record)
         gap = self.idle_gap(record)
         self._device_free, self._hold_until = record.ended, record.hold_until
-        if gap is not None:
-            for cause, seconds in gap.by_cause().items():
-                self.idle_gap_s[cause] += seconds
-                self.idle_gaps[cause] += seconds >= GAP_FLOOR_S
-        if gap is not None and self.gap_listeners:
-            self._tell(self.gap_listeners, gap)
-        if self.batch_listeners:
-            self._tell(self.batch_listeners, record)
+        if gap is None:
+            self._tell((self.batch_listeners, record))
+            return
+        for cause, seconds in gap.by_cause().items():
+            self.idle_gap_s[cause] += seconds
+            self.idle_gaps[cause] += seconds >= GAP_FLOOR_S
+        # One call for both: each deferred call is a handle on the loop, per forward.
+        self._tell((self.gap_listeners, gap), (self.batch_listeners, record))
 
-    def _tell(self, listeners: Sequence[Callable[[Any], None]], value: object) -> None:
+    def _tell(self, *news: tuple[Sequence[Callable[[Any], None]], object]) -> None:
+        if not any(listeners for listeners, _ in news):
+            return
         if self.defer is None:
-            _call_each(listeners, value)
+            _call_each(*news)
         else:
-            self.defer(_call_each, listeners, value)
+            self.defer(_call_each, *news)
 
     def idle_gap(self, record: BatchRecord) -> IdleGap | None:
         """The device idle before `record`'s forward while its items waited (records come
@@ -144,20 +146,19 @@ class WorkerStats:
 
     def record_requests(self, records: Sequence[RequestRecord]) -> None:
         self.recent_requests.extend(records)
-        if self.request_listeners:
-            self._tell(self.request_listeners, records)
+        self._tell((self.request_listeners, records))
 
     def record_dropped(self, count: int) -> None:
         self.dropped_items += count
-        if self.drop_listeners:
-            self._tell(self.drop_listeners, count)
+        self._tell((self.drop_listeners, count))
 
 
-def _call_each(listeners: Sequence[Callable[[Any], None]], value: object) -> None:
-    """Every listener hears `value`; one that fails is logged and the rest still hear it
-    (a metric's bug must not cost an answer or another metric)."""
-    for listener in listeners:
-        try:
-            listener(value)
-        except Exception:
-            log.exception("a stats listener failed: %r", listener)
+def _call_each(*news: tuple[Sequence[Callable[[Any], None]], object]) -> None:
+    """Each listener hears its value; one that fails is logged and the rest still hear
+    theirs (a metric's bug must not cost an answer or another metric)."""
+    for listeners, value in news:
+        for listener in listeners:
+            try:
+                listener(value)
+            except Exception:
+                log.exception("a stats listener failed: %r", listener)
