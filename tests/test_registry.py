@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from ember.adapters.base import EncodeOptions, Runtime, usable_cores
 from ember.config import ModelSpec, load_catalog, parse_spec, spec_from_directory
 from ember.errors import ModelLoadError, ModelNotFound
-from ember.registry import Registry, RegistryLimits
+from ember.ipc.models import front_loader
+from ember.registry import Registry, RegistryLimits, adapter_loader
 from tests.engine.helpers import PausableWorker
 
 
@@ -152,3 +155,17 @@ async def test_a_cancelled_caller_drops_its_queued_items() -> None:
     await asyncio.sleep(0)
     assert model.worker.pending_items == 0 and model.worker.stats.dropped_items == 2
     await registry.close()
+
+
+@pytest.mark.parametrize("loader", [adapter_loader, front_loader])
+def test_a_process_that_loads_a_family_runs_numpy_blas_on_one_thread(
+        loader: Callable[[str], object]) -> None:
+    # OpenBLAS's threads spin after each call on the cores the forwards need.
+    threadpool_limits(2, user_api="blas")  # what a fresh process on 2 cores starts with
+    assert blas_threads() == {2}
+    loader("synthetic")
+    assert blas_threads() == {1}
+
+
+def blas_threads() -> set[int]:
+    return {int(lib["num_threads"]) for lib in threadpool_info() if lib["user_api"] == "blas"}

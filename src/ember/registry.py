@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 from ember import heap
-from ember.adapters.base import ModelAdapter, ModelInfo, Runtime
+from ember.adapters.base import ModelAdapter, ModelInfo, Runtime, single_threaded_blas
 from ember.config import (
     ADAPTERS,
     CatalogError,
@@ -55,6 +55,7 @@ def estimate_bytes(spec: ModelSpec) -> int:
 def adapter_loader(family: str) -> LoadFunction:
     """Each family is a module of `ember.adapters` exposing `load(spec, runtime)`."""
     module = importlib.import_module(f"ember.adapters.{ADAPTERS[family]}")
+    single_threaded_blas()  # a process that serves models leaves the cores to them
     return cast(LoadFunction, module.load)
 
 

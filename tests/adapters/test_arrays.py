@@ -55,3 +55,20 @@ def test_a_zero_vector_stays_zero_when_normalized() -> None:
 def test_sigmoid_matches_torch() -> None:
     logits = np.array([-30.0, -1.5, 0.0, 2.25, 40.0], dtype=np.float32)
     assert arrays.sigmoid(logits) == [float(v) for v in torch.sigmoid(torch.from_numpy(logits))]
+
+
+def test_splade_pooling_matches_torch_and_ignores_padding() -> None:
+    logits = np.random.default_rng(1).standard_normal((3, 7, 50)).astype(np.float32)
+    _, mask = arrays.padded(ROWS, 0)
+    logits[1, 2:, :] = 100.0  # the second row's padding: it must not win the max
+    expected = torch.from_numpy(logits.copy())
+    expected.masked_fill_(torch.from_numpy(mask).unsqueeze(-1) == 0, float("-inf"))
+    expected = torch.log1p(torch.relu(expected.amax(dim=1)))
+    frozen = logits.copy()
+    frozen.flags.writeable = False  # a read-only output is pooled from a copy
+    for source in (frozen, logits):
+        pooled = arrays.max_log_relu(source, mask)
+        assert pooled.dtype == np.float32 and pooled.shape == (3, 50)
+        np.testing.assert_allclose(pooled, expected.numpy(), rtol=1e-6, atol=1e-7)
+    assert pooled[1].max() < np.log1p(100.0)
+    assert (pooled >= 0).all() and (pooled == 0).any()  # relu: negative maxima pool to 0

@@ -312,3 +312,19 @@ def test_overload_sim_quick_run_writes_json_and_its_tables(tmp_path: Path) -> No
     assert [pair["measured"] for pair in data["against_recorded"]] == [
         r["wait_max_over_bound"] for r in reps]
     assert "| 1.1x | worker |" in run.stdout and "| repetition | measured |" in run.stdout
+
+
+def test_onnx_pooling_quick_run_times_both_paths_and_both_blas_settings(
+        tmp_path: Path) -> None:
+    out = tmp_path / "onnx_pooling.json"
+    run = bench("onnx_pooling.py", "--quick", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = strict_json(out)
+    assert set(data["pooling"]) == {f"{family} {batch}" for family in ("sparse", "colbert")
+                                    for batch in ("1 short", "16 short", "16 long")}
+    for entry in data["pooling"].values():
+        assert set(entry["ms"]) == {"torch", "numpy"} and all(
+            len(times) == 1 and times[0] > 0 for times in entry["ms"].values())
+        assert set(entry["numpy_over_torch"]) == {"median", "min", "max", "n"}
+    assert set(data["blas"]["maxsim then one-text forward"]["ms"]) == {"started", "one"}
+    assert "| sparse 16 long |" in run.stdout and "| one / a core |" in run.stdout

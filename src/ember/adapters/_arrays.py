@@ -37,6 +37,19 @@ def pool(hidden: Floats, mask: Ids, mode: str) -> Floats:
     return means
 
 
+def max_log_relu(logits: Floats, mask: Ids) -> Floats:
+    """SPLADE's pooling of (rows, tokens, vocabulary) logits: per row and entry, the max
+    over the row's own tokens of log(1 + relu(logit)). Writes -inf over the padding of
+    `logits` when it may (the graph's output is ours), else works on a copy."""
+    if not logits.flags.writeable:
+        logits = logits.copy()
+    logits[mask == 0] = -np.inf
+    # log1p(relu(.)) is monotone, so the max of the logits pools the same.
+    top = logits.max(axis=1)
+    pooled: Floats = np.log1p(np.maximum(top, np.float32(0)), dtype=np.float32)
+    return pooled
+
+
 def l2_normalized(vectors: Floats) -> Floats:
     """Each row over its L2 norm (a zero row stays zero), as torch's F.normalize."""
     norms = np.linalg.norm(vectors, axis=1, keepdims=True)

@@ -177,6 +177,17 @@ def default_onnx_threads() -> int:
     return usable_cores()
 
 
+def single_threaded_blas() -> None:
+    """numpy's BLAS (OpenBLAS) on one thread in this process, from now on. Ember's numpy
+    work is small (pooling, similarity, a ColBERT projection) and OpenBLAS's threads spin
+    after each call on the cores the next forward needs: one MaxSim between one-text
+    forwards made ONNX Runtime's next forward up to 3x as long on 2 cores
+    (docs/bench/notes.md, "numpy around the forward")."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1, user_api="blas")
+
+
 @dataclass(frozen=True)
 class Runtime:
     """Where and how a model runs: CPU here; CUDA with fp16 when present. `backend` is

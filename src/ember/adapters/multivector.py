@@ -40,6 +40,7 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
+from ember.adapters import _arrays as arrays
 from ember.adapters import _torch as common
 from ember.adapters._backend import Forward, ForwardElsewhere, load_model
 from ember.adapters._encoder import BiEncoder
@@ -126,6 +127,9 @@ class MultiVectorAdapter(BiEncoder[MultiVectorParams, Matrix]):
         # An API process without the weights keeps it where it is (it runs no forward).
         self.projection = (projection if isinstance(model, ForwardElsewhere)
                            else projection.to(self.device))
+        # ONNX Runtime runs on CPU, where numpy's view shares the tensor's memory.
+        self.projection_array: Matrix = (self.projection.numpy() if model.backend == "onnx"
+                                         else np.empty((0, 0), np.float32))
         self.info = self.describe(self.token_dims, OUTPUT_TYPES,
                                   {"token_dims": self.token_dims, "scoring": "maxsim",
                                    "backend": model.backend})
@@ -135,19 +139,35 @@ class MultiVectorAdapter(BiEncoder[MultiVectorParams, Matrix]):
     def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[Matrix]:
         assert isinstance(params, MultiVectorParams)
         rows: list[TokenRow] = [item.payload for item in items]
+        kept = self._kept_arrays if self.model.backend == "onnx" else self._kept_torch
+        flat = kept(rows, params.normalize)
+        return list(np.split(flat, np.cumsum([sum(row.keep) for row in rows])[:-1]))
+
+    def _kept_torch(self, rows: Sequence[TokenRow], normalize: bool) -> Matrix:
+        """The kept positions' projected vectors, all rows in one (kept, token_dims)
+        array."""
         ids_rows = [row.ids for row in rows]
         with torch.inference_mode():
             ids = common.pad(ids_rows, self.pad_id, self.device)
             mask = common.attention_mask(ids_rows, self.device)
             hidden = self.model({"input_ids": ids, "attention_mask": mask})
             vectors = hidden.float() @ self.projection.T  # (batch, longest, token_dims)
-            if params.normalize:
+            if normalize:
                 vectors = F.normalize(vectors, p=2, dim=-1)
             # Padding is 0 in `keep` as well, so one gather drops both.
             keep = common.pad([row.keep for row in rows], 0, self.device).bool()
-            flat = vectors[keep].cpu().numpy().astype(np.float32)
-        counts = [sum(row.keep) for row in rows]
-        return list(np.split(flat, np.cumsum(counts)[:-1]))
+            flat: Matrix = vectors[keep].cpu().numpy().astype(np.float32)
+        return flat
+
+    def _kept_arrays(self, rows: Sequence[TokenRow], normalize: bool) -> Matrix:
+        """As `_kept_torch`, in numpy from ONNX Runtime's hidden states: no torch between
+        the graph and the vectors (each small torch op costs tens of microseconds)."""
+        ids, mask = arrays.padded([row.ids for row in rows], self.pad_id)
+        hidden = self.model.run_arrays({"input_ids": ids, "attention_mask": mask})
+        keep = arrays.padded([row.keep for row in rows], 0)[0].astype(bool)
+        # Only the kept positions are projected: padding and template tokens never are.
+        flat: Matrix = hidden[keep].astype(np.float32, copy=False) @ self.projection_array.T
+        return arrays.l2_normalized(flat) if normalize else flat
 
     # -- the request path (event loop) ----------------------------------------------
 
@@ -175,6 +195,7 @@ class MultiVectorAdapter(BiEncoder[MultiVectorParams, Matrix]):
 
     def close(self) -> None:
         self.projection = torch.empty(0)
+        self.projection_array = np.empty((0, 0), np.float32)
         super().close()
 
 
