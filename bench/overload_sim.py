@@ -21,7 +21,14 @@ against its bound (2 x the median wait + 40 ms) before trying one in the worker:
 - `queue_first`: an arrival joins the next batch only while nothing is queued, so no item
   overtakes an older one;
 - `queue_first_no_cheaper`: besides, a batch never fills its room from below the
-  sweep's cursor.
+  sweep's cursor;
+- `worker_aging`: the worker's rule with an aging guard: once the oldest queued item has
+  waited 2 x the median of the last 256 waits + 40 ms, less 10 ms, the next batch starts
+  at its bucket (a detour: the sweep's cursor stays where it was).
+
+Each row also gives, per sequence, the median of the waits handed to the device within
+100 ms of the longest one, over the sequence's median: how much of the longest wait is a
+swell of the whole queue rather than one item passed over.
 
     python bench/overload_sim.py                            # ~2 min on 2 cores
     python bench/overload_sim.py --reps 2 --scales 1     # a few seconds
@@ -33,6 +40,7 @@ import argparse
 import json
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,12 +52,14 @@ import scheduler
 from benchlib import Json, table
 
 from ember.engine import Batch, BatchFormer, PendingItem, PreparedItem, WorkerConfig
+from ember.engine.batcher import cost_bucket
 
 SCENARIO = "open_mixed_120"
 RECORDED = Path(__file__).resolve().parents[1] / "docs" / "bench" / "overload_engine.json"
 SCALES = (1.0, 1.04, 1.08)  # the real worker's waits read like the model's at ~1.04x the rate
 REPS = 32
 DURATION = scheduler.mixed_duration(scheduler.PLANS["gpu"])
+SWELL_S = 0.1  # the span around the longest wait whose median the swell figure reads
 
 
 class NoCheaperFormer(BatchFormer):
@@ -60,6 +70,34 @@ class NoCheaperFormer(BatchFormer):
         if low >= 0 and high == len(group.keys):  # the pass below the cursor
             return
         super()._pack(batch, group, low, high, taken)
+
+
+class AgingFormer(BatchFormer):
+    """The worker's BatchFormer with an aging guard against the recent median wait."""
+
+    MARGIN_S = 0.010  # about a forward: the guard's batch still waits for the device
+    RECENT = 256
+
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config.max_batch_tokens, config.max_batch_items, config.padding)
+        self.starvation_s = scheduler.starvation_s(config)
+        self.now = 0.0
+        self.recent: deque[float] = deque(maxlen=self.RECENT)
+
+    def handed(self, now: float, waits: Sequence[float]) -> None:
+        self.now = now
+        self.recent.extend(waits)
+
+    def form(self, lora: str | None = None) -> Batch | None:
+        head = self.oldest()
+        if head is None or len(self.recent) < 32 or self.now - head.arrival <= (
+                2 * float(np.median(self.recent)) + self.starvation_s - self.MARGIN_S):
+            return super().form(lora)
+        group = self._groups[head.group]
+        cursor, group.cursor = group.cursor, cost_bucket(head.item.cost)
+        batch = super().form(lora)
+        group.cursor = cursor
+        return batch
 
 
 @dataclass(frozen=True)
@@ -73,6 +111,7 @@ VARIANTS: dict[str, Variant] = {
     "queue_first": Variant(BatchFormer.for_config, True),
     "queue_first_no_cheaper": Variant(
         lambda c: NoCheaperFormer(c.max_batch_tokens, c.max_batch_items, c.padding), True),
+    "worker_aging": Variant(AgingFormer, False),
 }
 
 
@@ -108,7 +147,10 @@ def simulate(times: np.ndarray, costs: Sequence[int], variant: Variant) -> Outco
         arrival = float(times[i]) if i < len(times) else float("inf")
         if upcoming is not None and device_free <= arrival:
             now = max(now, device_free)  # an idle device takes the batch when it forms
-            handed_at[[p.seq for p in upcoming.items]] = now
+            seqs = [p.seq for p in upcoming.items]
+            handed_at[seqs] = now
+            if isinstance(former, AgingFormer):
+                former.handed(now, now - times[seqs])
             padded += upcoming.padded_tokens
             real += upcoming.real_tokens
             device_free = now + (device.overhead_ms
@@ -126,15 +168,21 @@ def simulate(times: np.ndarray, costs: Sequence[int], variant: Variant) -> Outco
             upcoming.full = True
         former.add_request([pending])
         if upcoming is None:
+            if isinstance(former, AgingFormer):
+                former.now = now
             upcoming = former.form()
     return Outcome(handed_at, padded / real)
 
 
 def waits(times: np.ndarray, outcome: Outcome) -> Json:
     """The benchmark's figures: waits of the arrivals after its warm-up, and the bound."""
-    kept = (outcome.handed_at - times)[times >= scheduler.WARMUP_SHARE * DURATION] * 1000
+    measured = times >= scheduler.WARMUP_SHARE * DURATION
+    kept = (outcome.handed_at - times)[measured] * 1000
+    handed = outcome.handed_at[measured]
+    near = np.abs(handed - handed[np.argmax(kept)]) <= SWELL_S  # around the longest wait
     return {**scheduler.wait_figures(kept.tolist(), WorkerConfig()),
-            "padded_per_real": outcome.padded_per_real}
+            "padded_per_real": outcome.padded_per_real,
+            "swell": float(np.median(kept[near]) / np.median(kept))}
 
 
 def run_sequence(times: np.ndarray, costs: Sequence[int], variant: Variant) -> Json:
@@ -147,7 +195,8 @@ def summarize(runs: list[Json]) -> Json:
             "ratio_median": float(np.median(ratios)),
             "ratio_p90": float(np.percentile(ratios, 90)), "ratio_max": float(ratios.max()),
             **{f"{key}_median": float(np.median([r[key] for r in runs]))
-               for key in ("wait_p50_ms", "wait_p99_ms", "wait_max_ms", "padded_per_real")}}
+               for key in ("wait_p50_ms", "wait_p99_ms", "wait_max_ms", "padded_per_real",
+                           "swell")}}
 
 
 def recorded(path: Path) -> tuple[float, list[float]]:
@@ -178,12 +227,14 @@ def report(data: Json) -> str:
     rows = [[f"{scale}x", name, f"{s['ratio_median']:.3f}", f"{s['ratio_p90']:.3f}",
              f"{s['ratio_max']:.3f}", f"{s['over_bound']}/{s['runs']}",
              f"{s['wait_p50_ms_median']:.1f}", f"{s['wait_p99_ms_median']:.1f}",
-             f"{s['wait_max_ms_median']:.1f}", f"{s['padded_per_real_median']:.3f}"]
+             f"{s['wait_max_ms_median']:.1f}", f"{s['padded_per_real_median']:.3f}",
+             f"{s['swell_median']:.2f}"]
             for scale, by_variant in data["results"].items() for name, s in by_variant.items()]
     out = [f"Simulated {SCENARIO} ({data['settings']['reps']} arrival sequences a row; "
            f"rate {data['settings']['rate']:,.0f}/s x scale)\n",
            table(["scale", "rule", "longest / bound p50", "p90", "max", "over the bound",
-                  "wait p50 ms", "p99 ms", "longest ms", "padded / real"], rows)]
+                  "wait p50 ms", "p99 ms", "longest ms", "padded / real",
+                  "median near the longest / median"], rows)]
     pairs = [[str(p["rep"]), f"{p['measured']:.3f}", f"{p['simulated']:.3f}"]
              for p in data["against_recorded"]]
     out += ["\nThe model against the recorded run, same arrivals (longest wait / bound)\n",

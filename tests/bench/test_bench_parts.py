@@ -94,6 +94,33 @@ def test_the_overload_model_lets_an_arrival_join_the_next_batch_only_as_the_work
     assert not np.isnan(queue_first).any() and not np.isnan(worker).any()
 
 
+def test_the_aging_guard_detours_to_an_item_older_than_twice_the_recent_median() -> None:
+    """A (cost 10) went first, so the sweep stands above cost 10; X (cost 10) then waits
+    behind B (cost 50). Once X has waited 2 x the recent median + 40 ms - 10 ms, the next
+    batch is X's, and the sweep's cursor is where it was."""
+    sim = bench_module("overload_sim")
+    config = bench_module("scheduler").WorkerConfig()
+
+    def next_batch(now: float, recent_waits: int) -> list[int]:
+        former = sim.AgingFormer(config)
+        former.add_request([pending(0, 10, 0.0)])
+        assert [p.seq for p in former.form().items] == [0]  # A
+        former.add_request([pending(1, 10, 0.001)])  # X
+        former.add_request([pending(2, 50, 0.002)])  # B
+        former.handed(now, [0.001] * recent_waits)  # a recent median of 1 ms
+        first = [p.seq for p in former.form().items]
+        return first + [p.seq for p in former.form().items]
+
+    assert next_batch(0.5, 31) == [2, 1]  # fewer than 32 waits seen: no guard yet
+    assert next_batch(0.032, 32) == [2, 1]  # X has waited 31 ms: the sweep's B first
+    assert next_batch(0.034, 32) == [1, 2]  # 33 ms: X first, then the sweep goes on
+
+
+def pending(seq: int, cost: int, arrival: float) -> object:
+    sim = bench_module("overload_sim")
+    return sim.PendingItem(sim.PreparedItem("", cost, 0), sim.Owner(), "", arrival, seq)
+
+
 def test_the_overload_model_replays_the_benchmarks_own_arrivals() -> None:
     sim, scheduler = bench_module("overload_sim"), bench_module("scheduler")
     times, costs = sim.arrivals(0, 2000.0)

@@ -301,7 +301,8 @@ def test_overload_sim_quick_run_writes_json_and_its_tables(tmp_path: Path) -> No
     data = strict_json(out)
     assert set(data["results"]) == {"1", "1.1"}
     for by_rule in data["results"].values():
-        assert set(by_rule) == {"worker", "queue_first", "queue_first_no_cheaper"}
+        assert set(by_rule) == {"worker", "queue_first", "queue_first_no_cheaper",
+                                "worker_aging"}
         for summary in by_rule.values():
             assert summary["runs"] == 2 and 0 <= summary["over_bound"] <= 2
             assert 0 < summary["wait_p50_ms_median"] <= summary["wait_max_ms_median"]
