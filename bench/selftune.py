@@ -57,6 +57,7 @@ import numpy as np
 from benchlib import Json, fmt_spread, percentile
 from scheduler import BenchAdapter, Forwards
 
+from ember import heap
 from ember.adapters.synthetic import CostModel
 from ember.engine import Adapter, ModelWorker, PreparedItem, QueueFull, WorkerConfig
 
@@ -516,6 +517,7 @@ def http_markdown(data: Json) -> str:
 
 
 async def run(args: argparse.Namespace, began: float) -> Json:
+    heap.settle()  # the collector as a server sets it (bench/scheduler.py does the same)
     plans = QUICK if args.quick else PLANS
     data: Json = {"meta": benchlib.meta(sys.argv), "settings": {
         "reps": args.reps, "confirm": args.confirm, "grid": list(GRID),
