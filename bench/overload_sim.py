@@ -77,6 +77,7 @@ class AgingFormer(BatchFormer):
 
     MARGIN_S = 0.010  # about a forward: the guard's batch still waits for the device
     RECENT = 256
+    ARMED_AFTER = 32  # waits seen before the median is trusted
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config.max_batch_tokens, config.max_batch_items, config.padding)
@@ -90,7 +91,7 @@ class AgingFormer(BatchFormer):
 
     def form(self, lora: str | None = None) -> Batch | None:
         head = self.oldest()
-        if head is None or len(self.recent) < 32 or self.now - head.arrival <= (
+        if head is None or len(self.recent) < self.ARMED_AFTER or self.now - head.arrival <= (
                 2 * float(np.median(self.recent)) + self.starvation_s - self.MARGIN_S):
             return super().form(lora)
         group = self._groups[head.group]
