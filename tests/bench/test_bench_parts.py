@@ -8,6 +8,7 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -114,6 +115,22 @@ def test_the_aging_guard_detours_to_an_item_older_than_twice_the_recent_median()
     assert next_batch(0.5, 31) == [2, 1]  # fewer than 32 waits seen: no guard yet
     assert next_batch(0.032, 32) == [2, 1]  # X has waited 31 ms: the sweep's B first
     assert next_batch(0.034, 32) == [1, 2]  # 33 ms: X first, then the sweep goes on
+
+
+def test_the_local_bound_reads_each_wait_against_its_own_neighbours() -> None:
+    """A swell (waits rising from 10 to 100 ms and back over a second, among waits of
+    10 ms) breaches the run-wide bound, 2 x a median of 10 ms + 40 ms, but not the bound
+    against each wait's neighbours; one 200 ms wait among 10 ms ones breaches both."""
+    scheduler = bench_module("scheduler")
+    config = scheduler.WorkerConfig()
+    handed = np.arange(3000) / 1000  # one item a millisecond for 3 s
+    waits = 10 + 90 * np.clip(1 - np.abs(handed - 1.5) / 0.5, 0, 1)
+    figures = scheduler.wait_figures(waits.tolist(), config, handed.tolist())
+    assert figures["wait_max_over_bound"] == pytest.approx(100 / (2 * 10 + 40))
+    assert figures["over_local_bound"] < 0.5
+    waits[2500] = 200.0
+    assert scheduler.over_local_bound(handed, waits, config) == pytest.approx(200 / 60)
+    assert "over_local_bound" not in scheduler.wait_figures(waits.tolist(), config)
 
 
 def pending(seq: int, cost: int, arrival: float) -> object:

@@ -26,7 +26,8 @@ SCHEDULER_METRICS = {
     "closed": {"throughput_rps", "latency_p50_ms", "latency_p99_ms", "forwards_per_request"},
     "burst": {"forwards_per_burst", "burst_ms_p50"},
     "open": {"offered_rps", "latency_p50_ms", "latency_p99_ms"},
-    "open_mixed": {"items_per_s", "padded_per_real", "wait_p50_ms", "wait_max_ms"},
+    "open_mixed": {"items_per_s", "padded_per_real", "wait_p50_ms", "wait_max_ms",
+                   "over_local_bound"},
 }
 
 
