@@ -3,7 +3,7 @@ built locally and loaded through `load`, driven through a real worker."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import BertModel
 
 from ember.adapters import multivector
+from ember.adapters._tokenize import OFFLOAD_US, in_pool
 from ember.adapters.base import (
     Encoded,
     EncodeOptions,
@@ -23,7 +24,7 @@ from ember.adapters.base import (
     TaskOutput,
 )
 from ember.adapters.multivector import Matrix, MultiVectorAdapter, maxsim
-from ember.config import parse_spec
+from ember.config import load_catalog, parse_spec
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
 from ember.registry import Registry
 from tests.adapters.serving import ServeFactory
@@ -127,6 +128,33 @@ async def test_maxsim_ranks_the_document_sharing_tokens_first(colbert: MultiVect
     assert maxsim(query.astype(np.float32), np.zeros((0, TOKEN_DIMS), np.float32)) == 0.0
 
 
+async def test_a_long_maxsim_runs_off_the_event_loop(colbert: MultiVectorAdapter,
+                                                     serve: ServeFactory,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # 1,600 documents of 62 tokens against 6 query tokens: ~0.6 M token pairs, about 1 ms
+    # at 16 dimensions (~6 ms at 128) that would hold every other request of the process.
+    ran_in_pool: list[bool] = []
+    real = colbert.similarity
+
+    def similarity(query: Matrix, docs: Sequence[Matrix]) -> list[float]:
+        ran_in_pool.append(in_pool())
+        return real(query, docs)
+
+    monkeypatch.setattr(colbert, "similarity", similarity)
+    many = [LONG] * 1600
+    async with serve(colbert) as served:
+        short = await colbert.score(served.submit, QUERY, DOCS, ScoreOptions())
+        long = await colbert.score(served.submit, QUERY, many, ScoreOptions())
+        encoded = matrices(await colbert.encode(served.submit, [QUERY, LONG], MULTI))
+    assert ran_in_pool == [False, True]
+    np.testing.assert_allclose(long.values, maxsim(encoded[0], encoded[1]), atol=1e-5)
+    assert len(long.values) == len(many)
+    assert len(set(short.values)) == len(DOCS)
+    query, doc = encoded[0], encoded[1]
+    assert colbert.similarity_us(query, [doc] * 1600) >= OFFLOAD_US > colbert.similarity_us(
+        query, [doc] * 100)
+
+
 async def test_refusals(colbert: MultiVectorAdapter, model_dir: Path,
                         serve: ServeFactory) -> None:
     async with serve(colbert) as served:
@@ -164,6 +192,24 @@ def test_projection_file_options(model_dir: Path, tmp_path: Path,
     with pytest.raises(ModelLoadError, match=r"expected \(token_dims, 32\)"):
         load(wrong)
     assert colbert.memory_bytes() > named.memory_bytes() > 0
+
+
+@pytest.mark.parametrize("name", ["colbert-ir/colbertv2.0",
+                                  "answerdotai/answerai-colbert-small-v1"])
+def test_the_catalogs_colbert_entries_take_their_projection_as_named(
+        name: str, tmp_path: Path) -> None:
+    """Their files as the Hub has them: the projection is `linear.weight` in
+    model.safetensors, of the token dimension the entry declares."""
+    spec = load_catalog()[name]
+    dims = int(spec.options["dims"])
+    save_file({"linear.weight": torch.zeros(dims, 32)}, str(tmp_path / "model.safetensors"))
+    assert tuple(multivector.read_projection(spec, tmp_path).shape) == (dims, 32)
+
+
+def test_a_declared_dims_must_be_the_projections(model_dir: Path) -> None:
+    assert load(model_dir, options={"dims": TOKEN_DIMS}).info.dims == TOKEN_DIMS
+    with pytest.raises(ModelLoadError, match=r"options\.dims is 128, but the model gives 16"):
+        load(model_dir, options={"dims": 128})
 
 
 async def test_loads_from_a_catalog_entry_through_the_registry(model_dir: Path) -> None:

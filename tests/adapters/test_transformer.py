@@ -23,7 +23,7 @@ from ember.adapters.base import (
 from ember.adapters.transformer import TransformerAdapter, Vector
 from ember.config import DEFAULT_MODEL, load_catalog, resolve_source
 from ember.engine import WorkerConfig
-from ember.errors import InvalidInput, UnsupportedTask
+from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
 from tests.adapters.serving import ServeFactory
 from tests.adapters.tiny_models import build_bi_encoder, build_lora, spec_for
 
@@ -182,6 +182,15 @@ def with_loras(tiny_dirs: dict[str, Path]) -> TransformerAdapter:
     loras = {"a": tiny_dirs["a"], "b": tiny_dirs["b"]}
     return transformer.load(spec_for(tiny_dirs["base"], "transformer", ("encode", "score"),
                                      loras=loras), Runtime())
+
+
+def test_a_declared_dims_is_checked_at_load(tiny_dirs: dict[str, Path]) -> None:
+    # The catalog's options.dims is what `ember models` shows before any load.
+    spec = spec_for(tiny_dirs["base"], "transformer", ("encode",), options={"dims": 32})
+    assert transformer.load(spec, Runtime()).info.dims == 32
+    wrong = spec_for(tiny_dirs["base"], "transformer", ("encode",), options={"dims": 768})
+    with pytest.raises(ModelLoadError, match=r"options\.dims is 768, but the model gives 32"):
+        transformer.load(wrong, Runtime())
 
 
 TINY_TEXTS = ["the cat is big", "paris is the capital of france", "a slow river",

@@ -5,7 +5,8 @@ Each text becomes one value (a dense vector, a sparse vector, a token matrix). A
 family supplies `forward` and three hooks: `params` (its parameter group for one
 side), `encoded` (how a value is returned by encode) and `similarity` (how score
 compares the query's value with each document's); it may override `tokenize`.
-Large inputs are tokenized in the tokenizing pool (`_tokenize.off_loop`).
+Large inputs are tokenized, and long similarities computed, in the tokenizing pool
+(`_tokenize.off_loop`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from ember.adapters import _torch as common
 from ember.adapters._backend import Forward
-from ember.adapters._tokenize import TextTokenizer, off_loop
+from ember.adapters._tokenize import OFFLOAD_US, TextTokenizer, off_loop, off_loop_if
 from ember.adapters.base import (
     Encoded,
     EncodeOptions,
@@ -67,7 +68,13 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
     def describe(self, dims: int, output_types: tuple[str, ...],
                  extra: dict[str, object]) -> ModelInfo:
         """The model's info: the spec's tasks, the family's dims, output types and extra
-        fields, then the prompts."""
+        fields, then the prompts. A catalog entry's `options.dims` (what `ember models`
+        shows before a load) must be what the model gives."""
+        declared = self.spec.options.get("dims")
+        if declared is not None and declared != dims:
+            raise ModelLoadError(self.spec.name, f"options.dims is {declared!r}, but the model "
+                                                 f"gives {dims} dimensions; correct or remove "
+                                                 "options.dims")
         return ModelInfo(
             name=self.spec.name,
             tasks=tuple(t for t in TASKS if t in self.spec.tasks),
@@ -91,6 +98,11 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
     def similarity(self, query: ValueT, docs: Sequence[ValueT]) -> list[float]:
         """Score's value for each document against the query."""
         raise NotImplementedError
+
+    def similarity_us(self, query: ValueT, docs: Sequence[ValueT]) -> float:
+        """About how long `similarity` takes, in microseconds: a long one runs off the
+        event loop. Dense cosines take ~1 us a document (2 cores, 384 dimensions)."""
+        return 1.0 * len(docs)
 
     def tokenize(self, texts: Sequence[str], truncate: bool,
                  where: Sequence[str]) -> list[PreparedItem]:
@@ -140,8 +152,10 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         results, values = await common.submit_sides(submit, items, q_params, d_params,
                                                     options.lora)
         queue_ms, inference_ms = combine(results)
-        return TaskOutput(self.similarity(values[0], values[1:]), queue_ms, inference_ms,
-                          sum(item.cost for item in items))
+        asked, candidates = values[0], values[1:]
+        scores = await off_loop_if(self.similarity_us(asked, candidates) >= OFFLOAD_US,
+                                   lambda: self.similarity(asked, candidates))
+        return TaskOutput(scores, queue_ms, inference_ms, sum(item.cost for item in items))
 
     async def encode_ids(self, submit: Submit, rows: Sequence[Sequence[int]],
                          options: EncodeOptions) -> TaskOutput[list[Encoded]]:

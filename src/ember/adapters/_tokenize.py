@@ -32,6 +32,8 @@ EncodeInput = str | tuple[str, str]
 # Tokenizing costs about 0.3 us a character and a hop to the pool about 50 us of CPU
 # and latency; below this total the text is tokenized in place (at most ~0.7 ms).
 OFFLOAD_CHARS = 2048
+# Other request-path work (a score's similarities) estimated to take longer goes too.
+OFFLOAD_US = 700.0
 # Half the cores, at most 4: the rest stay for the event loop and the forwards.
 POOL_THREADS = max(1, min(4, usable_cores() // 2))
 
@@ -59,7 +61,12 @@ def in_pool() -> bool:
 async def off_loop(chars: int, work: Callable[[], T]) -> T:
     """`work()`, in place for `chars` under OFFLOAD_CHARS, else in the tokenizing pool
     while the event loop serves the other requests."""
-    if chars < OFFLOAD_CHARS:
+    return await off_loop_if(chars >= OFFLOAD_CHARS, work)
+
+
+async def off_loop_if(long: bool, work: Callable[[], T]) -> T:
+    """`work()` in the pool when it is `long`, else in place."""
+    if not long:
         return work()
     return await asyncio.get_running_loop().run_in_executor(pool(), work)
 
