@@ -178,6 +178,16 @@ def test_a_hub_model_missing_offline_is_a_one_line_error(tmp_path: Path,
     assert "\n" not in message and "nobody/nothing" in message and "HF_HUB_OFFLINE" in message
 
 
+def test_sparse_and_colbert_directories_are_their_families(tmp_path: Path) -> None:
+    from tests.adapters.tiny_models import build_colbert, build_sparse_encoder
+
+    catalog = load_catalog(model_paths=[build_colbert(tmp_path / "colbert"),
+                                        build_sparse_encoder(tmp_path / "splade")])
+    assert catalog["local/colbert"].adapter == "multivector"  # not a dense encoder
+    assert catalog["local/splade"].adapter == "sparse"
+    assert catalog["local/colbert"].tasks == catalog["local/splade"].tasks == ("encode", "score")
+
+
 def test_a_clip_or_siglip_directory_is_the_clip_family(tmp_path: Path) -> None:
     from tests.adapters.tiny_clip import build_clip, build_siglip
 

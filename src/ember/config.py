@@ -236,6 +236,8 @@ def _detect_family(path: Path) -> tuple[str, tuple[str, ...]]:
         return "spacy", ("extract",)
     if (path / "gliner_config.json").is_file():
         return "gliner", ("extract",)
+    if (path / "colbert_linear.safetensors").is_file():  # the multivector family's layout
+        return "multivector", ("encode", "score")
     if (path / "modules.json").is_file() or (path / "sentence_bert_config.json").is_file():
         return "transformer", ("encode", "score")
     config = path / "config.json"
@@ -252,8 +254,8 @@ def _detect_family(path: Path) -> tuple[str, tuple[str, ...]]:
             return "sparse", ("encode", "score")
         return "transformer", ("encode", "score")
     raise CatalogError(f"{path} holds no model Ember recognises (a sentence-transformers, "
-                       "transformers, CLIP/SigLIP, GLiNER or spaCy directory); describe it "
-                       "in a YAML file in a --model-dir instead")
+                       "transformers, ColBERT, CLIP/SigLIP, GLiNER or spaCy directory); "
+                       "describe it in a YAML file in a --model-dir instead")
 
 
 def resolve_source(spec: ModelSpec, download: bool | None = None) -> Path:
