@@ -159,6 +159,23 @@ async def test_score_is_the_sparse_dot_product(splade: SparseAdapter,
     assert all(s > 0 for s in out.values) and len(set(out.values)) == len(docs)
 
 
+def test_dots_match_the_dense_dot_products_including_empty_and_disjoint_vectors() -> None:
+    rng = np.random.default_rng(3)
+
+    def random_vector(count: int) -> SparseVector:
+        indices = np.sort(rng.choice(500, count, replace=False)).astype(np.int32)
+        return SparseVector(indices, rng.random(count).astype(np.float32), 500)
+
+    query = random_vector(40)
+    docs = [random_vector(n) for n in (0, 1, 60, 200, 500)]
+    disjoint = np.setdiff1d(np.arange(500), query.indices)[:30].astype(np.int32)
+    docs.append(SparseVector(disjoint, np.ones(30, np.float32), 500))
+    got = sparse.dots(query, docs)
+    expected = [float(dense_of(query) @ dense_of(doc)) for doc in docs]
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+    assert got[0] == 0.0 and got[-1] == 0.0 and got[4] > 0
+
+
 async def test_prompts_split_query_and_document_sides(model_dir: Path,
                                                       serve: ServeFactory) -> None:
     adapter = load(model_dir, prompts={"query": "what ", "document": "the "})

@@ -97,10 +97,14 @@ class Pruning:
         return SparseVector(indices.astype(np.int32), weights[indices].astype(np.float32), dims)
 
 
-def dot(a: SparseVector, b: SparseVector) -> float:
-    """The dot product of two sparse vectors over the indices they share."""
-    _, ia, ib = np.intersect1d(a.indices, b.indices, assume_unique=True, return_indices=True)
-    return float(np.dot(a.values[ia].astype(np.float64), b.values[ib].astype(np.float64)))
+def dots(query: SparseVector, docs: Sequence[SparseVector]) -> list[float]:
+    """The dot product of the query's sparse vector with each document's: the query laid
+    out over its vocabulary once, then one gather a document (a third of the time of
+    intersecting the two index sets a document)."""
+    weights = np.zeros(query.dims, dtype=np.float64)
+    weights[query.indices] = query.values
+    return [float(np.dot(weights[doc.indices], doc.values.astype(np.float64)))
+            for doc in docs]
 
 
 class SparseAdapter(BiEncoder[SparseParams, SparseVector]):
@@ -165,10 +169,10 @@ class SparseAdapter(BiEncoder[SparseParams, SparseVector]):
         return Encoded(sparse=value)
 
     def similarity(self, query: SparseVector, docs: Sequence[SparseVector]) -> list[float]:
-        return [dot(query, doc) for doc in docs]
+        return dots(query, docs)
 
     def similarity_us(self, query: SparseVector, docs: Sequence[SparseVector]) -> float:
-        return 7.5 * len(docs)  # an index intersection a document: ~7 us at 150 weights
+        return 2.5 * len(docs)  # a gather and a dot a document: ~2.4 us at 150 weights
 
 
 def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> SparseAdapter:
