@@ -43,7 +43,7 @@ import json
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,15 @@ REPS = 32
 DURATION = scheduler.mixed_duration(scheduler.PLANS["gpu"])
 
 
-class NoCheaperFormer(BatchFormer):
+class ModelFormer(BatchFormer):
+    """The real BatchFormer, as the model drives it: it is told the model's clock before
+    each formation and the waits of each batch handed to the device."""
+
+    def observe(self, now: float, handed_waits: Sequence[float] = ()) -> None:
+        """The worker's rule reads neither."""
+
+
+class NoCheaperFormer(ModelFormer):
     """A BatchFormer whose batches never fill their room from below the sweep's cursor."""
 
     def _pack(self, batch: Batch, group: Any, low: int, high: int,
@@ -73,27 +81,28 @@ class NoCheaperFormer(BatchFormer):
         super()._pack(batch, group, low, high, taken)
 
 
-class AgingFormer(BatchFormer):
+class AgingFormer(ModelFormer):
     """The worker's BatchFormer with an aging guard against the recent median wait."""
 
     MARGIN_S = 0.010  # about a forward: the guard's batch still waits for the device
     RECENT = 256
     ARMED_AFTER = 32  # waits seen before the median is trusted
+    STARVATION_S = scheduler.starvation_s(WorkerConfig())
 
-    def __init__(self, config: WorkerConfig) -> None:
-        super().__init__(config.max_batch_tokens, config.max_batch_items, config.padding)
-        self.starvation_s = scheduler.starvation_s(config)
+    def __init__(self, max_batch_tokens: int, max_batch_items: int,
+                 max_padding: float = 0.0) -> None:
+        super().__init__(max_batch_tokens, max_batch_items, max_padding)
         self.now = 0.0
         self.recent: deque[float] = deque(maxlen=self.RECENT)
 
-    def handed(self, now: float, waits: Sequence[float]) -> None:
+    def observe(self, now: float, handed_waits: Sequence[float] = ()) -> None:
         self.now = now
-        self.recent.extend(waits)
+        self.recent.extend(handed_waits)
 
     def form(self, lora: str | None = None) -> Batch | None:
         head = self.oldest()
         if head is None or len(self.recent) < self.ARMED_AFTER or self.now - head.arrival <= (
-                2 * float(np.median(self.recent)) + self.starvation_s - self.MARGIN_S):
+                2 * float(np.median(self.recent)) + self.STARVATION_S - self.MARGIN_S):
             return super().form(lora)
         group = self._groups[head.group]
         cursor, group.cursor = group.cursor, cost_bucket(head.item.cost)
@@ -104,15 +113,14 @@ class AgingFormer(BatchFormer):
 
 @dataclass(frozen=True)
 class Variant:
-    former: Callable[[WorkerConfig], BatchFormer]
+    former: type[ModelFormer]
     joins_only_an_empty_queue: bool
 
 
 VARIANTS: dict[str, Variant] = {
-    "worker": Variant(BatchFormer.for_config, False),
-    "queue_first": Variant(BatchFormer.for_config, True),
-    "queue_first_no_cheaper": Variant(
-        lambda c: NoCheaperFormer(c.max_batch_tokens, c.max_batch_items, c.padding), True),
+    "worker": Variant(ModelFormer, False),
+    "queue_first": Variant(ModelFormer, True),
+    "queue_first_no_cheaper": Variant(NoCheaperFormer, True),
     "worker_aging": Variant(AgingFormer, False),
 }
 
@@ -138,7 +146,7 @@ class Outcome:
 
 def simulate(times: np.ndarray, costs: Sequence[int], variant: Variant) -> Outcome:
     """Run one arrival sequence through the modelled worker under `variant`."""
-    former = variant.former(WorkerConfig())
+    former = variant.former.for_config(WorkerConfig())
     device = scheduler.MIXED_COST
     handed_at = np.full(len(times), np.nan)
     padded = real = 0
@@ -151,8 +159,7 @@ def simulate(times: np.ndarray, costs: Sequence[int], variant: Variant) -> Outco
             now = max(now, device_free)  # an idle device takes the batch when it forms
             seqs = [p.seq for p in upcoming.items]
             handed_at[seqs] = now
-            if isinstance(former, AgingFormer):
-                former.handed(now, now - times[seqs])
+            former.observe(now, (now - times[seqs]).tolist())
             padded += upcoming.padded_tokens
             real += upcoming.real_tokens
             device_free = now + (device.overhead_ms
@@ -170,8 +177,7 @@ def simulate(times: np.ndarray, costs: Sequence[int], variant: Variant) -> Outco
             upcoming.full = True
         former.add_request([pending])
         if upcoming is None:
-            if isinstance(former, AgingFormer):
-                former.now = now
+            former.observe(now)
             upcoming = former.form()
     return Outcome(handed_at, padded / real)
 

@@ -103,12 +103,12 @@ def test_the_aging_guard_detours_to_an_item_older_than_twice_the_recent_median()
     config = bench_module("scheduler").WorkerConfig()
 
     def next_batch(now: float, recent_waits: int) -> list[int]:
-        former = sim.AgingFormer(config)
+        former = sim.AgingFormer.for_config(config)
         former.add_request([pending(0, 10, 0.0)])
         assert [p.seq for p in former.form().items] == [0]  # A
         former.add_request([pending(1, 10, 0.001)])  # X
         former.add_request([pending(2, 50, 0.002)])  # B
-        former.handed(now, [0.001] * recent_waits)  # a recent median of 1 ms
+        former.observe(now, [0.001] * recent_waits)  # a recent median of 1 ms
         first = [p.seq for p in former.form().items]
         return first + [p.seq for p in former.form().items]
 

@@ -172,17 +172,19 @@ def test_the_long_hold_watches_only_senders_whose_forward_ended_in_quiet() -> No
             return count
         return in_last
 
+    hold = long.hold_s(8, 0.040)  # half of a 40 ms forward
     # Closed-loop senders wait for their answers: (almost) nothing arrives as it ends.
-    assert long.watches_senders(8, 0.040, arrived(0))
-    assert long.watches_senders(8, 0.040, arrived(1))
+    assert long.watches_senders(8, hold, arrived(0))
+    assert long.watches_senders(8, hold, arrived(1))
     assert asked == [pytest.approx(0.020)] * 2  # its last stretch as long as the hold
     # A quarter of its requests' count arrived in its tail: open-loop arrivals.
-    assert not long.watches_senders(8, 0.040, arrived(2))
-    assert not long.watches_senders(1, 0.040, arrived(0))  # one sender: nobody to await
+    assert not long.watches_senders(8, hold, arrived(2))
+    assert not long.watches_senders(1, 0.0, arrived(0))  # one sender: nobody to await
     # The short hold (a core left to the front end) costs at most the wait bound: as
     # before, and nothing is counted for it.
     asked.clear()
-    assert DispatchPolicy(WorkerConfig()).watches_senders(8, 0.040, arrived(8))
+    short = DispatchPolicy(WorkerConfig())
+    assert short.watches_senders(8, short.hold_s(8, 0.040), arrived(8))
     assert asked == []
 
 

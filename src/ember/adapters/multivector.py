@@ -128,9 +128,6 @@ class MultiVectorAdapter(BiEncoder[MultiVectorParams, Matrix]):
         # An API process without the weights keeps it where it is (it runs no forward).
         self.projection = (projection if isinstance(model, ForwardElsewhere)
                            else projection.to(self.device))
-        # ONNX Runtime runs on CPU, where numpy's view shares the tensor's memory.
-        self.projection_array: Matrix = (self.projection.numpy() if model.backend == "onnx"
-                                         else np.empty((0, 0), np.float32))
         self.info = self.describe(self.token_dims, OUTPUT_TYPES,
                                   {"token_dims": self.token_dims, "scoring": "maxsim",
                                    "backend": model.backend})
@@ -167,7 +164,8 @@ class MultiVectorAdapter(BiEncoder[MultiVectorParams, Matrix]):
         hidden = self.model.run_arrays({"input_ids": ids, "attention_mask": mask})
         keep = arrays.padded([row.keep for row in rows], 0)[0].astype(bool)
         # Only the kept positions are projected: padding and template tokens never are.
-        flat: Matrix = hidden[keep].astype(np.float32, copy=False) @ self.projection_array.T
+        # ONNX Runtime runs on CPU, where numpy's view shares the tensor's memory.
+        flat: Matrix = hidden[keep].astype(np.float32, copy=False) @ self.projection.numpy().T
         return arrays.l2_normalized(flat) if normalize else flat
 
     # -- the request path (event loop) ----------------------------------------------
@@ -202,7 +200,6 @@ class MultiVectorAdapter(BiEncoder[MultiVectorParams, Matrix]):
 
     def close(self) -> None:
         self.projection = torch.empty(0)
-        self.projection_array = np.empty((0, 0), np.float32)
         super().close()
 
 

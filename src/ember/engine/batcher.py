@@ -13,7 +13,7 @@ import bisect
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Self
 
 from ember.engine.config import WorkerConfig
 from ember.engine.types import PreparedItem
@@ -180,7 +180,7 @@ class BatchFormer:
         self._count = 0
 
     @classmethod
-    def for_config(cls, config: WorkerConfig) -> BatchFormer:
+    def for_config(cls, config: WorkerConfig) -> Self:
         return cls(config.max_batch_tokens, config.max_batch_items, config.padding)
 
     @property

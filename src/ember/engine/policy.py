@@ -162,23 +162,23 @@ class DispatchPolicy:
         hold = windows.hold_of_forward * duration
         return hold if windows.hold_max_ms is None else min(hold, windows.hold_max_ms / 1000)
 
-    def watches_senders(self, requests: int, duration: float,
+    def watches_senders(self, requests: int, hold: float,
                         arrived_in_last: Callable[[float], int],
                         lora: str | None = None) -> bool:
-        """Whether the senders of a forward of `requests` that ran `duration` may be worth
-        awaiting after it; `arrived_in_last(s)` counts the requests that arrived in its
-        last `s` seconds (asked only where it matters). Where the hold is long (a forward
-        that fills the cores), only if fewer than a quarter of its requests arrived in its
-        last stretch as long as that hold: closed-loop senders wait for their answers, so
-        their forward runs to its end in near quiet, while open-loop arrivals keep coming
-        through it, and a forward's worth of them arriving soon after its end, seldom as
-        that is, would otherwise pass for its senders and hold the cores idle."""
+        """Whether the senders of a forward of `requests` may be worth awaiting for the
+        `hold` after it (`hold_s`); `arrived_in_last(s)` counts the requests that arrived
+        in its last `s` seconds (asked only where it matters). Where the hold is long (a
+        forward that fills the cores), only if fewer than a quarter of its requests
+        arrived in its last stretch as long as that hold: closed-loop senders wait for
+        their answers, so their forward runs to its end in near quiet, while open-loop
+        arrivals keep coming through it, and a forward's worth of them arriving soon after
+        its end, seldom as that is, would otherwise pass for its senders and hold the
+        cores idle."""
         if requests < 2:
             return False
         if not self.windows(lora).long_hold:
             return True
-        tail = self.hold_s(requests, duration, lora)
-        return arrived_in_last(tail) * OTHERS_PER_SENDER < requests
+        return arrived_in_last(hold) * OTHERS_PER_SENDER < requests
 
     def returns_needed(self, requests: int, lora: str | None = None) -> int:
         """How many of a forward's `requests` must be back within its hold for its senders

@@ -476,8 +476,9 @@ class ModelWorker:
         requests: list[_Request] = list(owners)
         if 0 <= lane.probe_end < self._now():  # the last probe ran out: they did not
             lane.senders_return, lane.probe_end = False, -1.0
+        hold = self.policy.hold_s(len(requests), elapsed, batch.lora)  # 0 for one request
         watch = self.policy.watches_senders(
-            len(requests), elapsed,
+            len(requests), hold,
             lambda tail: lane.arrivals_between(forward.ended - tail, forward.ended),
             batch.lora)
         if not watch and len(requests) >= 2:  # others arrived as it ran: not its senders
@@ -485,7 +486,6 @@ class ModelWorker:
         lane.last_forward = LastForward(forward.ended, len(requests), elapsed,
                                         lane.senders_return)
         lane.arrived_at_last_end = lane.arrived
-        hold = self.policy.hold_s(len(requests), elapsed, batch.lora)  # 0 for one request
         if watch:
             lane.probe_target = lane.arrived + self.policy.returns_needed(len(requests),
                                                                           batch.lora)
