@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The plots of docs/benchmarks.md, drawn from the JSON beside it (no benchmark runs here).
 
-    python bench/plots.py            # writes docs/bench/{headline,frontend,idle_rule,peers}.png
+    python bench/plots.py   # writes docs/bench/{headline,cpu_limit,frontend,idle_rule,peers}.png
 """
 
 from __future__ import annotations
@@ -41,6 +41,48 @@ def headline(http: Json, out: Path) -> None:
     ax.set_ylabel("items/s")
     ax.set_title("all-MiniLM-L6-v2 on 2 CPU cores: Ember against its model's limit")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+# Every recorded run of bench/cpu_limit.py: (label of its sitting, the files that hold it).
+CPU_LIMIT_SITTINGS = (("Xeon", ("cpu_limit.json", "cpu_limit_other_run.json")),
+                      ("EPYC", ("cpu_limit_epyc.json", "cpu_limit_series.json",
+                                "cpu_limit_series2.json")))
+CPU_LIMIT_TARGETS = (("sequential_p50_over_single", "one text at a time:\nlatency / limit's",
+                      1.5), ("c8_over_b8", "8 in flight:\nreq/s / batch-8 limit", 0.8),
+                     ("c32_over_b32", "32 in flight:\nreq/s / batch-32 limit", 0.85))
+
+
+def cpu_limit_runs(docs: Path) -> list[tuple[str, Json]]:
+    """Each recorded run's summary with its host; a series file holds several runs."""
+    runs: list[tuple[str, Json]] = []
+    for host, files in CPU_LIMIT_SITTINGS:
+        for name in files:
+            data = read_json(docs / name)
+            runs += [(host, run["summary"]["default"]) for run in data.get("runs", [data])]
+    return runs
+
+
+def cpu_limit(runs: Sequence[tuple[str, Json]], out: Path) -> None:
+    """Ember over HTTP against its graph's own limit, every recorded run: each dot a run's
+    median of two rounds, whiskers the two rounds, dashed the target."""
+    colors = {"Xeon": "#5b8bd9", "EPYC": "#d9534f"}
+    fig, axes = plt.subplots(1, len(CPU_LIMIT_TARGETS), figsize=(10, 3.4))
+    for ax, (key, title, target) in zip(axes, CPU_LIMIT_TARGETS, strict=True):
+        for i, (host, summary) in enumerate(runs):
+            ratio = summary["ratios"][key]
+            ax.errorbar([i], [ratio["median"]], yerr=[[ratio["median"] - ratio["min"]],
+                                                      [ratio["max"] - ratio["median"]]],
+                        fmt="o", color=colors[host], capsize=2,
+                        label=host if i == 0 or runs[i - 1][0] != host else None)
+        ax.axhline(target, color="#333333", linestyle="--", linewidth=1, label="target")
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks(range(len(runs)), [str(i + 1) for i in range(len(runs))], fontsize=7)
+        ax.set_xlabel("run, in order", fontsize=8)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("all-MiniLM-L6-v2 on 2 CPU cores: Ember over HTTP against its model alone",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
@@ -132,13 +174,15 @@ def peers(data: Json, out: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     headline(read_json(DOCS / "http.json"), DOCS / "headline.png")
+    cpu_limit(cpu_limit_runs(DOCS), DOCS / "cpu_limit.png")
     extra = DOCS / "request_path.json"
     frontend(read_json(DOCS / "frontend.json"), read_json(extra) if extra.exists() else None,
              DOCS / "frontend.png")
     idle_rule(read_json(DOCS / "scheduler.json"), DOCS / "idle_rule.png")
     if (DOCS / "peers.json").exists():
         peers(read_json(DOCS / "peers.json"), DOCS / "peers.png")
-    print(f"[plots] wrote {DOCS}/headline.png, frontend.png, idle_rule.png, peers.png",
+    print(f"[plots] wrote {DOCS}/headline.png, cpu_limit.png, frontend.png, idle_rule.png, "
+          "peers.png",
           file=sys.stderr)
     return 0
 

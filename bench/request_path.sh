@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The request path's figures in one sitting (docs/benchmarks.md, "The engine process"):
+# The request path's figures in one sitting (docs/benchmarks.md, section 2):
 # the engine on a no-op device, the overload wait bound, and the front end with one
 # process, --workers 2 and granian, beside the landed code (LANDED_SRC, optional).
 # ~4 min on 2 cores. Run under the benchmark lock on a shared machine:

@@ -260,13 +260,16 @@ def test_the_plots_are_drawn_from_the_json_beside_the_page(tmp_path: Path) -> No
         spec.loader.exec_module(plots)
         docs = ROOT / "docs" / "bench"
         plots.headline(strict_json(docs / "http.json"), tmp_path / "headline.png")
+        runs = plots.cpu_limit_runs(docs)
+        plots.cpu_limit(runs, tmp_path / "cpu_limit.png")
         plots.idle_rule(strict_json(docs / "scheduler.json"), tmp_path / "idle.png")
         plots.frontend(strict_json(docs / "frontend.json"),
                        strict_json(docs / "request_path.json"), tmp_path / "frontend.png")
         plots.peers(strict_json(docs / "peers.json"), tmp_path / "peers.png")
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    for name in ("headline.png", "idle.png", "frontend.png", "peers.png"):
+    assert len(runs) == 13 and {host for host, _ in runs} == {"Xeon", "EPYC"}
+    for name in ("headline.png", "cpu_limit.png", "idle.png", "frontend.png", "peers.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

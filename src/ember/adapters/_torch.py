@@ -55,7 +55,7 @@ def apply_runtime_around_onnx(runtime: Runtime) -> None:
     """Torch's threads where the forwards run on ONNX Runtime: one, for the small padding
     and pooling around them, whose OpenMP team would otherwise spin after each on the
     cores ONNX Runtime's threads need (on 2 cores 1.07-1.12x the requests/s; see
-    docs/benchmarks.md). A torch model in the same process, or `--torch-threads`, keeps
+    docs/bench/notes.md). A torch model in the same process, or `--torch-threads`, keeps
     its own setting."""
     if not _torch_forwards and runtime.torch_threads is None:
         torch.set_num_threads(1)

@@ -16,7 +16,7 @@ The windows (docs/architecture.md, "Self-tuning windows"): with a forward costin
   padding a full forward (max_batch_items x tokens per item) may take for its fixed part,
   `1 + (fixed / per_token) / full forward`, passes 1.5 (a GPU: padding is nearly free),
   the bound is off; elsewhere it stays at the fixed 1.05, because a looser bound between
-  the two broke the overload wait bound (R5) without serving more (docs/benchmarks.md).
+  the two broke the overload wait bound (R5) without serving more (docs/bench/notes.md).
 - the hold after a forward (R4: its senders are awaited) is at most `hold_fraction` of the
   forward and the batch wait bound, except where a forward keeps every core of the host
   busy (ONNX Runtime on CPU): there the held time is not lost, the cores do the returning
