@@ -74,7 +74,7 @@ class ModelSpec:
     source: Source
     tasks: tuple[str, ...]
     max_seq_length: int | None = None
-    pooling: str | None = None  # mean | cls; None: the model directory's own config
+    pooling: str | None = None  # mean | cls | max | lasttoken; None: the directory's own
     normalize: bool | None = None
     loras: Mapping[str, Path] = field(default_factory=dict)
     batching: Mapping[str, Any] = field(default_factory=dict)

@@ -6,9 +6,11 @@ import asyncio
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from sentence_transformers import SentenceTransformer
 
 from ember.adapters import transformer
@@ -25,7 +27,12 @@ from ember.config import DEFAULT_MODEL, load_catalog, resolve_source
 from ember.engine import WorkerConfig
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
 from tests.adapters.serving import ServeFactory
-from tests.adapters.tiny_models import build_bi_encoder, build_lora, spec_for
+from tests.adapters.tiny_models import (
+    build_bi_encoder,
+    build_lora,
+    build_st_pipeline,
+    spec_for,
+)
 
 PROSE = """search engines rank documents by relevance to a query while embeddings map
 text into vectors so that similar meanings land close together the model reads
@@ -280,3 +287,62 @@ def test_an_instruction_on_a_model_without_prompts_is_refused(
     with pytest.raises(InvalidInput, match="has no prompts configured") as caught:
         minilm.prepare(["x"], EncodeOptions(instruction="Represent this for retrieval"))
     assert caught.value.param == "params.instruction"
+
+
+# -- what a sentence-transformers directory says, against sentence-transformers --------
+
+ONNX, TORCH = Runtime(backend="onnx"), Runtime(backend="torch")
+REFERENCE_TEXTS = ["the cat is big", "paris is the capital of france", "a slow river",
+                   "what is the weather in london today and tomorrow"]
+
+
+def ember_vectors(directory: Path, runtime: Runtime, options: EncodeOptions) -> np.ndarray:
+    adapter = transformer.load(spec_for(directory, "transformer", ("encode",)), runtime)
+    items, params = adapter.prepare(REFERENCE_TEXTS, options)
+    return np.stack(adapter.forward(items, params))
+
+
+def reference(directory: Path, **encode: Any) -> np.ndarray:
+    model = SentenceTransformer(str(directory), device="cpu")
+    return np.asarray(model.encode(REFERENCE_TEXTS, convert_to_numpy=True, **encode))
+
+
+@pytest.mark.parametrize("runtime", [ONNX, TORCH], ids=["onnx", "torch"])
+@pytest.mark.parametrize("mode", ["mean", "cls", "max", "lasttoken"])
+def test_each_pooling_mode_matches_sentence_transformers(
+        tiny_dirs: dict[str, Path], tmp_path: Path, mode: str, runtime: Runtime) -> None:
+    # Saved by sentence-transformers 5+ (`pooling_mode`, not one boolean a mode).
+    directory = build_st_pipeline(tmp_path / mode, tiny_dirs["base"], pooling=mode,
+                                  normalize=False)
+    np.testing.assert_allclose(ember_vectors(directory, runtime, EncodeOptions()),
+                               reference(directory), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("runtime", [ONNX, TORCH], ids=["onnx", "torch"])
+def test_dense_layers_run_between_pooling_and_normalize(
+        tiny_dirs: dict[str, Path], tmp_path: Path, runtime: Runtime) -> None:
+    directory = build_st_pipeline(tmp_path / "dense", tiny_dirs["base"], dense=[
+        (24, torch.nn.Tanh(), True), (16, None, False)])  # None: Identity
+    vectors = ember_vectors(directory, runtime, EncodeOptions())
+    assert vectors.shape == (len(REFERENCE_TEXTS), 16)
+    np.testing.assert_allclose(vectors, reference(directory), rtol=1e-4, atol=1e-5)
+    adapter = transformer.load(spec_for(directory, "transformer", ("encode",)), runtime)
+    assert adapter.info.dims == 16
+    # Without the layers the vectors would be the pooled 32 dims: the test can fail.
+    assert not np.allclose(vectors[:, :16], ember_vectors(
+        build_st_pipeline(tmp_path / "plain", tiny_dirs["base"]), runtime,
+        EncodeOptions())[:, :16], atol=1e-3)
+
+
+@pytest.mark.parametrize("runtime", [ONNX, TORCH], ids=["onnx", "torch"])
+def test_a_prompt_left_out_of_pooling_matches_sentence_transformers(
+        tiny_dirs: dict[str, Path], tmp_path: Path, runtime: Runtime) -> None:
+    prompts = {"query": "what is the ", "document": ""}
+    directory = build_st_pipeline(tmp_path / "excluded", tiny_dirs["base"],
+                                  include_prompt=False, prompts=prompts)
+    queries = ember_vectors(directory, runtime, EncodeOptions(is_query=True))
+    np.testing.assert_allclose(queries, reference(directory, prompt_name="query"),
+                               rtol=1e-4, atol=1e-5)
+    included = build_st_pipeline(tmp_path / "included", tiny_dirs["base"], prompts=prompts)
+    assert not np.allclose(queries, ember_vectors(included, runtime,
+                                                  EncodeOptions(is_query=True)), atol=1e-3)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,4 +165,31 @@ def build_colbert(directory: Path, *, seed: int = 0, max_seq_length: int = 64,
     write_tokenizer(directory, max_seq_length)
     weight = torch.randn(token_dims, int(model.config.hidden_size)) / token_dims ** 0.5
     save_file({key: weight.contiguous()}, str(directory / projection))
+    return directory
+
+
+def build_st_pipeline(directory: Path, base: Path, *, pooling: str = "mean",
+                      dense: Sequence[tuple[int, torch.nn.Module | None, bool]] = (),
+                      normalize: bool = True, include_prompt: bool = True,
+                      prompts: Mapping[str, str] | None = None, seed: int = 0) -> Path:
+    """A directory saved by sentence-transformers itself (its current formats): the
+    bi-encoder in `base`, then Pooling, Dense layers (out features, activation, bias) and
+    Normalize. Returns the directory; load it with SentenceTransformer for the reference."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
+
+    torch.manual_seed(seed)
+    encoder = SentenceTransformer(str(base), device="cpu")[0]
+    modules: list[torch.nn.Module] = [encoder, models.Pooling(
+        encoder.get_embedding_dimension(), pooling_mode=pooling, include_prompt=include_prompt)]
+    width = encoder.get_embedding_dimension()
+    for out, activation, bias in dense:
+        layer = models.Dense(width, out, bias=bias, activation_function=activation)
+        torch.nn.init.normal_(layer.linear.weight, std=0.5)  # visible against the default
+        modules.append(layer)
+        width = out
+    if normalize:
+        modules.append(models.Normalize())
+    SentenceTransformer(modules=modules, device="cpu", prompts=dict(prompts or {})).save(
+        str(directory))
     return directory

@@ -26,12 +26,26 @@ def padded(rows: Sequence[Sequence[int]], value: int) -> tuple[Ids, Ids]:
 
 
 def pool(hidden: Floats, mask: Ids, mode: str) -> Floats:
-    """One vector a row of (rows, tokens, dims) `hidden`: the first token's ("cls"),
-    or the mean over the row's own tokens ("mean")."""
+    """One vector a row of (rows, tokens, dims) `hidden`, over the positions `mask` keeps
+    (a row's own tokens, less a prompt excluded from pooling), as sentence-transformers
+    pools: the first kept token ("cls"), their mean ("mean"), their maximum ("max") or
+    the last kept one ("lasttoken"; zeros for a row that keeps none)."""
+    hidden = hidden.astype(np.float32, copy=False)
+    rows = np.arange(len(mask))
     if mode == "cls":
-        return np.ascontiguousarray(hidden[:, 0], dtype=np.float32)
+        if mask[:, 0].all():  # nothing excluded: the first position, without a gather
+            return np.ascontiguousarray(hidden[:, 0])
+        return np.ascontiguousarray(hidden[rows, mask.argmax(axis=1)])
+    if mode == "lasttoken":
+        last = mask.shape[1] - 1 - mask[:, ::-1].argmax(axis=1)
+        kept: Floats = hidden[rows, last] * mask[rows, last, None].astype(np.float32)
+        return kept
+    if mode == "max":
+        masked = np.where(mask[..., None] != 0, hidden, np.float32(-np.inf))
+        top: Floats = masked.max(axis=1)
+        return top
     weights = mask.astype(np.float32)
-    sums = np.einsum("btd,bt->bd", hidden.astype(np.float32, copy=False), weights)
+    sums = np.einsum("btd,bt->bd", hidden, weights)
     counts = np.maximum(weights.sum(axis=1, keepdims=True), np.float32(1e-9))
     means: Floats = (sums / counts).astype(np.float32, copy=False)
     return means

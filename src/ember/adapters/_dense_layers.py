@@ -1,0 +1,129 @@
+"""sentence-transformers `Dense` modules: the linear layers (with an activation) some
+bi-encoders put between pooling and normalizing (LaBSE, the GTR and sentence-T5 models).
+Read from the module's folder, weights from safetensors (a pickle only where the spec
+allows it), applied in numpy after ONNX Runtime or in torch after a torch forward."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ember.errors import ModelLoadError
+
+Floats = npt.NDArray[np.float32]
+
+# The activations sentence-transformers writes (the class's full name), as Ember runs them.
+# A config without one means Tanh, the module's default (defaults are left out on save).
+ACTIVATIONS = {"torch.nn.modules.activation.Tanh": "tanh",
+               "torch.nn.modules.linear.Identity": "identity",
+               "torch.nn.modules.activation.ReLU": "relu",
+               "torch.nn.modules.activation.Sigmoid": "sigmoid"}
+DEFAULT_ACTIVATION = "torch.nn.modules.activation.Tanh"
+SAFE_WEIGHTS = "model.safetensors"
+PICKLE_WEIGHTS = "pytorch_model.bin"
+
+
+@dataclass(frozen=True, eq=False)
+class DenseLayer:
+    """out = activation(x @ weight.T + bias), as sentence-transformers' Dense."""
+
+    weight: Floats  # (out_features, in_features)
+    bias: Floats | None
+    activation: str
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    def arrays(self, vectors: Floats) -> Floats:
+        out = vectors @ self.weight.T
+        if self.bias is not None:
+            out += self.bias
+        return _activate_arrays(out, self.activation)
+
+    def tensors(self, vectors: torch.Tensor) -> torch.Tensor:
+        weight = torch.from_numpy(self.weight).to(vectors.device, vectors.dtype)
+        bias = None if self.bias is None else torch.from_numpy(self.bias).to(
+            vectors.device, vectors.dtype)
+        out = torch.nn.functional.linear(vectors, weight, bias)
+        if self.activation == "tanh":
+            return torch.tanh(out)
+        if self.activation == "relu":
+            return torch.relu(out)
+        if self.activation == "sigmoid":
+            return torch.sigmoid(out)
+        return out
+
+
+def _activate_arrays(values: Floats, activation: str) -> Floats:
+    if activation == "tanh":
+        return np.tanh(values, out=values)
+    if activation == "relu":
+        return np.maximum(values, np.float32(0), out=values)
+    if activation == "sigmoid":
+        return np.reciprocal(np.float32(1) + np.exp(-values), dtype=np.float32)
+    return values
+
+
+def read_dense(folder: Path, model: str, config: dict[str, Any], in_features: int | None,
+               allow_pickle: bool) -> DenseLayer:
+    """The Dense module in `folder`, checked against its config and the width it is fed
+    (`in_features`: the module before's; None for the first, which the adapter checks
+    against the model); every refusal names the file and what to do."""
+    where = f"{folder.name}/config.json"
+    if config.get("use_residual"):
+        raise ModelLoadError(model, f"{where}: a Dense module with a residual connection is "
+                                    "not supported")
+    name = str(config.get("activation_function") or DEFAULT_ACTIVATION)
+    if name not in ACTIVATIONS:
+        raise ModelLoadError(model, f"{where}: activation {name!r} is not supported; "
+                                    f"Ember runs {sorted(ACTIVATIONS)}")
+    tensors = _weights(folder, model, allow_pickle)
+    weight = tensors.get("linear.weight")
+    bias = tensors.get("linear.bias") if config.get("bias", True) else None
+    declared = (int(config.get("out_features", -1)), int(config.get("in_features", -1)))
+    if weight is None or weight.ndim != 2 or tuple(weight.shape) != declared:
+        shape = None if weight is None else tuple(weight.shape)
+        raise ModelLoadError(model, f"{folder.name}: linear.weight has shape {shape}, but "
+                                    f"its config says (out_features, in_features) = {declared}")
+    if in_features is not None and declared[1] != in_features:
+        raise ModelLoadError(model, f"{where}: in_features is {declared[1]}, but the module "
+                                    f"before it gives {in_features}")
+    if bias is not None and tuple(bias.shape) != (declared[0],):
+        raise ModelLoadError(model, f"{folder.name}: linear.bias has shape "
+                                    f"{tuple(bias.shape)}, expected ({declared[0]},)")
+    return DenseLayer(np.ascontiguousarray(weight, dtype=np.float32),
+                      None if bias is None else np.ascontiguousarray(bias, dtype=np.float32),
+                      ACTIVATIONS[name])
+
+
+def _weights(folder: Path, model: str, allow_pickle: bool) -> dict[str, Floats]:
+    safe, pickled = folder / SAFE_WEIGHTS, folder / PICKLE_WEIGHTS
+    if safe.is_file():
+        from safetensors.numpy import load_file
+
+        return dict(load_file(str(safe)))
+    if pickled.is_file():
+        if not allow_pickle:
+            raise ModelLoadError(model, f"{folder.name}/{PICKLE_WEIGHTS} is a pickle; Ember "
+                                        "loads it only where the model's spec sets "
+                                        "allow_pickle: true (a pickle can run code when "
+                                        "loaded), or convert it to safetensors")
+        try:  # torch's weights-only unpickler: tensors and plain containers, nothing callable
+            state = torch.load(str(pickled), map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+            raise ModelLoadError(model, f"{folder.name}/{PICKLE_WEIGHTS} was refused by "
+                                        f"torch's weights-only unpickler: {error}") from error
+        if not isinstance(state, dict):
+            raise ModelLoadError(model, f"{folder.name}/{PICKLE_WEIGHTS} holds no state dict")
+        return {str(k): v.float().numpy() for k, v in state.items()
+                if isinstance(v, torch.Tensor)}
+    raise ModelLoadError(model, f"{folder.name} holds no weights ({SAFE_WEIGHTS} or "
+                                f"{PICKLE_WEIGHTS}); a Hub download fetches a pickle only "
+                                "where the spec sets allow_pickle: true")

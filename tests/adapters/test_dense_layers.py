@@ -1,0 +1,174 @@
+"""sentence-transformers' modules read from a directory: Dense weights, and every module
+layout Ember refuses rather than serve other vectors than the model's (hostile files
+included: a pickle, a path out of the directory)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file
+
+from ember.adapters import transformer
+from ember.adapters.base import EncodeOptions, Runtime
+from ember.errors import ModelLoadError
+from tests.adapters.tiny_models import build_bi_encoder, build_st_pipeline, spec_for
+
+TORCH = Runtime(backend="torch")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_bi_encoder(tmp_path_factory.mktemp("dense-base") / "base", normalize=False)
+
+
+@pytest.fixture
+def with_dense(base: Path, tmp_path: Path) -> Path:
+    return build_st_pipeline(tmp_path / "model", base, dense=[(8, torch.nn.Tanh(), True)])
+
+
+def load(directory: Path, **fields: object) -> transformer.TransformerAdapter:
+    return transformer.load(spec_for(directory, "transformer", ("encode",), **fields), TORCH)
+
+
+def vector(adapter: transformer.TransformerAdapter) -> np.ndarray:
+    items, params = adapter.prepare(["the cat is big"], EncodeOptions())
+    return adapter.forward(items, params)[0]
+
+
+def modules(directory: Path) -> list[dict[str, object]]:
+    loaded: list[dict[str, object]] = json.loads((directory / "modules.json").read_text())
+    return loaded
+
+
+def write_modules(directory: Path, entries: list[dict[str, object]]) -> None:
+    (directory / "modules.json").write_text(json.dumps(entries))
+
+
+def dense_folder(directory: Path) -> Path:
+    return directory / next(str(m["path"]) for m in modules(directory)
+                            if str(m["type"]).endswith("Dense"))
+
+
+def test_pickled_dense_weights_load_only_where_the_spec_allows(with_dense: Path) -> None:
+    expected = vector(load(with_dense))
+    folder = dense_folder(with_dense)
+    weights = load_file(str(folder / "model.safetensors"))
+    state = {key: torch.from_numpy(value) for key, value in weights.items()}
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match=r"pytorch_model\.bin is a pickle.*allow_pickle"):
+        load(with_dense)
+    pickled = (folder / "pytorch_model.bin").read_bytes()
+    (folder / "pytorch_model.bin").unlink()  # as a Hub download without allow_pickle leaves it
+    with pytest.raises(ModelLoadError, match=r"holds no weights.*allow_pickle: true"):
+        load(with_dense)
+    (folder / "pytorch_model.bin").write_bytes(pickled)
+    np.testing.assert_allclose(vector(load(with_dense, allow_pickle=True)), expected,
+                               rtol=1e-6)
+
+
+class Payload:
+    """A pickle that runs code when loaded: it would create `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_pickle_that_runs_code_is_refused_even_where_pickles_are_allowed(
+        with_dense: Path, tmp_path: Path) -> None:
+    folder = dense_folder(with_dense)
+    (folder / "model.safetensors").unlink()
+    marker = tmp_path / "ran"
+    (folder / "pytorch_model.bin").write_bytes(
+        pickle.dumps({"linear.weight": Payload(marker)}, protocol=2))
+    with pytest.raises(ModelLoadError, match="refused by torch's weights-only unpickler"):
+        load(with_dense, allow_pickle=True)
+    assert not marker.exists()
+
+
+def test_a_module_path_out_of_the_directory_is_refused(with_dense: Path,
+                                                       tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(dense_folder(with_dense), outside)
+    entries = modules(with_dense)
+    for entry in entries:
+        if str(entry["type"]).endswith("Dense"):
+            entry["path"] = "../elsewhere"
+    write_modules(with_dense, entries)
+    with pytest.raises(ModelLoadError, match=r"module path '\.\./elsewhere' leaves"):
+        load(with_dense)
+
+
+def test_a_module_ember_does_not_run_is_refused_not_skipped(with_dense: Path) -> None:
+    entries = modules(with_dense)
+    entries.insert(2, {"idx": 9, "name": "9", "path": "9_LayerNorm",
+                       "type": "sentence_transformers.models.LayerNorm"})
+    write_modules(with_dense, entries)
+    with pytest.raises(ModelLoadError, match="a LayerNorm module is not one Ember runs"):
+        load(with_dense)
+
+
+def test_token_vectors_without_pooling_are_refused(with_dense: Path) -> None:
+    # PyLate's ColBERT layout: the encoder, then a Dense layer over every token.
+    write_modules(with_dense, [m for m in modules(with_dense)
+                               if not str(m["type"]).endswith(("Pooling", "Normalize"))])
+    with pytest.raises(ModelLoadError, match=r"no Pooling module.*ColBERT"):
+        load(with_dense)
+
+
+def test_a_dense_layer_after_normalize_is_refused(with_dense: Path) -> None:
+    entries = modules(with_dense)
+    entries.append(entries.pop(2))  # Dense after Normalize
+    write_modules(with_dense, entries)
+    with pytest.raises(ModelLoadError, match="a Dense module after Normalize"):
+        load(with_dense)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"out_features": 9}, r"linear\.weight has shape \(8, 32\), but its config says"),
+    ({"in_features": 16, "out_features": 8}, r"linear\.weight has shape \(8, 32\)"),
+    ({"activation_function": "torch.nn.modules.activation.GELU"},
+     r"activation .*GELU.* is not supported"),
+    ({"use_residual": True}, "residual connection is not supported"),
+])
+def test_a_dense_config_that_does_not_fit_is_refused(with_dense: Path, change: dict[str, object],
+                                                     message: str) -> None:
+    config_file = dense_folder(with_dense) / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **change}))
+    with pytest.raises(ModelLoadError, match=message):
+        load(with_dense)
+
+
+def test_a_first_dense_layer_must_take_the_models_width(with_dense: Path) -> None:
+    folder = dense_folder(with_dense)
+    weights = load_file(str(folder / "model.safetensors"))
+    from safetensors.numpy import save_file
+
+    save_file({"linear.weight": np.zeros((8, 16), np.float32),
+               "linear.bias": weights["linear.bias"]}, str(folder / "model.safetensors"))
+    config_file = folder / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
+                                       "in_features": 16}))
+    with pytest.raises(ModelLoadError, match="first Dense module takes 16 features, but the "
+                                             "model gives 32"):
+        load(with_dense)
+
+
+def test_a_config_without_an_activation_means_tanh(with_dense: Path) -> None:
+    # sentence-transformers leaves a default out of the saved config.
+    expected = vector(load(with_dense))
+    config_file = dense_folder(with_dense) / "config.json"
+    config = json.loads(config_file.read_text())
+    assert config.pop("activation_function").endswith("Tanh")
+    config_file.write_text(json.dumps(config))
+    np.testing.assert_allclose(vector(load(with_dense)), expected, rtol=1e-6)
