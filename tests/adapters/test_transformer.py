@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -346,3 +347,30 @@ def test_a_prompt_left_out_of_pooling_matches_sentence_transformers(
     included = build_st_pipeline(tmp_path / "included", tiny_dirs["base"], prompts=prompts)
     assert not np.allclose(queries, ember_vectors(included, runtime,
                                                   EncodeOptions(is_query=True)), atol=1e-3)
+
+
+@pytest.mark.parametrize("similarity", ["cosine", "dot", "euclidean", "manhattan"])
+async def test_score_uses_the_models_own_similarity(tiny_dirs: dict[str, Path], tmp_path: Path,
+                                                    serve: ServeFactory,
+                                                    similarity: str) -> None:
+    # Unnormalized vectors, so that each function ranks differently.
+    directory = build_st_pipeline(tmp_path / similarity, tiny_dirs["base"], normalize=False,
+                                  similarity=similarity)
+    model = SentenceTransformer(str(directory), device="cpu")
+    query, docs = REFERENCE_TEXTS[0], REFERENCE_TEXTS[1:]
+    expected = model.similarity(model.encode([query]), model.encode(docs))[0].tolist()
+    adapter = transformer.load(spec_for(directory, "transformer", ("encode", "score")), ONNX)
+    assert adapter.info.extra["similarity"] == similarity
+    async with serve(adapter) as served:
+        out = await adapter.score(served.submit, query, docs, ScoreOptions())
+    np.testing.assert_allclose(out.values, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_an_unknown_similarity_is_refused_at_load(tiny_dirs: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    directory = build_st_pipeline(tmp_path / "model", tiny_dirs["base"])
+    config_file = directory / "config_sentence_transformers.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "similarity_fn_name": "jaccard"}))
+    with pytest.raises(ModelLoadError, match="similarity_fn_name 'jaccard' is not one of"):
+        transformer.load(spec_for(directory, "transformer", ("encode",)), ONNX)

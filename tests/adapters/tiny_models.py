@@ -171,10 +171,12 @@ def build_colbert(directory: Path, *, seed: int = 0, max_seq_length: int = 64,
 def build_st_pipeline(directory: Path, base: Path, *, pooling: str = "mean",
                       dense: Sequence[tuple[int, torch.nn.Module | None, bool]] = (),
                       normalize: bool = True, include_prompt: bool = True,
-                      prompts: Mapping[str, str] | None = None, seed: int = 0) -> Path:
+                      prompts: Mapping[str, str] | None = None, seed: int = 0,
+                      similarity: str | None = None) -> Path:
     """A directory saved by sentence-transformers itself (its current formats): the
     bi-encoder in `base`, then Pooling, Dense layers (out features, activation, bias) and
-    Normalize. Returns the directory; load it with SentenceTransformer for the reference."""
+    Normalize, with `similarity` as its similarity function. Returns the directory; load
+    it with SentenceTransformer for the reference."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer import modules as models
 
@@ -190,6 +192,6 @@ def build_st_pipeline(directory: Path, base: Path, *, pooling: str = "mean",
         width = out
     if normalize:
         modules.append(models.Normalize())
-    SentenceTransformer(modules=modules, device="cpu", prompts=dict(prompts or {})).save(
-        str(directory))
+    SentenceTransformer(modules=modules, device="cpu", prompts=dict(prompts or {}),
+                        similarity_fn_name=similarity).save(str(directory))
     return directory

@@ -8,7 +8,10 @@ mean, CLS, max or last-token over the attention mask (less the prompt where the 
 module excludes it), then the Dense layers, then optionally L2 normalization. A module
 Ember does not run is refused at load rather than skipped, so a vector is never served
 without it.
-`score` is the cosine of the query's vector and each document's.
+`score` compares the query's vector with each document's by the model's own similarity
+(config_sentence_transformers.json's `similarity_fn_name`: cosine by default, or dot
+product, or the negative Euclidean or Manhattan distance, as sentence-transformers has
+them).
 LoRA adapters (PEFT) switch per forward through `set_lora`.
 """
 
@@ -36,6 +39,9 @@ from ember.engine.types import PreparedItem
 from ember.errors import ModelLoadError
 
 POOLING_MODES = ("mean", "cls", "max", "lasttoken")
+# sentence-transformers' similarity functions by the name its config gives (and an alias).
+SIMILARITIES = {"cosine": "cosine", "dot": "dot", "dot_product": "dot",
+                "euclidean": "euclidean", "manhattan": "manhattan"}
 # sentence-transformers' modules.json types (the class name) that Ember runs.
 MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
 OUTPUT_TYPES = ("dense",)
@@ -67,6 +73,7 @@ class DirectorySettings:
     prompts: dict[str, str] = field(default_factory=dict)
     include_prompt: bool = True  # False: the prompt's tokens are left out of pooling
     dense: tuple[DenseLayer, ...] = ()
+    similarity: str = "cosine"
 
 
 def read_directory(model_dir: Path, model: str = "",
@@ -110,12 +117,17 @@ def read_directory(model_dir: Path, model: str = "",
                                     "models with colbert_linear.safetensors")
     bert_config = weights_dir / "sentence_bert_config.json"
     st_config = common.read_json(bert_config) if bert_config.exists() else {}
-    prompts_file = model_dir / "config_sentence_transformers.json"
-    prompts = (common.read_json(prompts_file).get("prompts") or {}) if prompts_file.exists() else {}
+    st_file = model_dir / "config_sentence_transformers.json"
+    model_config = common.read_json(st_file) if st_file.exists() else {}
+    prompts = model_config.get("prompts") or {}
+    named = str(model_config.get("similarity_fn_name") or "cosine")
+    if named not in SIMILARITIES:
+        raise ModelLoadError(model, f"config_sentence_transformers.json: similarity_fn_name "
+                                    f"{named!r} is not one of {sorted(SIMILARITIES)}")
     return DirectorySettings(weights_dir, pooling, normalize, st_config.get("max_seq_length"),
                              bool(st_config.get("do_lower_case", False)),
                              {str(k): str(v) for k, v in prompts.items()}, include_prompt,
-                             tuple(dense))
+                             tuple(dense), SIMILARITIES[named])
 
 
 def _module_path(model_dir: Path, relative: str, model: str) -> Path:
@@ -163,10 +175,23 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
 
 
 def cosine(query: Vector, docs: Sequence[Vector]) -> list[float]:
+    return similar("cosine", query, docs)
+
+
+def similar(name: str, query: Vector, docs: Sequence[Vector]) -> list[float]:
+    """`query` against each of `docs` by similarity `name` (a value of SIMILARITIES)."""
     matrix = np.stack(docs).astype(np.float64)
     q = query.astype(np.float64)
-    norms = np.linalg.norm(matrix, axis=1) * np.linalg.norm(q)
-    return [float(s) for s in (matrix @ q) / np.maximum(norms, 1e-12)]
+    if name == "cosine":
+        norms = np.linalg.norm(matrix, axis=1) * np.linalg.norm(q)
+        values = (matrix @ q) / np.maximum(norms, 1e-12)
+    elif name == "dot":
+        values = matrix @ q
+    elif name == "euclidean":
+        values = -np.linalg.norm(matrix - q, axis=1)
+    else:
+        values = -np.abs(matrix - q).sum(axis=1)
+    return [float(v) for v in values]
 
 
 class TransformerAdapter(BiEncoder[EncodeParams, Vector]):
@@ -186,6 +211,7 @@ class TransformerAdapter(BiEncoder[EncodeParams, Vector]):
                                             f"{self.dense[0].weight.shape[1]} features, but "
                                             f"the model gives {config.hidden_size}")
         self.include_prompt = settings.include_prompt
+        self.similarity_name = settings.similarity
         self._prompt_lengths: dict[str, int] = {}
         self.max_seq_length = common.model_max_length(spec, config, tokenizer,
                                                       settings.max_seq_length)
@@ -195,6 +221,7 @@ class TransformerAdapter(BiEncoder[EncodeParams, Vector]):
         dims = self.dense[-1].out_features if self.dense else int(config.hidden_size)
         self.info = self.describe(dims, OUTPUT_TYPES,
                                   {"pooling": self.pooling, "normalize": self.normalize,
+                                   "similarity": self.similarity_name,
                                    "backend": model.backend})
 
     # -- the worker thread --------------------------------------------------------
@@ -259,7 +286,7 @@ class TransformerAdapter(BiEncoder[EncodeParams, Vector]):
         return Encoded(dense=value)
 
     def similarity(self, query: Vector, docs: Sequence[Vector]) -> list[float]:
-        return cosine(query, docs)
+        return similar(self.similarity_name, query, docs)
 
 
 def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> TransformerAdapter:
