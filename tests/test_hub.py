@@ -20,13 +20,16 @@ from tests.live_server import REPO, server_env, start_server
 
 PICKLED = "someone/pickled-only"
 TINY = "someone/tiny-encoder"
+DENSE = "someone/tiny-encoder-dense"
 GLINER = "someone/gliner-tiny"
 TEXTS = ["How do I reset my password?", "Paris is the capital of France."]
 
 
 @pytest.fixture(scope="module")
 def standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubStandIn]:
-    from tests.adapters.tiny_models import build_bi_encoder
+    import torch
+
+    from tests.adapters.tiny_models import build_bi_encoder, build_st_pipeline
 
     hub = HubStandIn()
     hub.add(MINILM, minilm_folder())
@@ -35,6 +38,11 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubStandIn]:
     hub.notes = {"old": hub.add(MINILM, build_bi_encoder(root / "old", seed=3),
                                 branch=None, salt="old")}
     hub.add(TINY, build_bi_encoder(root / "tiny", seed=4))
+    # A sentence-transformers folder with a Dense module: its weights lie in a subfolder.
+    dense = build_st_pipeline(root / "dense", build_bi_encoder(
+        root / "dense-base", seed=5, normalize=False), dense=[(16, torch.nn.Tanh(), True)])
+    hub.notes["dense"] = str(dense)
+    hub.add(DENSE, dense)
     pickled = root / "pickled"
     pickled.mkdir()
     (pickled / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
@@ -194,6 +202,24 @@ def test_a_pickle_only_repository_is_refused_unless_allowed(
     allowed = run(standin, tmp_path / "hf", snapshot(PICKLED, pickle=True))
     assert (Path(str(allowed["folder"])) / "pytorch_model.bin").is_file()
     assert standin.gets("pytorch_model.bin") == 1
+
+
+def test_a_dense_module_in_a_subfolder_is_fetched_and_run(standin: HubStandIn,
+                                                          tmp_path: Path) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    from ember.adapters import transformer
+    from ember.adapters.base import EncodeOptions, Runtime
+    from tests.adapters.tiny_models import spec_for
+
+    folder = Path(str(run(standin, tmp_path / "hf", snapshot(DENSE))["folder"]))
+    assert (folder / "2_Dense" / "model.safetensors").is_file()
+    adapter = transformer.load(spec_for(folder, "transformer", ("encode",)),
+                               Runtime(backend="torch"))
+    items, params = adapter.prepare(TEXTS, EncodeOptions())
+    expected = SentenceTransformer(standin.notes["dense"], device="cpu").encode(TEXTS)
+    np.testing.assert_allclose(np.stack(adapter.forward(items, params)), expected,
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_two_processes_starting_together_download_each_file_once(
