@@ -238,12 +238,21 @@ def _detect_family(path: Path) -> tuple[str, tuple[str, ...]]:
         return "gliner", ("extract",)
     if (path / "colbert_linear.safetensors").is_file():  # the multivector family's layout
         return "multivector", ("encode", "score")
+    import json
+
+    st_config = path / "config_sentence_transformers.json"
+    # sentence-transformers 4+ saves its rerankers and sparse encoders with a modules.json
+    # too, and names the kind here.
+    kind = (json.loads(st_config.read_text(encoding="utf-8")).get("model_type")
+            if st_config.is_file() else None)
+    if kind == "CrossEncoder":
+        return "cross_encoder", ("score",)
+    if kind == "SparseEncoder":
+        return "sparse", ("encode", "score")
     if (path / "modules.json").is_file() or (path / "sentence_bert_config.json").is_file():
         return "transformer", ("encode", "score")
     config = path / "config.json"
     if config.is_file():
-        import json
-
         architectures = " ".join(json.loads(config.read_text(encoding="utf-8"))
                                  .get("architectures") or [])
         if "ForSequenceClassification" in architectures:

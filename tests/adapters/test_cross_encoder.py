@@ -10,6 +10,7 @@ import pytest
 from ember.adapters import cross_encoder
 from ember.adapters.base import EncodeOptions, Runtime, ScoreOptions
 from ember.adapters.cross_encoder import CrossEncoderAdapter
+from ember.config import load_catalog
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
 from tests.adapters.serving import ServeFactory
 from tests.adapters.tiny_models import build_cross_encoder, spec_for
@@ -94,3 +95,19 @@ async def test_refusals(reranker: CrossEncoderAdapter, model_dir: Path,
         cross_encoder.load(spec_for(model_dir, "cross_encoder", ("score",),
                                     options={"activation": "softmax"}), Runtime())
     assert reranker.info.tasks == ("score",) and reranker.info.max_seq_length == 64
+
+
+async def test_a_reranker_saved_by_sentence_transformers_is_detected_and_scores_as_it_does(
+        model_dir: Path, tmp_path: Path, serve: ServeFactory) -> None:
+    # sentence-transformers 4+ writes a modules.json beside a reranker's weights too.
+    from sentence_transformers import CrossEncoder
+
+    saved = tmp_path / "saved"
+    reference = CrossEncoder(str(model_dir), device="cpu")
+    reference.save(str(saved))
+    assert (saved / "modules.json").is_file()
+    spec = load_catalog(model_paths=[saved])["local/saved"]
+    assert (spec.adapter, spec.tasks) == ("cross_encoder", ("score",))
+    expected = reference.predict([(QUERY, doc) for doc in DOCS])  # its sigmoid, as Ember's
+    scores = await score(cross_encoder.load(spec, Runtime()), serve, QUERY, DOCS)
+    assert scores == pytest.approx([float(v) for v in expected], abs=1e-5)

@@ -3,6 +3,7 @@ through `load`, driven through a real worker."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from ember.adapters.base import (
     TaskOutput,
 )
 from ember.adapters.sparse import SparseAdapter
-from ember.config import parse_spec
+from ember.config import load_catalog, parse_spec
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
 from ember.registry import Registry
 from tests.adapters.serving import ServeFactory
@@ -237,3 +238,51 @@ async def test_loads_from_a_catalog_entry_through_the_registry(model_dir: Path) 
 def test_no_output_types_means_the_models_own(splade: SparseAdapter) -> None:
     _, params = splade.prepare(["x"], EncodeOptions())
     assert params.output_types == ("sparse",)
+
+
+@pytest.fixture
+def saved_by_st(model_dir: Path, tmp_path: Path) -> Path:
+    """The tiny SPLADE model as sentence-transformers 5+ saves a sparse encoder: a
+    modules.json with the masked LM and a SpladePooling module."""
+    from sentence_transformers import SparseEncoder
+
+    SparseEncoder(str(model_dir), device="cpu").save(str(tmp_path / "saved"))
+    return tmp_path / "saved"
+
+
+async def test_a_sparse_encoder_saved_by_sentence_transformers_encodes_as_it_does(
+        saved_by_st: Path, serve: ServeFactory) -> None:
+    from sentence_transformers import SparseEncoder
+
+    spec = load_catalog(model_paths=[saved_by_st])["local/saved"]
+    assert (spec.adapter, spec.tasks) == ("sparse", ("encode", "score"))
+    texts = ["the cat is big", "paris is the capital of france"]
+    expected = SparseEncoder(str(saved_by_st), device="cpu").encode(
+        texts, convert_to_tensor=True).to_dense().numpy()
+    adapter = sparse.load(spec, Runtime())
+    async with serve(adapter) as served:
+        out = await adapter.encode(served.submit, texts, EncodeOptions())
+    got = np.stack([dense_of(v) for v in vectors(out)])
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"pooling_strategy": "sum"}, "pooling_strategy 'sum'"),
+    ({"activation_function": "log1p_relu"}, "activation_function 'log1p_relu'"),
+])
+def test_a_splade_pooling_this_family_does_not_run_is_refused(
+        saved_by_st: Path, change: dict[str, str], message: str) -> None:
+    config_file = saved_by_st / "1_SpladePooling" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **change}))
+    with pytest.raises(ModelLoadError, match=message):
+        load(saved_by_st)
+
+
+def test_a_sparse_module_this_family_does_not_run_is_refused(saved_by_st: Path) -> None:
+    modules_file = saved_by_st / "modules.json"
+    modules = json.loads(modules_file.read_text())
+    modules.append({"idx": 2, "name": "2", "path": "2_Router",
+                    "type": "sentence_transformers.base.modules.router.Router"})
+    modules_file.write_text(json.dumps(modules))
+    with pytest.raises(ModelLoadError, match="a Router module is not one the sparse family"):
+        load(saved_by_st)

@@ -39,6 +39,20 @@ def read_json(path: Path) -> Any:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def st_modules(model_dir: Path, model: str) -> list[tuple[str, Path]]:
+    """A sentence-transformers directory's modules.json, in order: each module's kind (its
+    class name) and folder, which must lie inside the model's directory."""
+    modules = []
+    for module in read_json(model_dir / "modules.json"):
+        relative = str(module.get("path", ""))
+        path = (model_dir / relative).resolve()
+        if not path.is_relative_to(model_dir.resolve()):
+            raise ModelLoadError(model, f"modules.json: module path {relative!r} leaves the "
+                                        "model's directory")
+        modules.append((str(module.get("type", "")).rsplit(".", 1)[-1], path))
+    return modules
+
+
 _torch_forwards = False  # a model with torch forwards set torch's threads in this process
 
 

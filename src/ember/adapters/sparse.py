@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -180,9 +181,37 @@ def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> SparseAdapt
     from transformers import AutoModelForMaskedLM
 
     common.refuse_loras(spec, "sparse")
-    model, config, tokenizer = load_model(spec, resolve_source(spec), runtime,
+    model_dir = encoder_dir(resolve_source(spec), spec.name)
+    model, config, tokenizer = load_model(spec, model_dir, runtime,
                                           AutoModelForMaskedLM, "logits", weights=weights)
     return SparseAdapter(spec, model, config, tokenizer, runtime)
+
+
+def encoder_dir(model_dir: Path, model: str) -> Path:
+    """Where the masked-LM lies: the directory itself, or, in a sparse encoder saved by
+    sentence-transformers, its Transformer module's folder. Its SpladePooling must pool
+    as this family does (max over the tokens of log(1 + relu)); any other module is
+    refused, not skipped."""
+    if not (model_dir / "modules.json").is_file():
+        return model_dir
+    encoder = model_dir
+    for kind, path in common.st_modules(model_dir, model):
+        if kind in ("Transformer", "MLMTransformer"):
+            encoder = path
+        elif kind == "SpladePooling":
+            config = common.read_json(path / "config.json")
+            pooling = (config.get("pooling_strategy", "max"),
+                       config.get("activation_function", "relu"))
+            if pooling != ("max", "relu"):
+                raise ModelLoadError(model, f"SpladePooling with pooling_strategy "
+                                            f"{pooling[0]!r} and activation_function "
+                                            f"{pooling[1]!r} is not supported; the sparse "
+                                            "family pools max over log(1 + relu)")
+        else:
+            raise ModelLoadError(model, f"modules.json: a {kind or 'nameless'} module is not "
+                                        "one the sparse family runs (Transformer, "
+                                        "SpladePooling)")
+    return encoder
 
 
 def load_front(spec: ModelSpec, runtime: Runtime) -> SparseAdapter:

@@ -86,9 +86,7 @@ def read_directory(model_dir: Path, model: str = "",
         return DirectorySettings(model_dir)
     weights_dir, pooling, normalize, include_prompt = model_dir, "", False, True
     dense: list[DenseLayer] = []
-    for module in common.read_json(modules_file):
-        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-        path = _module_path(model_dir, str(module.get("path", "")), model)
+    for kind, path in common.st_modules(model_dir, model):
         if kind not in MODULES:
             raise ModelLoadError(model, f"modules.json: a {kind or 'nameless'} module is not "
                                         f"one Ember runs ({', '.join(MODULES)}); serving the "
@@ -128,15 +126,6 @@ def read_directory(model_dir: Path, model: str = "",
                              bool(st_config.get("do_lower_case", False)),
                              {str(k): str(v) for k, v in prompts.items()}, include_prompt,
                              tuple(dense), SIMILARITIES[named])
-
-
-def _module_path(model_dir: Path, relative: str, model: str) -> Path:
-    """A module's folder, which must lie inside the model's directory."""
-    path = (model_dir / relative).resolve()
-    if not path.is_relative_to(model_dir.resolve()):
-        raise ModelLoadError(model, f"modules.json: module path {relative!r} leaves the "
-                                    "model's directory")
-    return path
 
 
 # sentence-transformers' earlier Pooling config: one boolean a mode.
