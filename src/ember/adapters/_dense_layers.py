@@ -6,7 +6,7 @@ allows it), applied in numpy after ONNX Runtime or in torch after a torch forwar
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,9 @@ class DenseLayer:
     weight: Floats  # (out_features, in_features)
     bias: Floats | None
     activation: str
+    # The weights as tensors, per device and dtype: copied to a GPU once, not per forward.
+    _tensors: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor | None]] \
+        = field(default_factory=dict, repr=False)
 
     @property
     def out_features(self) -> int:
@@ -48,10 +51,12 @@ class DenseLayer:
         return _activate_arrays(out, self.activation)
 
     def tensors(self, vectors: torch.Tensor) -> torch.Tensor:
-        weight = torch.from_numpy(self.weight).to(vectors.device, vectors.dtype)
-        bias = None if self.bias is None else torch.from_numpy(self.bias).to(
-            vectors.device, vectors.dtype)
-        out = torch.nn.functional.linear(vectors, weight, bias)
+        key = (vectors.device, vectors.dtype)
+        if key not in self._tensors:
+            self._tensors[key] = (
+                torch.from_numpy(self.weight).to(*key),
+                None if self.bias is None else torch.from_numpy(self.bias).to(*key))
+        out = torch.nn.functional.linear(vectors, *self._tensors[key])
         if self.activation == "tanh":
             return torch.tanh(out)
         if self.activation == "relu":
