@@ -250,6 +250,7 @@ def saved_by_st(model_dir: Path, tmp_path: Path) -> Path:
     return tmp_path / "saved"
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")  # the reference's
 async def test_a_sparse_encoder_saved_by_sentence_transformers_encodes_as_it_does(
         saved_by_st: Path, serve: ServeFactory) -> None:
     from sentence_transformers import SparseEncoder

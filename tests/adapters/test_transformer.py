@@ -374,3 +374,25 @@ def test_an_unknown_similarity_is_refused_at_load(tiny_dirs: dict[str, Path],
     config_file.write_text(json.dumps({**config, "similarity_fn_name": "jaccard"}))
     with pytest.raises(ModelLoadError, match="similarity_fn_name 'jaccard' is not one of"):
         transformer.load(spec_for(directory, "transformer", ("encode",)), ONNX)
+
+
+def test_a_folder_that_names_its_document_prompt_passage_gets_it_on_documents(
+        tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    directory = build_st_pipeline(tmp_path / "passage", tiny_dirs["base"],
+                                  prompts={"query": "query: ", "passage": "passage: "})
+    # As E5-style folders have it: no "document" prompt (sentence-transformers adds "").
+    config_file = directory / "config_sentence_transformers.json"
+    config = json.loads(config_file.read_text())
+    del config["prompts"]["document"]
+    config_file.write_text(json.dumps(config))
+    adapter = transformer.load(spec_for(directory, "transformer", ("encode",)), ONNX)
+    assert adapter.params(EncodeOptions(is_query=True)).prefix == "query: "
+    assert adapter.params(EncodeOptions()).prefix == "passage: "
+    # What the model card asks of a sentence-transformers user (its encode_document would
+    # find the empty "document" prompt it adds to a loaded model's prompts first).
+    np.testing.assert_allclose(ember_vectors(directory, ONNX, EncodeOptions()),
+                               reference(directory, prompt_name="passage"),
+                               rtol=1e-4, atol=1e-5)
+    # A spec's own document prompt still wins.
+    spec = spec_for(directory, "transformer", ("encode",), prompts={"document": "doc: "})
+    assert transformer.load(spec, ONNX).params(EncodeOptions()).prefix == "doc: "

@@ -273,6 +273,10 @@ def refuse_loras(spec: ModelSpec, family: str) -> None:
                                         f"remove 'loras' from the spec")
 
 
+# What models call the document side's prompt, in sentence-transformers' order.
+DOCUMENT_PROMPTS = ("document", "passage", "corpus")
+
+
 def side_prefix(model: str, prompts: Mapping[str, str], is_query: bool,
                 instruction: str | None) -> str:
     """The text put before each input: an instruction, then the side's prompt.
@@ -281,7 +285,11 @@ def side_prefix(model: str, prompts: Mapping[str, str], is_query: bool,
         raise InvalidInput(f"model {model!r} has no prompts configured, so it takes no "
                            "instruction; drop params.instruction, or set 'prompts' in its "
                            "YAML", "params.instruction")
-    prompt = prompts.get("query" if is_query else "document", "")
+    if is_query:
+        prompt = prompts.get("query", "")
+    else:  # the first the folder names, in the order sentence-transformers looks for them
+        side = next((name for name in DOCUMENT_PROMPTS if name in prompts), None)
+        prompt = prompts[side] if side else ""
     return f"{instruction} {prompt}" if instruction else prompt
 
 
