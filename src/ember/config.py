@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -52,6 +53,48 @@ def spinning_mode(value: str | bool) -> Spinning:
 
 class CatalogError(ValueError):
     """A model YAML file is invalid; the message names the file and the field."""
+
+
+class ModelFileError(ValueError):
+    """A model directory's JSON file cannot be read as one; the message names it."""
+
+
+MAX_MODEL_JSON_BYTES = 16 << 20  # configs are kilobytes; a vocabulary's JSON a few MB
+
+
+def read_model_json(path: Path, expect: type[dict[str, Any]] | type[list[Any]] = dict) -> Any:
+    """A JSON file of a model directory (config.json, modules.json...), checked for size,
+    syntax, depth and its top-level type (`expect`) before anything reads a field."""
+    size = path.stat().st_size
+    if size > MAX_MODEL_JSON_BYTES:
+        raise ModelFileError(f"{path.name} is {size:,} bytes, over the {MAX_MODEL_JSON_BYTES:,} "
+                             "a model's JSON file may have")
+    try:
+        data = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ModelFileError(f"{path.name} is not valid JSON ({reason})") from None
+    if not isinstance(data, expect):
+        raise ModelFileError(f"{path.name} holds {_json_kind(data)}, where "
+                             f"{_json_kind(expect())} is expected")
+    return data
+
+
+def _json_kind(value: object) -> str:
+    """What JSON calls a decoded value's type, with its article."""
+    if isinstance(value, bool) or value is None:
+        return "true, false or null"
+    kinds = {dict: "an object", list: "an array", str: "a string"}
+    return next((name for kind, name in kinds.items() if isinstance(value, kind)), "a number")
+
+
+def _model_json(path: Path) -> dict[str, Any]:
+    """`read_model_json` for the catalog: a bad file is a CatalogError."""
+    try:
+        data: dict[str, Any] = read_model_json(path)
+    except ModelFileError as exc:
+        raise CatalogError(f"{path.parent}: {exc}") from None
+    return data
 
 
 @dataclass(frozen=True)
@@ -238,13 +281,10 @@ def _detect_family(path: Path) -> tuple[str, tuple[str, ...]]:
         return "gliner", ("extract",)
     if (path / "colbert_linear.safetensors").is_file():  # the multivector family's layout
         return "multivector", ("encode", "score")
-    import json
-
     st_config = path / "config_sentence_transformers.json"
     # sentence-transformers 4+ saves its rerankers and sparse encoders with a modules.json
     # too, and names the kind here.
-    kind = (json.loads(st_config.read_text(encoding="utf-8")).get("model_type")
-            if st_config.is_file() else None)
+    kind = _model_json(st_config).get("model_type") if st_config.is_file() else None
     if kind == "CrossEncoder":
         return "cross_encoder", ("score",)
     if kind == "SparseEncoder":
@@ -253,8 +293,8 @@ def _detect_family(path: Path) -> tuple[str, tuple[str, ...]]:
         return "transformer", ("encode", "score")
     config = path / "config.json"
     if config.is_file():
-        architectures = " ".join(json.loads(config.read_text(encoding="utf-8"))
-                                 .get("architectures") or [])
+        architectures = " ".join(str(a) for a in _model_json(config).get("architectures")
+                                 or [])
         if "ForSequenceClassification" in architectures:
             return "cross_encoder", ("score",)
         if architectures in ("CLIPModel", "SiglipModel"):
@@ -328,10 +368,8 @@ def spec_from_hub(ref: HubRef, download: bool | None = None, base: ModelSpec | N
 def _refuse_remote_code(folder: Path, name: str) -> None:
     """A model whose config maps its classes to the repository's own code needs a YAML
     that says trust_remote_code: true; a bare Hub id never runs remote code."""
-    import json
-
     config = folder / "config.json"
-    if config.is_file() and json.loads(config.read_text(encoding="utf-8")).get("auto_map"):
+    if config.is_file() and _model_json(config).get("auto_map"):
         raise CatalogError(f"model {name} runs its own code (config.json auto_map); Ember "
                            "runs remote code only for a model whose YAML says "
                            "trust_remote_code: true (a file in a --model-dir)")

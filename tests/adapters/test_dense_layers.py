@@ -172,3 +172,40 @@ def test_a_config_without_an_activation_means_tanh(with_dense: Path) -> None:
     assert config.pop("activation_function").endswith("Tanh")
     config_file.write_text(json.dumps(config))
     np.testing.assert_allclose(vector(load(with_dense)), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("file", "content", "message"), [
+    ("modules.json", b"[{", r"modules\.json is not valid JSON"),
+    ("modules.json", b'{"0": "Transformer"}', r"modules\.json holds an object, where an array is"),
+    ("modules.json", b'["Transformer"]', r"modules\.json: each module is a JSON object"),
+    ("modules.json", b"[" * 200_000 + b"]" * 200_000, r"modules\.json is not valid JSON "
+                                                      r"\(nested too deeply\)"),
+    ("modules.json", b"\xff\xfe\x00", r"modules\.json is not valid JSON"),
+    ("config_sentence_transformers.json", b'{"prompts": ["query: "]}', r"prompts is not a"),
+    ("1_Pooling/config.json", b"[]", r"config\.json holds an array, where an object is"),
+    ("2_Dense/config.json", b'{"in_features": "32", "out_features": 8}',
+     r"in_features is '32', where a whole number"),
+])
+def test_a_hostile_json_file_fails_the_load_with_its_name(with_dense: Path, file: str,
+                                                          content: bytes, message: str) -> None:
+    (with_dense / file).write_bytes(content)
+    with pytest.raises(ModelLoadError, match=message):
+        load(with_dense)
+
+
+def test_an_oversized_json_file_is_refused_before_it_is_parsed(with_dense: Path) -> None:
+    from ember.config import MAX_MODEL_JSON_BYTES
+
+    with (with_dense / "modules.json").open("wb") as out:
+        out.truncate(MAX_MODEL_JSON_BYTES + 1)  # sparse: no 16 MB written
+    with pytest.raises(ModelLoadError, match=r"modules\.json is 16,777,217 bytes, over"):
+        load(with_dense)
+
+
+def test_a_hostile_sentence_transformers_config_is_a_catalog_error(with_dense: Path) -> None:
+    from ember.config import CatalogError, load_catalog
+
+    (with_dense / "config_sentence_transformers.json").write_bytes(b'"CrossEncoder"')
+    with pytest.raises(CatalogError, match=r"config_sentence_transformers\.json holds a "
+                                           r"string, where an object is expected"):
+        load_catalog(model_paths=[with_dense])

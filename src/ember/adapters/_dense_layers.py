@@ -92,7 +92,8 @@ def read_dense(folder: Path, model: str, config: dict[str, Any], in_features: in
     tensors = _weights(folder, model, allow_pickle)
     weight = tensors.get("linear.weight")
     bias = tensors.get("linear.bias") if config.get("bias", True) else None
-    declared = (int(config.get("out_features", -1)), int(config.get("in_features", -1)))
+    declared = (_count(config, "out_features", where, model),
+                _count(config, "in_features", where, model))
     if weight is None or weight.ndim != 2 or tuple(weight.shape) != declared:
         shape = None if weight is None else tuple(weight.shape)
         raise ModelLoadError(model, f"{folder.name}: linear.weight has shape {shape}, but "
@@ -106,6 +107,14 @@ def read_dense(folder: Path, model: str, config: dict[str, Any], in_features: in
     return DenseLayer(np.ascontiguousarray(weight, dtype=np.float32),
                       None if bias is None else np.ascontiguousarray(bias, dtype=np.float32),
                       ACTIVATIONS[name])
+
+
+def _count(config: dict[str, Any], key: str, where: str, model: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ModelLoadError(model, f"{where}: {key} is {value!r}, where a whole number >= 1 "
+                                    "is expected")
+    return value
 
 
 def _weights(folder: Path, model: str, allow_pickle: bool) -> dict[str, Floats]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import warnings
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
@@ -27,7 +26,7 @@ from ember.adapters.base import (
     default_threads,
     forward_fills_cores,
 )
-from ember.config import ModelSpec
+from ember.config import ModelFileError, ModelSpec, read_model_json
 from ember.engine.types import PreparedItem, RequestResult
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
 
@@ -35,15 +34,24 @@ if TYPE_CHECKING:
     from ember.adapters._backend import Forward
 
 
-def read_json(path: Path) -> Any:
-    return json.loads(path.read_text(encoding="utf-8"))
+def read_json(path: Path, model: str = "",
+              expect: type[dict[str, Any]] | type[list[Any]] = dict) -> Any:
+    """A model directory's JSON file, checked (`config.read_model_json`); a bad one fails
+    the load of `model` with the file named."""
+    try:
+        return read_model_json(path, expect)
+    except ModelFileError as exc:
+        raise ModelLoadError(model, str(exc)) from None
 
 
 def st_modules(model_dir: Path, model: str) -> list[tuple[str, Path]]:
     """A sentence-transformers directory's modules.json, in order: each module's kind (its
     class name) and folder, which must lie inside the model's directory."""
     modules = []
-    for module in read_json(model_dir / "modules.json"):
+    for module in read_json(model_dir / "modules.json", model, list):
+        if not isinstance(module, dict):
+            raise ModelLoadError(model, "modules.json: each module is a JSON object with "
+                                        "a type and a path")
         relative = str(module.get("path", ""))
         path = (model_dir / relative).resolve()
         if not path.is_relative_to(model_dir.resolve()):

@@ -199,7 +199,7 @@ def encoder_dir(model_dir: Path, model: str) -> Path:
         if kind in ("Transformer", "MLMTransformer"):
             encoder = path
         elif kind == "SpladePooling":
-            config = common.read_json(path / "config.json")
+            config = common.read_json(path / "config.json", model)
             pooling = (config.get("pooling_strategy", "max"),
                        config.get("activation_function", "relu"))
             if pooling != ("max", "relu"):

@@ -97,14 +97,14 @@ def read_directory(model_dir: Path, model: str = "",
         if kind == "Transformer":
             weights_dir = path
         elif kind == "Pooling":
-            config = common.read_json(path / "config.json")
+            config = common.read_json(path / "config.json", model)
             pooling = _pooling_mode(config)
             include_prompt = bool(config.get("include_prompt", True))
         elif kind == "Dense":
             if not pooling:
                 break  # token vectors projected (a ColBERT model): refused below
             width = dense[-1].out_features if dense else None
-            dense.append(read_dense(path, model, common.read_json(path / "config.json"),
+            dense.append(read_dense(path, model, common.read_json(path / "config.json", model),
                                     width, allow_pickle))
         elif kind == "Normalize":
             normalize = True
@@ -114,10 +114,13 @@ def read_directory(model_dir: Path, model: str = "",
                                     "one a text; Ember's multivector family reads ColBERT "
                                     "models with colbert_linear.safetensors")
     bert_config = weights_dir / "sentence_bert_config.json"
-    st_config = common.read_json(bert_config) if bert_config.exists() else {}
+    st_config = common.read_json(bert_config, model) if bert_config.exists() else {}
     st_file = model_dir / "config_sentence_transformers.json"
-    model_config = common.read_json(st_file) if st_file.exists() else {}
+    model_config = common.read_json(st_file, model) if st_file.exists() else {}
     prompts = model_config.get("prompts") or {}
+    if not isinstance(prompts, dict):
+        raise ModelLoadError(model, "config_sentence_transformers.json: prompts is not a "
+                                    "JSON object of names and texts")
     named = str(model_config.get("similarity_fn_name") or "cosine")
     if named not in SIMILARITIES:
         raise ModelLoadError(model, f"config_sentence_transformers.json: similarity_fn_name "
