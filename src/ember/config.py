@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -14,6 +13,7 @@ import yaml
 
 from ember.engine.config import WorkerConfig
 from ember.hub import HubRef, Wanted, parse_hub_id
+from ember.model_files import ModelFileError, read_model_json
 
 log = logging.getLogger("ember.config")
 BUILTIN_CATALOG = Path(__file__).parent / "catalog"
@@ -53,39 +53,6 @@ def spinning_mode(value: str | bool) -> Spinning:
 
 class CatalogError(ValueError):
     """A model YAML file is invalid; the message names the file and the field."""
-
-
-class ModelFileError(ValueError):
-    """A model directory's JSON file cannot be read as one; the message names it."""
-
-
-MAX_MODEL_JSON_BYTES = 16 << 20  # configs are kilobytes; a vocabulary's JSON a few MB
-
-
-def read_model_json(path: Path, expect: type[dict[str, Any]] | type[list[Any]] = dict) -> Any:
-    """A JSON file of a model directory (config.json, modules.json...), checked for size,
-    syntax, depth and its top-level type (`expect`) before anything reads a field."""
-    size = path.stat().st_size
-    if size > MAX_MODEL_JSON_BYTES:
-        raise ModelFileError(f"{path.name} is {size:,} bytes, over the {MAX_MODEL_JSON_BYTES:,} "
-                             "a model's JSON file may have")
-    try:
-        data = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise ModelFileError(f"{path.name} is not valid JSON ({reason})") from None
-    if not isinstance(data, expect):
-        raise ModelFileError(f"{path.name} holds {_json_kind(data)}, where "
-                             f"{_json_kind(expect())} is expected")
-    return data
-
-
-def _json_kind(value: object) -> str:
-    """What JSON calls a decoded value's type, with its article."""
-    if isinstance(value, bool) or value is None:
-        return "true, false or null"
-    kinds = {dict: "an object", list: "an array", str: "a string"}
-    return next((name for kind, name in kinds.items() if isinstance(value, kind)), "a number")
 
 
 def _model_json(path: Path) -> dict[str, Any]:

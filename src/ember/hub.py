@@ -25,6 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ember.model_files import ModelFileError, read_model_json
+
 log = logging.getLogger("ember.hub")
 
 # org/name, optionally @revision (a branch, a tag or a commit sha); as the Hub spells ids.
@@ -268,12 +270,13 @@ def backbone(folder: Path) -> HubRef | None:
     """The Hub repository a GLiNER folder takes its backbone's config and tokenizer from,
     when it does not carry them itself (GLiNER v2 repositories ship their own weights and
     config only); None when it needs none."""
-    import json
-
     config_file = folder / "gliner_config.json"
     if not config_file.is_file():
         return None
-    config = json.loads(config_file.read_text(encoding="utf-8"))
+    try:
+        config = read_model_json(config_file)
+    except ModelFileError as exc:
+        raise HubError(f"{folder}: {exc}") from None
     name = str(config.get("model_name", ""))
     self_contained = ((folder / "tokenizer_config.json").is_file()
                       and bool(config.get("encoder_config")))

@@ -194,7 +194,7 @@ def test_a_hostile_json_file_fails_the_load_with_its_name(with_dense: Path, file
 
 
 def test_an_oversized_json_file_is_refused_before_it_is_parsed(with_dense: Path) -> None:
-    from ember.config import MAX_MODEL_JSON_BYTES
+    from ember.model_files import MAX_MODEL_JSON_BYTES
 
     with (with_dense / "modules.json").open("wb") as out:
         out.truncate(MAX_MODEL_JSON_BYTES + 1)  # sparse: no 16 MB written

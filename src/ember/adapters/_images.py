@@ -12,7 +12,6 @@ error, never a partial image. Every refusal is an InvalidInput (422) naming the 
 from __future__ import annotations
 
 import io
-import json
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from PIL import Image, ImageFile
 
 from ember.adapters.base import Encoded, EncodeOptions, ScoreOptions, Submit, TaskOutput
 from ember.errors import InvalidInput
+from ember.model_files import read_model_json
 
 # 40 megapixels (e.g. 8000 x 5000) decode to 120 MB of RGB; beyond it a request is refused.
 MAX_PIXELS = 40_000_000
@@ -185,7 +185,7 @@ class Preprocessor:
     @classmethod
     def from_directory(cls, model_dir: Path, kind: str) -> Preprocessor:
         path = model_dir / "preprocessor_config.json"
-        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        config = read_model_json(path) if path.is_file() else {}  # a bad file: ModelFileError
         return cls.from_config(config, kind)
 
     @property

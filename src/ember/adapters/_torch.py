@@ -26,9 +26,10 @@ from ember.adapters.base import (
     default_threads,
     forward_fills_cores,
 )
-from ember.config import ModelFileError, ModelSpec, read_model_json
+from ember.config import ModelSpec
 from ember.engine.types import PreparedItem, RequestResult
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
+from ember.model_files import ModelFileError, read_model_json
 
 if TYPE_CHECKING:
     from ember.adapters._backend import Forward

@@ -224,10 +224,10 @@ def ensure_backbone(folder: Path, download: bool | None = None) -> Path | None:
     return None if ref is None else hub.snapshot(ref, hub.Wanted(weights=False), download)
 
 
-def read_config(folder: Path, backbone: Path | None) -> dict[str, Any]:
+def read_config(folder: Path, backbone: Path | None, model: str) -> dict[str, Any]:
     """gliner_config.json, its backbone named by its local folder when it has one, so
     nothing loads from the network."""
-    fields: dict[str, Any] = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    fields: dict[str, Any] = common.read_json(folder / CONFIG_FILE, model)
     if backbone is not None:
         fields["model_name"] = str(backbone)
     return fields
@@ -248,8 +248,8 @@ def _load(spec: ModelSpec, runtime: Runtime) -> Any:
         for path in folder.iterdir():
             if path.name != CONFIG_FILE:
                 (Path(staged) / path.name).symlink_to(path.resolve())
-        (Path(staged) / CONFIG_FILE).write_text(json.dumps(read_config(folder, backbone)),
-                                                encoding="utf-8")
+        fields = read_config(folder, backbone, spec.name)
+        (Path(staged) / CONFIG_FILE).write_text(json.dumps(fields), encoding="utf-8")
         model = GLiNER.from_pretrained(staged, local_files_only=True,
                                        map_location=runtime.device)
     add_markers(spec, model.data_processor.transformer_tokenizer, model.config,
@@ -284,7 +284,7 @@ def load_front(spec: ModelSpec, runtime: Runtime) -> GlinerFront:
     from transformers import AutoTokenizer
 
     folder = resolve_source(spec)
-    fields = read_config(folder, ensure_backbone(folder))
+    fields = read_config(folder, ensure_backbone(folder), spec.name)
     fields.pop("model_type", None)
     config = GLiNERConfig(**fields)
     own = (folder / "tokenizer_config.json").is_file()

@@ -17,7 +17,6 @@ not grow with the text (a 16 MB request took about a second of the loop).
 from __future__ import annotations
 
 import inspect
-import json
 import re
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from ember.adapters.base import (
 from ember.config import ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
+from ember.model_files import ModelFileError, read_model_json
 
 TASKS: tuple[Task, ...] = ("extract",)
 ENTITY_FACTORIES = frozenset({"ner", "beam_ner", "entity_ruler"})
@@ -269,7 +269,10 @@ def load_front(spec: ModelSpec, runtime: Runtime) -> SpacyNerFront:
 
     pipeline_dir = find_pipeline_dir(resolve_source(spec))
     config, kept = kept_components(pipeline_dir, spec)
-    meta = json.loads((pipeline_dir / "meta.json").read_text(encoding="utf-8"))
+    try:
+        meta = read_model_json(pipeline_dir / "meta.json")
+    except ModelFileError as exc:
+        raise ModelLoadError(spec.name, str(exc)) from None
     components: Mapping[str, Any] = config["components"]
     labels = [str(label) for name in kept
               if components[name].get("factory") in ENTITY_FACTORIES

@@ -1,0 +1,42 @@
+"""A model directory's JSON files (config.json, modules.json, ...), read with checks:
+they come from a download or a folder someone else wrote, so size, syntax, depth and the
+top-level type are checked before any field is read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class ModelFileError(ValueError):
+    """A model directory's JSON file cannot be read as one; the message names it."""
+
+
+MAX_MODEL_JSON_BYTES = 16 << 20  # configs are kilobytes; a vocabulary's JSON a few MB
+
+
+def read_model_json(path: Path, expect: type[dict[str, Any]] | type[list[Any]] = dict) -> Any:
+    """A JSON file of a model directory (config.json, modules.json...), checked for size,
+    syntax, depth and its top-level type (`expect`) before anything reads a field."""
+    size = path.stat().st_size
+    if size > MAX_MODEL_JSON_BYTES:
+        raise ModelFileError(f"{path.name} is {size:,} bytes, over the {MAX_MODEL_JSON_BYTES:,} "
+                             "a model's JSON file may have")
+    try:
+        data = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise ModelFileError(f"{path.name} is not valid JSON ({reason})") from None
+    if not isinstance(data, expect):
+        raise ModelFileError(f"{path.name} holds {_json_kind(data)}, where "
+                             f"{_json_kind(expect())} is expected")
+    return data
+
+
+def _json_kind(value: object) -> str:
+    """What JSON calls a decoded value's type, with its article."""
+    if isinstance(value, bool) or value is None:
+        return "true, false or null"
+    kinds = {dict: "an object", list: "an array", str: "a string"}
+    return next((name for kind, name in kinds.items() if isinstance(value, kind)), "a number")
