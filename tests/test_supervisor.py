@@ -137,6 +137,20 @@ def test_ctrl_c_drains_every_process_then_exits_0(two_api_processes: ServerProce
     assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], alive
 
 
+def test_a_process_that_fails_its_drain_is_named_and_the_exit_is_1(
+        two_api_processes: ServerProcess) -> None:
+    server = two_api_processes
+    victim = min(api_pids(server))
+    title = psutil.Process(victim).cmdline()[0]  # "ember: api N"
+    server.process.send_signal(signal.SIGTERM)
+    os.kill(victim, signal.SIGKILL)  # dies mid-drain, as a crash in its shutdown would
+    assert server.process.wait(60) == 1, server.log_tail()
+    index = title.rsplit(" ", 1)[-1]
+    assert re.search(rf"ember-api-{index} ended its drain with killed by SIGKILL",
+                     server.log_text()), server.log_tail()
+    assert "engine drained" in server.log_text()
+
+
 def test_a_taken_port_is_one_line_and_exit_1(two_api_processes: ServerProcess) -> None:
     taken = two_api_processes.port
     result = subprocess.run(

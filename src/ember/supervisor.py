@@ -219,6 +219,10 @@ class Supervisor:
         sock.close()  # no process will be started again; the last API process closes it
         codes = self._stop_apis()
         codes.append(self._stop_engine(engine))
+        names = [api.process.name for api in self.apis] + [engine.name]
+        for name, code in zip(names, codes, strict=True):
+            if code != 0:  # the server's own exit code says only that one failed
+                log.error("%s ended its drain with %s", name, exit_reason(code))
         return 0 if all(code == 0 for code in codes) else 1
 
     def _replace(self, api: ApiProcess, sock: socket.socket) -> bool:
