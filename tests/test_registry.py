@@ -169,3 +169,53 @@ def test_a_process_that_loads_a_family_runs_numpy_blas_on_one_thread(
 
 def blas_threads() -> set[int]:
     return {int(lib["num_threads"]) for lib in threadpool_info() if lib["user_api"] == "blas"}
+
+
+CONCURRENT_LOADS = """
+import sys, threading
+from pathlib import Path
+from ember.adapters.base import Runtime
+from ember.config import spec_from_directory
+from ember.ipc.models import front_loader
+from ember.registry import adapter_loader
+
+folders = [Path(p) for p in sys.argv[1:]]
+loads = [front_loader("transformer"), adapter_loader("sparse"),
+         adapter_loader("cross_encoder"), front_loader("transformer")]
+errors = []
+
+def load(loader, folder):
+    try:
+        loader(spec_from_directory(folder), Runtime(backend="torch"))
+    except Exception as exc:
+        errors.append(repr(exc))
+
+threads = [threading.Thread(target=load, args=pair) for pair in zip(loads, folders)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(errors)
+"""
+
+
+def test_loads_started_together_in_a_fresh_process_all_succeed(tmp_path: Path) -> None:
+    # transformers resolves its classes on first use; in a process that has not yet done
+    # so (an API process just started), two loads at once got "cannot import name".
+    import subprocess
+    import sys
+
+    from tests.adapters.tiny_models import (
+        build_bi_encoder,
+        build_cross_encoder,
+        build_sparse_encoder,
+    )
+    from tests.live_server import REPO, server_env
+
+    folders = [build_bi_encoder(tmp_path / "a"), build_sparse_encoder(tmp_path / "b"),
+               build_cross_encoder(tmp_path / "c"), build_bi_encoder(tmp_path / "d", seed=1)]
+    done = subprocess.run([sys.executable, "-c", CONCURRENT_LOADS, *map(str, folders)],
+                          capture_output=True, text=True, cwd=REPO, env=server_env(None),
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

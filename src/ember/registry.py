@@ -11,7 +11,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 from ember import heap
-from ember.adapters.base import ModelAdapter, ModelInfo, Runtime, single_threaded_blas
+from ember.adapters.base import (
+    ModelAdapter,
+    ModelInfo,
+    Runtime,
+    one_load_at_a_time,
+    single_threaded_blas,
+)
 from ember.config import (
     ADAPTERS,
     CatalogError,
@@ -56,7 +62,7 @@ def adapter_loader(family: str) -> LoadFunction:
     """Each family is a module of `ember.adapters` exposing `load(spec, runtime)`."""
     module = importlib.import_module(f"ember.adapters.{ADAPTERS[family]}")
     single_threaded_blas()  # a process that serves models leaves the cores to them
-    return cast(LoadFunction, module.load)
+    return cast(LoadFunction, one_load_at_a_time(module.load))
 
 
 def check_room(pending: int, items: int, limit: int) -> None:

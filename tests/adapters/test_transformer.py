@@ -323,7 +323,8 @@ def test_each_pooling_mode_matches_sentence_transformers(
 def test_dense_layers_run_between_pooling_and_normalize(
         tiny_dirs: dict[str, Path], tmp_path: Path, runtime: Runtime) -> None:
     directory = build_st_pipeline(tmp_path / "dense", tiny_dirs["base"], dense=[
-        (24, torch.nn.Tanh(), True), (16, None, False)])  # None: Identity
+        (24, torch.nn.Tanh(), True), (20, torch.nn.ReLU(), True),
+        (18, torch.nn.Sigmoid(), True), (16, None, False)])  # None: Identity
     vectors = ember_vectors(directory, runtime, EncodeOptions())
     assert vectors.shape == (len(REFERENCE_TEXTS), 16)
     np.testing.assert_allclose(vectors, reference(directory), rtol=1e-4, atol=1e-5)

@@ -320,3 +320,32 @@ def test_a_second_signal_exits_at_once(model_dir: Path, tmp_path: Path) -> None:
         assert "second signal" in server.log_tail()
     finally:
         server.stop()
+
+
+def test_a_sentence_transformers_folder_with_dense_and_an_excluded_prompt_is_served_as_it_is(
+        tmp_path: Path) -> None:
+    # Every part crosses the server: the folder's family read from its files, the front
+    # half in an API process (with --workers N), the parameters (the prompt's length) over
+    # the wire, the Dense layer in the engine's forward.
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from tests.adapters.tiny_models import build_bi_encoder, build_st_pipeline
+
+    folder = build_st_pipeline(
+        tmp_path / "dense-model", build_bi_encoder(tmp_path / "base", normalize=False),
+        dense=[(12, torch.nn.Tanh(), True)], include_prompt=False,
+        prompts={"query": "what is the ", "document": ""})
+    server = start_server(tmp_path / "server.log", ["--model", str(folder)])
+    texts = ["the cat is big", "paris is the capital of france"]
+    try:
+        response = httpx.post(f"{server.url}/v1/encode/local/dense-model", timeout=60,
+                              json={"items": [{"text": t} for t in texts],
+                                    "params": {"options": {"is_query": True}}})
+        assert response.status_code == 200, response.text
+        got = np.array(vectors(response.json()), dtype=np.float32)
+    finally:
+        server.stop()
+    expected = SentenceTransformer(str(folder), device="cpu").encode(texts, prompt_name="query")
+    assert got.shape == (2, 12)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)

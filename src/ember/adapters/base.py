@@ -8,7 +8,9 @@ items to `submit` (the model's worker) and shapes the results.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -186,6 +188,22 @@ def single_threaded_blas() -> None:
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(1, user_api="blas")
+
+
+# One model load at a time in a process: transformers resolves its classes lazily on first
+# use, and two threads doing that at once get "cannot import name" for one of them.
+_LOAD_LOCK = threading.Lock()
+LoadT = TypeVar("LoadT")
+
+
+def one_load_at_a_time(load: Callable[..., LoadT]) -> Callable[..., LoadT]:
+    """`load` (a family's load or load_front) made to wait for any other load running in
+    this process; the event loop keeps serving while a load waits in its thread."""
+    @functools.wraps(load)
+    def serialized(*args: object, **kwargs: object) -> LoadT:
+        with _LOAD_LOCK:
+            return load(*args, **kwargs)
+    return serialized
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from ember import heap
-from ember.adapters.base import ModelInfo, Runtime, TaskModel, single_threaded_blas
+from ember.adapters.base import (
+    ModelInfo,
+    Runtime,
+    TaskModel,
+    one_load_at_a_time,
+    single_threaded_blas,
+)
 from ember.config import ADAPTERS, ModelSpec
 from ember.engine import PreparedItem, QueueFull, RequestResult, RequestTooLarge
 from ember.errors import ModelLoadError
@@ -30,7 +36,7 @@ def front_loader(family: str) -> FrontLoader:
     """Each family module exposes `load_front(spec, runtime)`: its request path alone."""
     module = importlib.import_module(f"ember.adapters.{ADAPTERS[family]}")
     single_threaded_blas()  # its similarities run beside the engine's forwards
-    return cast(FrontLoader, module.load_front)
+    return cast(FrontLoader, one_load_at_a_time(module.load_front))
 
 
 class EngineCalls(Protocol):
