@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ember.errors import ModelLoadError
+
 
 class ModelFileError(ValueError):
     """A model directory's JSON file cannot be read as one; the message names it."""
@@ -32,6 +34,16 @@ def read_model_json(path: Path, expect: type[dict[str, Any]] | type[list[Any]] =
         raise ModelFileError(f"{path.name} holds {_json_kind(data)}, where "
                              f"{_json_kind(expect())} is expected")
     return data
+
+
+def read_model_file(path: Path, model: str,
+                    expect: type[dict[str, Any]] | type[list[Any]] = dict) -> Any:
+    """`read_model_json` for a model family's loader: a bad file fails the load of
+    `model`, naming the file."""
+    try:
+        return read_model_json(path, expect)
+    except ModelFileError as exc:
+        raise ModelLoadError(model, str(exc)) from None
 
 
 def _json_kind(value: object) -> str:

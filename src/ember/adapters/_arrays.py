@@ -32,10 +32,9 @@ def pool(hidden: Floats, mask: Ids, mode: str) -> Floats:
     the last kept one ("lasttoken"; zeros for a row that keeps none)."""
     hidden = hidden.astype(np.float32, copy=False)
     rows = np.arange(len(mask))
-    if mode == "cls":
-        if mask[:, 0].all():  # nothing excluded: the first position, without a gather
-            return np.ascontiguousarray(hidden[:, 0])
-        return np.ascontiguousarray(hidden[rows, mask.argmax(axis=1)])
+    if mode == "cls":  # the first kept position: 0 unless a prompt is left out
+        first: Floats = hidden[rows, mask.argmax(axis=1)]
+        return first
     if mode == "lasttoken":
         last = mask.shape[1] - 1 - mask[:, ::-1].argmax(axis=1)
         kept: Floats = hidden[rows, last] * mask[rows, last, None].astype(np.float32)

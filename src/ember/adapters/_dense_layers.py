@@ -6,6 +6,7 @@ allows it), applied in numpy after ONNX Runtime or in torch after a torch forwar
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ class DenseLayer:
         out = vectors @ self.weight.T
         if self.bias is not None:
             out += self.bias
-        return _activate_arrays(out, self.activation)
+        return _ARRAY_ACTIVATIONS[self.activation](out)
 
     def tensors(self, vectors: torch.Tensor) -> torch.Tensor:
         key = (vectors.device, vectors.dtype)
@@ -57,23 +58,23 @@ class DenseLayer:
                 torch.from_numpy(self.weight).to(*key),
                 None if self.bias is None else torch.from_numpy(self.bias).to(*key))
         out = torch.nn.functional.linear(vectors, *self._tensors[key])
-        if self.activation == "tanh":
-            return torch.tanh(out)
-        if self.activation == "relu":
-            return torch.relu(out)
-        if self.activation == "sigmoid":
-            return torch.sigmoid(out)
-        return out
+        return _TORCH_ACTIVATIONS[self.activation](out)
 
 
-def _activate_arrays(values: Floats, activation: str) -> Floats:
-    if activation == "tanh":
-        return np.tanh(values, out=values)
-    if activation == "relu":
-        return np.maximum(values, np.float32(0), out=values)
-    if activation == "sigmoid":
-        return np.reciprocal(np.float32(1) + np.exp(-values), dtype=np.float32)
-    return values
+def _sigmoid(values: Floats) -> Floats:
+    out: Floats = np.reciprocal(np.float32(1) + np.exp(-values), dtype=np.float32)
+    return out
+
+
+# Each activation as Ember runs it on numpy arrays (in place where it can) and on tensors.
+_ARRAY_ACTIVATIONS: dict[str, Callable[[Floats], Floats]] = {
+    "tanh": lambda values: np.tanh(values, out=values),
+    "relu": lambda values: np.maximum(values, np.float32(0), out=values),
+    "sigmoid": _sigmoid,
+    "identity": lambda values: values}
+_TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "tanh": torch.tanh, "relu": torch.relu, "sigmoid": torch.sigmoid,
+    "identity": lambda values: values}
 
 
 def read_dense(folder: Path, model: str, config: dict[str, Any], in_features: int | None,

@@ -29,27 +29,17 @@ from ember.adapters.base import (
 from ember.config import ModelSpec
 from ember.engine.types import PreparedItem, RequestResult
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
-from ember.model_files import ModelFileError, read_model_json
+from ember.model_files import read_model_file
 
 if TYPE_CHECKING:
     from ember.adapters._backend import Forward
-
-
-def read_json(path: Path, model: str = "",
-              expect: type[dict[str, Any]] | type[list[Any]] = dict) -> Any:
-    """A model directory's JSON file, checked (`config.read_model_json`); a bad one fails
-    the load of `model` with the file named."""
-    try:
-        return read_model_json(path, expect)
-    except ModelFileError as exc:
-        raise ModelLoadError(model, str(exc)) from None
 
 
 def st_modules(model_dir: Path, model: str) -> list[tuple[str, Path]]:
     """A sentence-transformers directory's modules.json, in order: each module's kind (its
     class name) and folder, which must lie inside the model's directory."""
     modules = []
-    for module in read_json(model_dir / "modules.json", model, list):
+    for module in read_model_file(model_dir / "modules.json", model, list):
         if not isinstance(module, dict):
             raise ModelLoadError(model, "modules.json: each module is a JSON object with "
                                         "a type and a path")

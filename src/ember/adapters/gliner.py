@@ -41,6 +41,7 @@ from ember.adapters.base import (
 from ember.config import ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
+from ember.model_files import read_model_file
 
 TASKS: tuple[Task, ...] = ("extract",)
 CONFIG_FILE = "gliner_config.json"
@@ -227,7 +228,7 @@ def ensure_backbone(folder: Path, download: bool | None = None) -> Path | None:
 def read_config(folder: Path, backbone: Path | None, model: str) -> dict[str, Any]:
     """gliner_config.json, its backbone named by its local folder when it has one, so
     nothing loads from the network."""
-    fields: dict[str, Any] = common.read_json(folder / CONFIG_FILE, model)
+    fields: dict[str, Any] = read_model_file(folder / CONFIG_FILE, model)
     if backbone is not None:
         fields["model_name"] = str(backbone)
     return fields

@@ -38,7 +38,7 @@ from ember.adapters.base import (
 from ember.config import ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
-from ember.model_files import ModelFileError, read_model_json
+from ember.model_files import read_model_file
 
 TASKS: tuple[Task, ...] = ("extract",)
 ENTITY_FACTORIES = frozenset({"ner", "beam_ner", "entity_ruler"})
@@ -269,10 +269,7 @@ def load_front(spec: ModelSpec, runtime: Runtime) -> SpacyNerFront:
 
     pipeline_dir = find_pipeline_dir(resolve_source(spec))
     config, kept = kept_components(pipeline_dir, spec)
-    try:
-        meta = read_model_json(pipeline_dir / "meta.json")
-    except ModelFileError as exc:
-        raise ModelLoadError(spec.name, str(exc)) from None
+    meta = read_model_file(pipeline_dir / "meta.json", spec.name)
     components: Mapping[str, Any] = config["components"]
     labels = [str(label) for name in kept
               if components[name].get("factory") in ENTITY_FACTORIES

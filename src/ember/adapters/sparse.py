@@ -50,6 +50,7 @@ from ember.adapters.base import Encoded, EncodeOptions, Runtime, SparseVector
 from ember.config import ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
 from ember.errors import InvalidInput, ModelLoadError
+from ember.model_files import read_model_file
 
 OUTPUT_TYPES = ("sparse",)
 OPTIONS = ("top_k", "threshold", "dims")
@@ -199,7 +200,7 @@ def encoder_dir(model_dir: Path, model: str) -> Path:
         if kind in ("Transformer", "MLMTransformer"):
             encoder = path
         elif kind == "SpladePooling":
-            config = common.read_json(path / "config.json", model)
+            config = read_model_file(path / "config.json", model)
             pooling = (config.get("pooling_strategy", "max"),
                        config.get("activation_function", "relu"))
             if pooling != ("max", "relu"):

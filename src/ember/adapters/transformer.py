@@ -37,6 +37,7 @@ from ember.adapters.base import Encoded, EncodeOptions, Runtime
 from ember.config import ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
 from ember.errors import ModelLoadError
+from ember.model_files import read_model_file
 
 POOLING_MODES = ("mean", "cls", "max", "lasttoken")
 # sentence-transformers' similarity functions by the name its config gives (and an alias).
@@ -97,14 +98,14 @@ def read_directory(model_dir: Path, model: str = "",
         if kind == "Transformer":
             weights_dir = path
         elif kind == "Pooling":
-            config = common.read_json(path / "config.json", model)
+            config = read_model_file(path / "config.json", model)
             pooling = _pooling_mode(config)
             include_prompt = bool(config.get("include_prompt", True))
         elif kind == "Dense":
             if not pooling:
                 break  # token vectors projected (a ColBERT model): refused below
             width = dense[-1].out_features if dense else None
-            dense.append(read_dense(path, model, common.read_json(path / "config.json", model),
+            dense.append(read_dense(path, model, read_model_file(path / "config.json", model),
                                     width, allow_pickle))
         elif kind == "Normalize":
             normalize = True
@@ -114,9 +115,9 @@ def read_directory(model_dir: Path, model: str = "",
                                     "one a text; Ember's multivector family reads ColBERT "
                                     "models with colbert_linear.safetensors")
     bert_config = weights_dir / "sentence_bert_config.json"
-    st_config = common.read_json(bert_config, model) if bert_config.exists() else {}
+    st_config = read_model_file(bert_config, model) if bert_config.exists() else {}
     st_file = model_dir / "config_sentence_transformers.json"
-    model_config = common.read_json(st_file, model) if st_file.exists() else {}
+    model_config = read_model_file(st_file, model) if st_file.exists() else {}
     prompts = model_config.get("prompts") or {}
     if not isinstance(prompts, dict):
         raise ModelLoadError(model, "config_sentence_transformers.json: prompts is not a "
@@ -153,9 +154,7 @@ def _pooling_mode(config: dict[str, Any]) -> str:
 def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     """`arrays.pool` in torch, for the torch backend's forwards."""
     rows = torch.arange(mask.shape[0], device=mask.device)
-    if mode == "cls":
-        if bool(mask[:, 0].all()):
-            return hidden[:, 0]
+    if mode == "cls":  # a gather, not a test of the mask: no device sync on a GPU
         return hidden[rows, mask.argmax(dim=1)]
     if mode == "lasttoken":
         last = mask.shape[1] - 1 - mask.flip(1).argmax(dim=1)
