@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -209,3 +210,30 @@ def test_a_hostile_sentence_transformers_config_is_a_catalog_error(with_dense: P
     with pytest.raises(CatalogError, match=r"config_sentence_transformers\.json holds a "
                                            r"string, where an object is expected"):
         load_catalog(model_paths=[with_dense])
+
+
+def safetensors_header(header: dict[str, object], data: bytes = b"") -> bytes:
+    encoded = json.dumps(header).encode()
+    return struct.pack("<Q", len(encoded)) + encoded + data
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"not a safetensors file", "not a readable safetensors file"),
+    (struct.pack("<Q", 1 << 60) + b"{}", "header too large"),  # a header claiming exabytes
+    (safetensors_header({"linear.weight": {"dtype": "F32", "shape": [100_000, 100_000],
+                                           "data_offsets": [0, 40_000_000_000]}},
+                        b"\0" * 16), "not a readable safetensors file"),  # data past the end
+])
+def test_hostile_safetensors_dense_weights_fail_the_load(with_dense: Path, content: bytes,
+                                                         message: str) -> None:
+    (dense_folder(with_dense) / "model.safetensors").write_bytes(content)
+    with pytest.raises(ModelLoadError, match=message):
+        load(with_dense)
+
+
+def test_a_pickle_that_holds_no_state_dict_is_refused(with_dense: Path) -> None:
+    folder = dense_folder(with_dense)
+    (folder / "model.safetensors").unlink()
+    torch.save([torch.zeros(8, 32)], folder / "pytorch_model.bin")  # a list, not a dict
+    with pytest.raises(ModelLoadError, match=r"pytorch_model\.bin holds no state dict"):
+        load(with_dense, allow_pickle=True)

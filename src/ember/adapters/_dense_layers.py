@@ -121,9 +121,14 @@ def _count(config: dict[str, Any], key: str, where: str, model: str) -> int:
 def _weights(folder: Path, model: str, allow_pickle: bool) -> dict[str, Floats]:
     safe, pickled = folder / SAFE_WEIGHTS, folder / PICKLE_WEIGHTS
     if safe.is_file():
+        from safetensors import SafetensorError
         from safetensors.numpy import load_file
 
-        return dict(load_file(str(safe)))
+        try:  # the library checks the header's size and every offset against the file
+            return dict(load_file(str(safe)))
+        except SafetensorError as error:
+            raise ModelLoadError(model, f"{folder.name}/{SAFE_WEIGHTS} is not a readable "
+                                        f"safetensors file: {error}") from None
     if pickled.is_file():
         if not allow_pickle:
             raise ModelLoadError(model, f"{folder.name}/{PICKLE_WEIGHTS} is a pickle; Ember "
