@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -111,3 +114,78 @@ async def test_a_reranker_saved_by_sentence_transformers_is_detected_and_scores_
     expected = reference.predict([(QUERY, doc) for doc in DOCS])  # its sigmoid, as Ember's
     scores = await score(cross_encoder.load(spec, Runtime()), serve, QUERY, DOCS)
     assert scores == pytest.approx([float(v) for v in expected], abs=1e-5)
+
+
+def saved_with_activation(model_dir: Path, saved: Path, activation: object) -> Path:
+    """The tiny reranker saved by sentence-transformers with `activation` in its config."""
+    from sentence_transformers import CrossEncoder
+
+    CrossEncoder(str(model_dir), device="cpu", activation_fn=activation).save(str(saved))
+    return saved
+
+
+async def test_the_activation_a_folder_was_saved_with_is_the_one_served(
+        model_dir: Path, tmp_path: Path, serve: ServeFactory) -> None:
+    import torch
+    from sentence_transformers import CrossEncoder
+
+    saved = saved_with_activation(model_dir, tmp_path / "identity", torch.nn.Identity())
+    assert "Identity" in (saved / "config_sentence_transformers.json").read_text()
+    spec = load_catalog(model_paths=[saved])["local/identity"]
+    adapter = cross_encoder.load(spec, Runtime())
+    assert adapter.info.extra["activation"] == "none"
+    expected = CrossEncoder(str(saved), device="cpu").predict([(QUERY, d) for d in DOCS])
+    scores = await score(adapter, serve, QUERY, DOCS)
+    assert scores == pytest.approx([float(v) for v in expected], abs=1e-5)
+    # The spec's option still overrides what the folder says.
+    forced = cross_encoder.load(spec_for(saved, "cross_encoder", ("score",),
+                                         options={"activation": "sigmoid"}), Runtime())
+    squashed = await score(forced, serve, QUERY, DOCS)
+    assert squashed == pytest.approx([1 / (1 + math.exp(-x)) for x in scores], abs=1e-6)
+    assert min(abs(a - b) for a, b in zip(scores, squashed, strict=True)) > 0.1  # raw logits
+
+
+def rewrite(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def test_where_a_folder_names_its_activation_in_sentence_transformers_order(
+        model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import torch
+    from sentence_transformers import CrossEncoder
+
+    saved = saved_with_activation(model_dir, tmp_path / "tanh", torch.nn.Tanh())
+    spec = spec_for(saved, "cross_encoder", ("score",))
+    with pytest.raises(ModelLoadError, match=r"Tanh.*options\.activation"):
+        cross_encoder.load(spec, Runtime())
+    served = cross_encoder.load(spec_for(saved, "cross_encoder", ("score",),
+                                         options={"activation": "none"}), Runtime())
+    assert served.params.activation == "none"
+    # A path outside torch is never imported (sentence-transformers, too, passes over it
+    # without trust_remote_code) and the next place is read: here config.json's, as 4.x
+    # wrote it.
+    st_file, config_file = saved / "config_sentence_transformers.json", saved / "config.json"
+    rewrite(st_file, lambda c: c.update(activation_fn="os.system"))
+    rewrite(config_file, lambda c: c.update(
+        sentence_transformers={"activation_fn": "torch.nn.modules.linear.Identity"}))
+    with caplog.at_level("WARNING", logger="ember.adapters.cross_encoder"):
+        adapter = cross_encoder.load(spec, Runtime())
+    assert adapter.params.activation == "none" and "os.system" in caplog.text
+    reference = CrossEncoder(str(saved), device="cpu")
+    assert isinstance(reference.activation_fn, torch.nn.Identity)  # the library agrees
+    # Folders saved before sentence-transformers 4 name it under an older key.
+    rewrite(config_file, lambda c: c.pop("sentence_transformers"))
+    rewrite(config_file, lambda c: c.update(
+        sbert_ce_default_activation_function="torch.nn.modules.linear.Identity"))
+    assert cross_encoder.load(spec, Runtime()).params.activation == "none"
+    # None named anywhere usable: the default sigmoid.
+    rewrite(config_file, lambda c: c.pop("sbert_ce_default_activation_function"))
+    assert cross_encoder.load(spec, Runtime()).params.activation == "sigmoid"
+    rewrite(st_file, lambda c: c.update(activation_fn=["not", "a", "path"]))
+    with pytest.raises(ModelLoadError, match="not a class path"):
+        cross_encoder.load(spec, Runtime())
+    st_file.write_text("[" * 100_000)  # hostile nesting fails the load, naming the file
+    with pytest.raises(ModelLoadError, match=r"config_sentence_transformers\.json"):
+        cross_encoder.load(spec, Runtime())

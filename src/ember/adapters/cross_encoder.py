@@ -2,14 +2,17 @@
 
 A pair is tokenized with the document truncated first (`only_second`); only
 when the query alone leaves no room for the document is the longer of the two
-cut (`longest_first`). The score is the model's single logit through a
-sigmoid, or the raw logit with `options: {activation: none}` in the spec.
+cut (`longest_first`). The score is the model's single logit through the
+activation the folder names (sentence-transformers 4+ writes it into config.json),
+else a sigmoid; `options: {activation: none | sigmoid}` in the spec overrides both.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -32,10 +35,18 @@ from ember.adapters.base import (
 from ember.config import ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
 from ember.errors import ModelLoadError, UnsupportedTask
+from ember.model_files import read_model_file
 
 Activation = Literal["sigmoid", "none"]
 ACTIVATIONS: tuple[Activation, ...] = ("sigmoid", "none")
 TASKS: tuple[Task, ...] = ("score",)
+# The torch classes sentence-transformers names in a folder's config, as Ember runs them.
+SAVED_ACTIVATIONS: dict[str, Activation] = {
+    "torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.Sigmoid": "sigmoid",
+    "torch.nn.modules.linear.Identity": "none", "torch.nn.Identity": "none",
+}
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,17 +69,13 @@ class CrossEncoderAdapter(common.TorchModel):
     tokenizing pool); forward and set_lora in the worker's thread."""
 
     def __init__(self, spec: ModelSpec, model: Forward, config: Any, tokenizer: Any,
-                 runtime: Runtime) -> None:
+                 runtime: Runtime, activation: Activation) -> None:
         super().__init__(spec, tokenizer, runtime, model)
         labels = int(config.num_labels)
         if labels != 1:
             raise ModelLoadError(spec.name, f"a cross-encoder needs one output label, this "
                                             f"model has {labels}")
-        activation = str(spec.options.get("activation", "sigmoid")).lower()
-        if activation not in ACTIVATIONS:
-            raise ModelLoadError(spec.name, f"options.activation {activation!r} is unknown; "
-                                            f"use one of {ACTIVATIONS}")
-        self.params = ScoreParams("sigmoid" if activation == "sigmoid" else "none")
+        self.params = ScoreParams(activation)
         self.max_seq_length = common.model_max_length(spec, config, tokenizer)
         self.tokens = TextTokenizer(tokenizer, self.max_seq_length, pairs=True)
         self.specials = self.tokens.pair_specials
@@ -143,14 +150,48 @@ class CrossEncoderAdapter(common.TorchModel):
         raise UnsupportedTask(self.spec.name, "encode", self.info.tasks)
 
 
+def activation_of(spec: ModelSpec, directory: Path, config: Any) -> Activation:
+    """The spec's `options.activation`, else the activation the folder was saved with (where
+    sentence-transformers looks for it, in its order), else sigmoid, its default for one
+    label."""
+    if "activation" in spec.options:
+        chosen = str(spec.options["activation"]).lower()
+        if chosen not in ACTIVATIONS:
+            raise ModelLoadError(spec.name, f"options.activation {chosen!r} is unknown; "
+                                            f"use one of {ACTIVATIONS}")
+        return "sigmoid" if chosen == "sigmoid" else "none"
+    st_file = directory / "config_sentence_transformers.json"
+    st_config = read_model_file(st_file, spec.name) if st_file.is_file() else {}
+    nested = getattr(config, "sentence_transformers", None)  # config.json, 4.x
+    saved = [st_config.get("activation_fn"),
+             nested.get("activation_fn") if isinstance(nested, dict) else None,
+             getattr(config, "sbert_ce_default_activation_function", None)]  # before 4.0
+    for path in (p for p in saved if p is not None):
+        if not isinstance(path, str):
+            raise ModelLoadError(spec.name, f"the folder names its activation as {path!r}, "
+                                            "not a class path")
+        if path in SAVED_ACTIVATIONS:
+            return SAVED_ACTIVATIONS[path]
+        if path.startswith("torch."):
+            raise ModelLoadError(spec.name, f"the folder names the activation {path}, which "
+                                            f"Ember does not run; set options.activation to "
+                                            f"one of {ACTIVATIONS} to serve it with that")
+        # sentence-transformers imports such a path only with trust_remote_code; Ember never.
+        log.warning("model %s: the folder names the activation %s, which is not a torch "
+                    "class; it is not imported", spec.name, path)
+    return "sigmoid"
+
+
 def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> CrossEncoderAdapter:
     """Load a sequence-classification directory with one label, offline."""
     from transformers import AutoModelForSequenceClassification
 
-    model, config, tokenizer = load_model(spec, resolve_source(spec), runtime,
+    directory = resolve_source(spec)
+    model, config, tokenizer = load_model(spec, directory, runtime,
                                           AutoModelForSequenceClassification, "logits",
                                           FEEDABLE, weights=weights)
-    return CrossEncoderAdapter(spec, model, config, tokenizer, runtime)
+    return CrossEncoderAdapter(spec, model, config, tokenizer, runtime,
+                               activation_of(spec, directory, config))
 
 
 def load_front(spec: ModelSpec, runtime: Runtime) -> CrossEncoderAdapter:
