@@ -22,6 +22,7 @@ PICKLED = "someone/pickled-only"
 TINY = "someone/tiny-encoder"
 DENSE = "someone/tiny-encoder-dense"
 GLINER = "someone/gliner-tiny"
+COLBERTS = {"stanford": "someone/tiny-colbert-stanford", "pylate": "someone/tiny-colbert-pylate"}
 TEXTS = ["How do I reset my password?", "Paris is the capital of France."]
 
 
@@ -43,6 +44,14 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubStandIn]:
         root / "dense-base", seed=5, normalize=False), dense=[(16, torch.nn.Tanh(), True)])
     hub.notes["dense"] = str(dense)
     hub.add(DENSE, dense)
+    # ColBERTs as Stanford-NLP's and PyLate's ColBERT save them (artifact.metadata, 1_Dense/).
+    from tests.adapters.tiny_models import build_pylate_colbert, build_stanford_colbert
+
+    for layout, build in (("stanford", build_stanford_colbert), ("pylate", build_pylate_colbert)):
+        folder = (build(root / layout, metadata={"query_maxlen": 10, "doc_maxlen": 24})
+                  if layout == "stanford" else build(root / layout))
+        hub.notes[layout] = str(folder)
+        hub.add(COLBERTS[layout], folder)
     pickled = root / "pickled"
     pickled.mkdir()
     (pickled / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
@@ -220,6 +229,41 @@ def test_a_dense_module_in_a_subfolder_is_fetched_and_run(standin: HubStandIn,
     expected = SentenceTransformer(standin.notes["dense"], device="cpu").encode(TEXTS)
     np.testing.assert_allclose(np.stack(adapter.forward(items, params)), expected,
                                rtol=1e-4, atol=1e-5)
+
+
+COLBERT_BY_ID = """
+import json
+from ember.adapters import multivector
+from ember.adapters.base import EncodeOptions, Runtime
+from ember.config import load_catalog
+spec = load_catalog(model_paths=[{repo!r}])[{repo!r}]
+adapter = multivector.load(spec, Runtime())
+out = {{"adapter": spec.adapter, "layout": adapter.info.extra["colbert"]["layout"]}}
+for side, text in (("query", {query!r}), ("document", {document!r})):
+    items, params = adapter.prepare([text], EncodeOptions(is_query=side == "query"))
+    out[side] = adapter.forward(items, params)[0].tolist()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("layout", ["stanford", "pylate"])
+def test_a_colbert_by_hub_id_is_fetched_whole_and_served_as_sentence_transformers_does(
+        standin: HubStandIn, tmp_path: Path, layout: str) -> None:
+    from sentence_transformers import MultiVectorEncoder
+
+    query, document = "what is the capital of france?", "paris, the capital of france."
+    repo = COLBERTS[layout]
+    out = run(standin, tmp_path / "hf", COLBERT_BY_ID.format(repo=repo, query=query,
+                                                             document=document),
+              extra={"EMBER_ALLOW_HUB_MODELS": "1"})
+    assert (out["adapter"], out["layout"]) == ("multivector", layout)
+    reference = MultiVectorEncoder(standin.notes[layout], device="cpu")
+    np.testing.assert_allclose(out["query"], reference.encode_query([query])[0].numpy(),
+                               atol=2e-5)
+    np.testing.assert_allclose(out["document"],
+                               reference.encode_document([document])[0].numpy(), atol=2e-5)
+    fetched = "artifact.metadata" if layout == "stanford" else "1_Dense/model.safetensors"
+    assert standin.gets(fetched) == 1
 
 
 def test_two_processes_starting_together_download_each_file_once(

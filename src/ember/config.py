@@ -251,17 +251,22 @@ def _detect_family(path: Path) -> tuple[str, tuple[str, ...]]:
     st_config = path / "config_sentence_transformers.json"
     # sentence-transformers 4+ saves its rerankers and sparse encoders with a modules.json
     # too, and names the kind here.
-    kind = _model_json(st_config).get("model_type") if st_config.is_file() else None
+    st_json = _model_json(st_config) if st_config.is_file() else {}
+    kind = st_json.get("model_type")
     if kind == "CrossEncoder":
         return "cross_encoder", ("score",)
     if kind == "SparseEncoder":
         return "sparse", ("encode", "score")
+    if kind in ("MultiVectorEncoder", "ColBERT") or "query_prefix" in st_json:
+        return "multivector", ("encode", "score")  # sentence-transformers' or PyLate's ColBERT
     if (path / "modules.json").is_file() or (path / "sentence_bert_config.json").is_file():
         return "transformer", ("encode", "score")
     config = path / "config.json"
     if config.is_file():
         architectures = " ".join(str(a) for a in _model_json(config).get("architectures")
                                  or [])
+        if "HF_ColBERT" in architectures:  # Stanford-NLP's ColBERT
+            return "multivector", ("encode", "score")
         if "ForSequenceClassification" in architectures:
             return "cross_encoder", ("score",)
         if architectures in ("CLIPModel", "SiglipModel"):

@@ -35,7 +35,8 @@ HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95})"
 ALLOW_ENV = "EMBER_ALLOW_HUB_MODELS"  # "0": this process may not download (set by serve)
 PROGRESS_EVERY_S = 2.0  # at most one byte-count line per download this often
 
-BASE_FILES = ("*.json", "*.txt", "*.model", "tokenizer*", "*.safetensors")
+BASE_FILES = ("*.json", "*.txt", "*.model", "tokenizer*", "*.safetensors",
+              "artifact.metadata")  # a Stanford-NLP ColBERT's settings
 PICKLE_FILES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 ONNX_FILES = ("onnx/model.onnx", "onnx/model.onnx_data")
 CODE_FILES = ("*.py",)

@@ -35,13 +35,14 @@ SUFFIXES = ["##s", "##ed", "##ing", "##er", "##ly"]
 MAX_POSITIONS = 128
 
 
-def vocabulary() -> list[str]:
-    return [*SPECIALS, *WORDS, *SUFFIXES, *".,?!"]
+def vocabulary(extra: Sequence[str] = ()) -> list[str]:
+    return [*SPECIALS, *WORDS, *SUFFIXES, *".,?!", *extra]
 
 
-def write_tokenizer(directory: Path, max_length: int) -> None:
-    """A lower-casing WordPiece tokenizer with BERT's special-token template."""
-    vocab = {token: i for i, token in enumerate(vocabulary())}
+def write_tokenizer(directory: Path, max_length: int, extra: Sequence[str] = ()) -> None:
+    """A lower-casing WordPiece tokenizer with BERT's special-token template (`extra`
+    tokens at the end of its vocabulary)."""
+    vocab = {token: i for i, token in enumerate(vocabulary(extra))}
     tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -194,4 +195,110 @@ def build_st_pipeline(directory: Path, base: Path, *, pooling: str = "mean",
         modules.append(models.Normalize())
     SentenceTransformer(modules=modules, device="cpu", prompts=dict(prompts or {}),
                         similarity_fn_name=similarity).save(str(directory))
+    return directory
+
+
+# ColBERT's markers as BERT's vocabulary has them (Stanford-NLP ColBERT's defaults).
+UNUSED_MARKERS = ("[unused0]", "[unused1]")
+
+
+def colbert_bert(directory: Path, *, seed: int, max_seq_length: int,
+                 extra: Sequence[str] = ()) -> BertModel:
+    """A tiny BertModel and tokenizer saved in `directory` (the encoder of a ColBERT)."""
+    torch.manual_seed(seed)
+    model = BertModel(bert_config(vocab_size=len(vocabulary(extra))))
+    with torch.no_grad():  # a token's vector mostly its identity: MaxSim ranks visibly
+        model.embeddings.position_embeddings.weight.mul_(0.1)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    write_tokenizer(directory, max_seq_length, extra)
+    return model
+
+
+def build_st_colbert(directory: Path, base: Path, *, token_dims: int = 16,
+                     expansion: Mapping[str, Any] | None = None,
+                     query_length: int | None = None, document_length: int | None = None,
+                     skiplist: Sequence[str] = tuple(".,?!"),
+                     skiplist_tasks: Sequence[str] = ("document",),
+                     prompts: Mapping[str, str] | None = None,
+                     similarity: str | None = None, seed: int = 1) -> Path:
+    """A ColBERT saved by sentence-transformers itself (its MultiVectorEncoder) over the
+    encoder in `base`; load it with MultiVectorEncoder for the reference."""
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.base.modules.dense import Dense
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    torch.manual_seed(seed)
+    encoder = Transformer(str(base), query_expansion=dict(expansion) if expansion else None,
+                          query_length=query_length, document_length=document_length)
+    dense = Dense(in_features=32, out_features=token_dims, bias=False,
+                  activation_function=torch.nn.Identity(),
+                  module_input_name="token_embeddings")
+    mask = MultiVectorMask(skiplist_words=list(skiplist), skiplist_tasks=list(skiplist_tasks))
+    MultiVectorEncoder(modules=[encoder, dense, mask,
+                                Normalize(module_input_name="token_embeddings")],
+                       device="cpu", prompts=dict(prompts or {}),
+                       similarity_fn_name=similarity).save(str(directory))
+    return directory
+
+
+def build_pylate_colbert(directory: Path, *, markers: tuple[str, str] = ("[Q] ", "[D] "),
+                         settings: Mapping[str, Any] | None = None, token_dims: int = 16,
+                         max_seq_length: int = 64, seed: int = 2) -> Path:
+    """A ColBERT as PyLate saves it: the encoder at the root with its markers added to
+    the tokenizer (PyLate adds them as tokens of their own, trailing space included),
+    a Dense module in 1_Dense, and PyLate's settings in config_sentence_transformers.json.
+    Markers the vocabulary already has (`[unused0]`) are not added; a setting given as
+    None is left out of the file."""
+    from safetensors.torch import save_file
+
+    added = [m for m in markers if m not in UNUSED_MARKERS]
+    colbert_bert(directory, seed=seed, max_seq_length=max_seq_length,
+                 extra=[m for m in markers if m in UNUSED_MARKERS])
+    if added:
+        fast = PreTrainedTokenizerFast.from_pretrained(str(directory))
+        fast.add_tokens(added)
+        fast.save_pretrained(str(directory))
+        model = BertModel.from_pretrained(str(directory))
+        model.resize_token_embeddings(len(fast))
+        model.save_pretrained(str(directory), safe_serialization=True)
+    _write_json(directory / "modules.json", [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}])
+    _write_json(directory / "sentence_bert_config.json",
+                {"max_seq_length": max_seq_length - 1, "do_lower_case": False})
+    _write_json(directory / "1_Dense" / "config.json", {
+        "in_features": 32, "out_features": token_dims, "bias": False,
+        "activation_function": "torch.nn.modules.linear.Identity"})
+    weight = torch.randn(token_dims, 32) / token_dims ** 0.5
+    save_file({"linear.weight": weight.contiguous()},
+              str(directory / "1_Dense" / "model.safetensors"))
+    config = {"model_type": "ColBERT", "query_prefix": markers[0],
+              "document_prefix": markers[1], "query_length": 12, "document_length": 20,
+              "attend_to_expansion_tokens": False, "similarity_fn_name": "cosine",
+              **(settings or {})}
+    _write_json(directory / "config_sentence_transformers.json",  # None: left out
+                {key: value for key, value in config.items() if value is not None})
+    return directory
+
+
+def build_stanford_colbert(directory: Path, *, metadata: Mapping[str, Any] | None = None,
+                           token_dims: int = 16, max_seq_length: int = 64,
+                           seed: int = 3) -> Path:
+    """A ColBERT as Stanford-NLP's ColBERT saves it: `architectures: [HF_ColBERT]`, the
+    encoder's weights under `bert.` with the projection `linear.weight` beside them in
+    model.safetensors, and artifact.metadata (left out where `metadata` is None)."""
+    from safetensors.torch import save_file
+
+    model = colbert_bert(directory, seed=seed, max_seq_length=max_seq_length,
+                         extra=UNUSED_MARKERS)
+    tensors = {f"bert.{name}": value.contiguous() for name, value in
+               model.state_dict().items()}
+    tensors["linear.weight"] = (torch.randn(token_dims, 32) / token_dims ** 0.5).contiguous()
+    save_file(tensors, str(directory / "model.safetensors"))
+    config = json.loads((directory / "config.json").read_text())
+    config["architectures"] = ["HF_ColBERT"]
+    _write_json(directory / "config.json", config)
+    if metadata is not None:
+        _write_json(directory / "artifact.metadata", dict(metadata))
     return directory

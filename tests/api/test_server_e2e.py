@@ -326,26 +326,43 @@ def test_a_sentence_transformers_folder_with_dense_and_an_excluded_prompt_is_ser
         tmp_path: Path) -> None:
     # Every part crosses the server: the folder's family read from its files, the front
     # half in an API process (with --workers N), the parameters (the prompt's length) over
-    # the wire, the Dense layer in the engine's forward.
+    # the wire, the Dense layer in the engine's forward. A PyLate ColBERT beside it: its
+    # markers and expanded queries (token rows with their attention) over the wire too.
     import torch
-    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import MultiVectorEncoder, SentenceTransformer
 
-    from tests.adapters.tiny_models import build_bi_encoder, build_st_pipeline
+    from tests.adapters.tiny_models import (
+        build_bi_encoder,
+        build_pylate_colbert,
+        build_st_pipeline,
+    )
 
     folder = build_st_pipeline(
         tmp_path / "dense-model", build_bi_encoder(tmp_path / "base", normalize=False),
         dense=[(12, torch.nn.Tanh(), True)], include_prompt=False,
         prompts={"query": "what is the ", "document": ""})
-    server = start_server(tmp_path / "server.log", ["--model", str(folder)])
+    colbert = build_pylate_colbert(tmp_path / "colbert")
+    server = start_server(tmp_path / "server.log", ["--model", f"{folder}:{colbert}"])
     texts = ["the cat is big", "paris is the capital of france"]
+    query = "what is the capital of france?"
     try:
         response = httpx.post(f"{server.url}/v1/encode/local/dense-model", timeout=60,
                               json={"items": [{"text": t} for t in texts],
                                     "params": {"options": {"is_query": True}}})
         assert response.status_code == 200, response.text
         got = np.array(vectors(response.json()), dtype=np.float32)
+        scored = httpx.post(f"{server.url}/v1/score/local/colbert", timeout=60,
+                            json={"query": {"text": query},
+                                  "items": [{"id": str(i), "text": t}
+                                            for i, t in enumerate(texts)]})
+        assert scored.status_code == 200, scored.text
+        scores = {s["item_id"]: s["score"] for s in scored.json()["scores"]}
     finally:
         server.stop()
     expected = SentenceTransformer(str(folder), device="cpu").encode(texts, prompt_name="query")
     assert got.shape == (2, 12)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+    reference = MultiVectorEncoder(str(colbert), device="cpu")
+    want = reference.similarity(reference.encode_query([query]),
+                                reference.encode_document(texts))[0].numpy()
+    np.testing.assert_allclose([scores["0"], scores["1"]], want, rtol=1e-4)

@@ -104,10 +104,11 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         event loop. Dense cosines take ~1 us a document (2 cores, 384 dimensions)."""
         return 1.0 * len(docs)
 
-    def tokenize(self, texts: Sequence[str], truncate: bool,
-                 where: Sequence[str]) -> list[PreparedItem]:
+    def tokenize(self, texts: Sequence[str], truncate: bool, where: Sequence[str],
+                 queries: int = 0) -> list[PreparedItem]:
         """Prepared items of token ids (cost = tokens after truncation), in one batch
-        call; over-long texts are cut or refused. Any thread may call it."""
+        call; over-long texts are cut or refused. The first `queries` texts are queries
+        (a family may treat the sides apart). Any thread may call it."""
         encodings = self.tokens.encode(texts, truncate, where)
         return [PreparedItem(e.ids, len(e), i) for i, e in enumerate(encodings)]
 
@@ -123,8 +124,8 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         Any thread may call it."""
         params = self.params(options)
         where = [f"items[{i}].text" for i in range(len(texts))]
-        return self.tokenize([params.prefix + t for t in texts], options.truncate,
-                             where), params
+        return self.tokenize([params.prefix + t for t in texts], options.truncate, where,
+                             len(texts) if options.is_query else 0), params
 
     async def encode(self, submit: Submit, texts: Sequence[str],
                      options: EncodeOptions) -> TaskOutput[list[Encoded]]:
@@ -148,7 +149,7 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         where = ["query.text", *(f"items[{i}].text" for i in range(len(docs)))]
         texts = [q_params.prefix + query, *(d_params.prefix + d for d in docs)]
         items = await off_loop(sum(map(len, texts)),
-                               lambda: self.tokenize(texts, options.truncate, where))
+                               lambda: self.tokenize(texts, options.truncate, where, 1))
         results, values = await common.submit_sides(submit, items, q_params, d_params,
                                                     options.lora)
         queue_ms, inference_ms = combine(results)

@@ -111,9 +111,10 @@ def read_directory(model_dir: Path, model: str = "",
             normalize = True
     if not pooling:
         raise ModelLoadError(model, "modules.json has no Pooling module: the model gives a "
-                                    "vector a token (a ColBERT model saved by PyLate?), not "
-                                    "one a text; Ember's multivector family reads ColBERT "
-                                    "models with colbert_linear.safetensors")
+                                    "vector a token (a ColBERT model?), not one a text; "
+                                    "serve it with adapter: multivector, which reads "
+                                    "sentence-transformers', PyLate's and Stanford-NLP's "
+                                    "ColBERT folders")
     bert_config = weights_dir / "sentence_bert_config.json"
     st_config = read_model_file(bert_config, model) if bert_config.exists() else {}
     st_file = model_dir / "config_sentence_transformers.json"
@@ -267,8 +268,8 @@ class TransformerAdapter(BiEncoder[EncodeParams, Vector]):
             length = self._prompt_lengths[prefix] = len(self.tokens.head) + self.tokens.count(text)
         return length
 
-    def tokenize(self, texts: Sequence[str], truncate: bool,
-                 where: Sequence[str]) -> list[PreparedItem]:
+    def tokenize(self, texts: Sequence[str], truncate: bool, where: Sequence[str],
+                 queries: int = 0) -> list[PreparedItem]:
         if self.lower_case:  # the directory's do_lower_case
             texts = [t.lower() for t in texts]
         return super().tokenize(texts, truncate, where)
