@@ -155,10 +155,10 @@ def recording(adapter: TransformerAdapter, monkeypatch: pytest.MonkeyPatch) -> l
     calls: list[bool] = []
     real = adapter.tokenize
 
-    def tokenize(texts: Sequence[str], truncate: bool,
-                 where: Sequence[str]) -> list[PreparedItem]:
+    def tokenize(texts: Sequence[str], truncate: bool, where: Sequence[str],
+                 queries: int = 0) -> list[PreparedItem]:
         calls.append(in_pool())
-        return real(texts, truncate, where)
+        return real(texts, truncate, where, queries)
 
     monkeypatch.setattr(adapter, "tokenize", tokenize)
     return calls

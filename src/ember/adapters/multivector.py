@@ -254,28 +254,41 @@ class MultiVectorAdapter(BiEncoder[MultiVectorParams, Matrix]):
     def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[Matrix]:
         assert isinstance(params, MultiVectorParams)
         rows: list[TokenRow] = [item.payload for item in items]
-        ids, mask = arrays.padded([row.ids for row in rows], self.pad_id)
-        if any(row.attend is not None for row in rows):  # a query's expansion tokens
-            mask = arrays.padded([row.attend or [1] * len(row.ids) for row in rows], 0)[0]
-        # Padding is 0 in `keep` as well, so one gather drops both; only the kept
-        # positions are projected.
-        keep = arrays.padded([row.keep for row in rows], 0)[0].astype(bool)
-        if self.model.backend == "onnx":  # no torch between the graph and the vectors
-            hidden = self.model.run_arrays({"input_ids": ids, "attention_mask": mask})
-            # ONNX Runtime runs on CPU, where numpy's view shares the tensor's memory.
-            flat = self.projection.arrays(hidden[keep].astype(np.float32, copy=False))
-            flat = arrays.l2_normalized(flat) if params.normalize else flat
-        else:
-            with torch.inference_mode():
-                states = self.model({"input_ids": torch.from_numpy(ids).to(self.device),
-                                     "attention_mask": torch.from_numpy(mask).to(self.device)})
-                # float32 for the projection; the encoder's (fp16 on CUDA) output cast up.
-                kept = states[torch.from_numpy(keep).to(self.device)].float()
-                vectors = self.projection.tensors(kept)
-                if params.normalize:
-                    vectors = F.normalize(vectors, p=2, dim=-1)
-                flat = vectors.cpu().numpy().astype(np.float32)
+        kept = self._kept_arrays if self.model.backend == "onnx" else self._kept_torch
+        flat = kept(rows, params.normalize)
         return list(np.split(flat, np.cumsum([sum(row.keep) for row in rows])[:-1]))
+
+    def _padded(self, rows: Sequence[TokenRow]) -> tuple[npt.NDArray[np.int64], ...]:
+        """The rows' ids, attention mask (a query's expansion tokens as its row says) and
+        kept positions, padded; padding is 0 in `keep` as well, so one gather drops it."""
+        ids, mask = arrays.padded([row.ids for row in rows], self.pad_id)
+        if any(row.attend is not None for row in rows):
+            mask = arrays.padded([row.attend or [1] * len(row.ids) for row in rows], 0)[0]
+        return ids, mask, arrays.padded([row.keep for row in rows], 0)[0]
+
+    def _kept_torch(self, rows: Sequence[TokenRow], normalize: bool) -> Matrix:
+        """The kept positions' projected vectors, all rows in one (kept, token_dims)
+        array; only the kept positions are projected."""
+        ids, mask, keep = self._padded(rows)
+        with torch.inference_mode():
+            states = self.model({"input_ids": torch.from_numpy(ids).to(self.device),
+                                 "attention_mask": torch.from_numpy(mask).to(self.device)})
+            # float32 for the projection; the encoder's (fp16 on CUDA) output cast up.
+            kept = states[torch.from_numpy(keep).to(self.device).bool()].float()
+            vectors = self.projection.tensors(kept)
+            if normalize:
+                vectors = F.normalize(vectors, p=2, dim=-1)
+            flat: Matrix = vectors.cpu().numpy().astype(np.float32)
+        return flat
+
+    def _kept_arrays(self, rows: Sequence[TokenRow], normalize: bool) -> Matrix:
+        """As `_kept_torch`, in numpy from ONNX Runtime's hidden states: no torch between
+        the graph and the vectors (each small torch op costs tens of microseconds)."""
+        ids, mask, keep = self._padded(rows)
+        hidden = self.model.run_arrays({"input_ids": ids, "attention_mask": mask})
+        # ONNX Runtime runs on CPU, where numpy's view shares the tensor's memory.
+        flat = self.projection.arrays(hidden[keep.astype(bool)].astype(np.float32, copy=False))
+        return arrays.l2_normalized(flat) if normalize else flat
 
     # -- the request path (event loop) ----------------------------------------------
 
