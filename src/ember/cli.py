@@ -134,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     flag("max-items-per-request", int, 2048, "items in one request before 413 (OpenAI's "
          "2,048; the engine splits a request into forwards of --max-batch-items)")
     flag("max-body-bytes", int, 16 * 1024 * 1024, "request body size before 413")
+    flag("max-text-chars", int, 200_000, "characters in one text before 422 (a text is "
+         "cut to the model's token limit only after this check)")
     flag("max-images-per-request", int, 32, "images in one request before 413")
     flag("request-timeout-s", float, None, "end a request with 504 after this long; its "
          "queued work is dropped")
@@ -207,7 +209,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         onnx_threads=args.onnx_threads, onnx_spinning=spinning_mode(args.onnx_spinning),
         worker=worker,
         max_items_per_request=args.max_items_per_request, max_body_bytes=args.max_body_bytes,
-        max_images_per_request=args.max_images_per_request,
+        max_text_chars=args.max_text_chars, max_images_per_request=args.max_images_per_request,
         request_timeout_s=args.request_timeout_s, max_loaded_models=args.max_loaded_models,
         memory_budget_mb=args.memory_budget_mb, api_key=args.api_key or None,
         token_ids=args.token_ids,

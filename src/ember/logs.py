@@ -142,6 +142,15 @@ def access_log(method: str, path: str, route: str, model: str, status: int, item
               "status": status, "items": items, "queue_ms": round(queue_ms, 2),
               "inference_ms": round(inference_ms, 2), "total_ms": round(total_ms, 2),
               "request_id": request_id}
+    # The path is the client's, percent-decoded: a newline in it must not start a line.
     access.log(level, "%s %s %d model=%s items=%d queue_ms=%.1f inference_ms=%.1f "
-               "total_ms=%.1f request_id=%s", method, path, status, model or "-", items,
-               queue_ms, inference_ms, total_ms, request_id, extra={"fields": fields})
+               "total_ms=%.1f request_id=%s", method, printable(path), status, model or "-",
+               items, queue_ms, inference_ms, total_ms, request_id, extra={"fields": fields})
+
+
+def printable(text: str) -> str:
+    """`text` with each unprintable character (newlines, NUL, other controls) written as
+    its Python escape, so that it stays on its line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

@@ -51,7 +51,8 @@ def test_every_flag() -> None:
         "--max-batch-items", "16", "--max-batch-wait-ms", "7.5", "--max-padding", "1.5",
         "--idle-coalesce-ms", "0", "--max-queue-items", "99", "--max-items-per-request", "8",
         "--max-body-bytes", "1000", "--request-timeout-s", "2.5", "--max-loaded-models", "2",
-        "--memory-budget-mb", "512", "--api-key", "k", "--log-level", "warning")
+        "--memory-budget-mb", "512", "--api-key", "k", "--log-level", "warning",
+        "--max-text-chars", "500")
     assert settings.host == "0.0.0.0" and settings.port == 9001
     assert settings.model_dirs == (Path("/a"), Path("/b"))
     assert settings.preload == (SPACY, SYNTH, BUSY)
@@ -61,6 +62,7 @@ def test_every_flag() -> None:
                                            max_batch_wait_ms=7.5, max_padding=1.5,
                                            idle_coalesce_ms=0.0, max_queue_items=99)
     assert settings.max_items_per_request == 8 and settings.max_body_bytes == 1000
+    assert settings.max_text_chars == 500
     assert settings.request_timeout_s == 2.5 and settings.max_loaded_models == 2
     assert settings.memory_budget_mb == 512
     assert settings.api_key == "k" and settings.log_level == "warning"

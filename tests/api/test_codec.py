@@ -79,3 +79,22 @@ def test_length_claims_beyond_the_body_are_refused_before_allocating() -> None:
     refused(b"\xdd" + (2**31).to_bytes(4, "big"))
     refused(b"\xdf" + (2**31).to_bytes(4, "big"))
     refused(b"\x91" * 100_000 + b"\xc0")
+
+
+@pytest.mark.parametrize(("accept", "wanted"), [
+    ("application/msgpack", True),
+    ("application/x-msgpack", True),
+    ("application/msgpack, application/json", True),  # a client names msgpack on purpose
+    ("application/json;q=0.9, application/msgpack", True),
+    ("application/msgpack;q=0, application/json", False),  # q=0: not acceptable
+    ("application/msgpack;q=0.5, application/json", False),  # JSON preferred
+    ("application/msgpack;q=0.5, */*;q=0.1", True),
+    ("application/msgpack;q=oops", False),  # an unreadable weight counts as none
+    ("application/json", False),
+    ("*/*", False),
+    ("", False),
+])
+def test_msgpack_answers_follow_the_accept_headers_weights(accept: str, wanted: bool) -> None:
+    from ember.api.codec import wants_msgpack
+
+    assert wants_msgpack(Headers({"accept": accept})) is wanted

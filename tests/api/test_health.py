@@ -29,6 +29,8 @@ async def test_healthz_and_readyz_when_ready(shared: Served) -> None:
     ready = await shared.client.get("/readyz")
     assert ready.status_code == 200
     assert ready.json() == {"status": "ready", "default_model": SYNTH}
+    for probe in ("/healthz", "/readyz", "/health"):  # uptime checkers probe with HEAD too
+        assert (await shared.client.head(probe)).status_code == 200, probe
 
 
 async def test_readyz_is_503_until_the_default_model_is_loaded(apps: AppFactory) -> None:

@@ -232,6 +232,60 @@ def test_a_client_that_goes_away_has_its_queued_work_dropped(live_server: Server
     assert metric(live_server, dropped) == dropped_before + 1
 
 
+def test_a_client_that_leaves_mid_upload_is_a_499_not_a_server_fault(
+        live_server: ServerProcess) -> None:
+    """Found by a black-box review: the body's disconnect was answered as a 500
+    `inference_error` (logged at ERROR, counted as a 500), though nothing had run."""
+    import socket
+
+    path = f"/v1/encode/{MINILM}"
+    route = r'route="/v1/encode/\{model:path\}"'
+    # The request never reached a model, so it is counted under none.
+    gone = rf'ember_requests_total\{{model="",{route},status="499"\}}'
+    fault = rf'ember_requests_total\{{model="",{route},status="500"\}}'
+    reason = r'ember_rejections_total\{reason="client_disconnected"\}'
+    before = (metric(live_server, gone), metric(live_server, fault),
+              metric(live_server, reason))
+    with socket.create_connection(("127.0.0.1", live_server.port)) as raw:
+        raw.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    "Content-Length: 100\r\nX-Request-Id: left-mid-upload\r\n\r\n"
+                    '{"items": ['.encode())
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while metric(live_server, gone) == before[0] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = (metric(live_server, gone), metric(live_server, fault),
+             metric(live_server, reason))
+    assert after == (before[0] + 1, before[1], before[2] + 1)
+    log = live_server.log_tail(200_000)
+    line = next(line for line in log.splitlines() if "left-mid-upload" in line)
+    assert " 499 " in line and " INFO " in line
+    assert "ClientDisconnect" not in log
+
+
+def test_a_path_cannot_write_a_line_of_its_own_into_the_log(live_server: ServerProcess) -> None:
+    """Found by a black-box review: a percent-encoded newline in the path started a forged
+    access line (and a NUL made the log a binary file); an over-long or unprintable
+    X-Request-Id was echoed and logged as sent."""
+    forged = "2026-12-05 15:00:00,000 INFO MainProcess ember.access: FORGED"
+    response = httpx.post(f"{live_server.url}/v1/encode/nothing%0a{forged.replace(' ', '%20')}"
+                          "%00end", json=encode_body("x"), headers={"x-request-id": "probe-1"})
+    assert response.status_code == 404
+    long_id = httpx.get(f"{live_server.url}/healthz", headers={"x-request-id": "r" * 5000})
+    assert long_id.headers["x-request-id"] != "r" * 5000
+    assert len(long_id.headers["x-request-id"]) == 32  # the server's own
+    kept = httpx.get(f"{live_server.url}/healthz", headers={"x-request-id": "client-id-7"})
+    assert kept.headers["x-request-id"] == "client-id-7"
+    deadline = time.monotonic() + 5
+    while "probe-1" not in live_server.log_tail(200_000) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = live_server.log_tail(200_000).splitlines()
+    probe = [line for line in lines if "probe-1" in line]
+    assert len(probe) == 1 and "\\n2026-12-05" in probe[0] and "\\x00end" in probe[0]
+    assert not any(line.startswith("2026-12-05 15:00:00,000") for line in lines)
+    assert "\x00" not in live_server.log_tail(200_000)
+
+
 # -- shutdown --------------------------------------------------------------------------------
 
 

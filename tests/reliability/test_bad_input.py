@@ -91,6 +91,18 @@ CASES = [
         raw=b'{"query": {"text": "\\ud800"}, "items": [{"text": "a"}]}', param="query.text"),
     Bad("lone-surrogate-openai", "/v1/embeddings", raw=b'{"input": ["ok", "\\ud83d"]}',
         param="input[1]"),
+    # ... in any other field, where it failed writing the answer after the forward (500)
+    Bad("lone-surrogate-id", ENC, raw=b'{"items": [{"id": "\\ud800", "text": "a"}]}',
+        param="items[0].id"),
+    Bad("lone-surrogate-id-score", f"/v1/score/{SYNTH}",
+        raw=b'{"query": {"text": "q"}, "items": [{"id": "ok", "text": "b"}, '
+            b'{"id": "\\udfff", "text": "a"}]}',
+        param="items[1].id"),
+    Bad("lone-surrogate-label", f"/v1/extract/{SPACY}",
+        raw=b'{"items": [{"text": "Obama"}], "params": {"labels": ["person", "\\ud800"]}}',
+        param="params.labels[1]"),
+    Bad("lone-surrogate-key", ENC, raw=b'{"items": [{"text": "a", "\\ud800": 1}]}',
+        param="items[0]"),
     # wrong types
     Bad("items-a-string", ENC, {"items": "abc"}, param="items"),
     Bad("text-a-number", ENC, {"items": [{"text": 5}]}, param="items[0].text"),

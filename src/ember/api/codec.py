@@ -43,8 +43,28 @@ def _orjson_default(value: object) -> object:
 
 
 def wants_msgpack(headers: Headers) -> bool:
+    """Whether the Accept header prefers msgpack to JSON (a tie goes to msgpack, which a
+    client names only on purpose; `q=0` means not at all)."""
     accept = headers.get("accept", "")
-    return any(kind in accept for kind in MSGPACK_TYPES)
+    if "msgpack" not in accept:
+        return False
+    msgpack_q = json_q = 0.0
+    for part in accept.split(","):
+        kind, *params = (piece.strip() for piece in part.split(";"))
+        q = 1.0
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        kind = kind.lower()
+        if kind in MSGPACK_TYPES:
+            msgpack_q = max(msgpack_q, q)
+        elif kind in ("application/json", "application/*", "*/*"):
+            json_q = max(json_q, q)
+    return msgpack_q > 0 and msgpack_q >= json_q
 
 
 def is_msgpack(headers: Headers) -> bool:
@@ -82,7 +102,7 @@ def decode(raw: bytes, headers: Headers) -> Any:
     # orjson refuses lone surrogates and NaN, which the standard reader accepts; the schema
     # and the input checks then name the field at fault instead of the whole body.
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except RecursionError:
         raise ApiError(422, "invalid_request", "body: invalid JSON (nested too deep)",
                        "body") from None
@@ -90,6 +110,42 @@ def decode(raw: bytes, headers: Headers) -> Any:
         reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
         raise ApiError(422, "invalid_request", f"body: invalid JSON ({reason})",
                        "body") from None
+    where = lone_surrogate(value)
+    if where is not None:  # in any field (an id, a label): no answer could carry it back
+        raise ApiError(422, "invalid_request", f"{where or 'body'} is not valid Unicode (it "
+                       "holds a lone surrogate)", where or "body")
+    return value
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """The path (`items[0].id`) of the first text or key holding a lone UTF-16 surrogate,
+    which JSON can escape (`\\ud800`) but UTF-8 cannot carry; None when there is none."""
+    pending: list[tuple[Any, str]] = [(value, "")]
+    while pending:  # a stack, not recursion: the body may nest as deep as the reader allows
+        item, path = pending.pop()
+        if isinstance(item, str):
+            if not _is_unicode(item):
+                return path
+        elif isinstance(item, dict):
+            for key, child in reversed(item.items()):
+                named = f"{path}.{key}" if path else str(key)
+                if not _is_unicode(str(key)):
+                    return path or "body"
+                pending.append((child, named))
+        elif isinstance(item, list):
+            pending.extend((child, f"{path}[{i}]") for i, child in reversed(list(
+                enumerate(item))))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # msgpack-numpy's array map: {nd: True, type: dtype.str, kind: b"", shape, data}, its keys

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ember.engine import (
     EngineError,
@@ -99,6 +100,9 @@ def as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, ClientGone):
         return ApiError(499, "client_closed_request", "the client disconnected; its queued "
                         "work was dropped")
+    if isinstance(exc, ClientDisconnect):  # before its body was whole: nothing ran
+        return ApiError(499, "client_closed_request", "the client disconnected before its "
+                        "request body was read")
     if isinstance(exc, BodyTooLarge):
         return ApiError(413, "payload_too_large", f"{exc.detail}; send fewer or shorter items "
                         "per request", "body")

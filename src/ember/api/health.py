@@ -83,6 +83,11 @@ def sie_shape(entry: dict[str, Any]) -> dict[str, Any]:
     return {**entry, "dims": by_type, "dimensions": dims}
 
 
+# HEAD too, outside the API's documentation: uptime checkers often probe with it.
+for _path, _probe in (("/healthz", healthz), ("/readyz", readyz), ("/health", readyz)):
+    router.add_api_route(_path, _probe, methods=["HEAD"], include_in_schema=False)
+
+
 @router.get("/v1/models", summary="The catalog: every model, its tasks, outputs and state "
             "(OpenAI's list under `data`, SIE's under `models`)")
 async def models(request: Request) -> dict[str, Any]:

@@ -52,8 +52,8 @@ class RequestContextMiddleware(HttpMiddleware):
     the access log once its response has started."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request_id = (_header(scope, b"x-request-id") or _header(scope, b"x-sie-request-id")
-                      or new_request_id())
+        request_id = (usable_id(_header(scope, b"x-request-id"))
+                      or usable_id(_header(scope, b"x-sie-request-id")) or new_request_id())
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         started = time.perf_counter()
@@ -97,6 +97,18 @@ class RequestContextMiddleware(HttpMiddleware):
         access_log(scope["method"], scope["path"], route, model, status,
                    state.get("items", 0), queue_ms, inference_ms, seconds * 1e3,
                    state["request_id"])
+
+
+# A client's request id is echoed in two headers and every log line of its request.
+MAX_REQUEST_ID = 200
+
+
+def usable_id(value: str) -> str:
+    """The client's request id when it is one: printable ASCII, at most MAX_REQUEST_ID
+    characters; "" otherwise, and the server makes its own."""
+    if len(value) <= MAX_REQUEST_ID and value.isascii() and value.isprintable():
+        return value
+    return ""
 
 
 def new_request_id() -> str:

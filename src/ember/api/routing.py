@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ember.api import codec
 from ember.api.errors import as_api_error, error_response, validation_error
+from ember.api.state import server_state
 
 Endpoint = Callable[..., Awaitable[Response]]
 
@@ -70,6 +71,8 @@ class _Handler:
             endpoint: Endpoint = self.route.endpoint
             response = await endpoint(**arguments)
         except Exception as exc:
+            if isinstance(exc, ClientDisconnect):  # gone mid-upload: a 499, as after it
+                server_state(request).metrics.rejected("client_disconnected")
             error = as_api_error(exc)
             response = error_response(error.status, error.kind, error.message, error.param,
                                       error.headers)
