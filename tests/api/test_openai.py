@@ -123,3 +123,13 @@ async def test_sdk_sees_a_404_as_not_found(sdk: openai.AsyncOpenAI) -> None:
     assert caught.value.status_code == 404
     body = caught.value.body
     assert isinstance(body, dict) and body["type"] == "model_not_found"
+
+
+@pytest.mark.parametrize("value", [None, [["a"]], [True], ["a", 1], 5])
+async def test_an_input_of_no_accepted_form_names_the_field_and_the_forms(
+        shared: Served, value: object) -> None:
+    """Found by a black-box review: the error named pydantic's union branch as the field
+    (`input.str: Input should be a valid string`)."""
+    response = await shared.client.post("/v1/embeddings", json={"input": value})
+    error = assert_error(response, 422, "invalid_request", "input")
+    assert error["message"] == "input: expected one of str, list[str], list[int], list[list[int]]"

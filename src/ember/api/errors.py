@@ -153,9 +153,26 @@ def validation_error(errors: Sequence[Any]) -> ApiError:
         context = first.get("ctx")
         reason = context.get("error", "malformed") if isinstance(context, dict) else "malformed"
         return ApiError(422, "invalid_request", f"body: invalid JSON ({reason})", "body")
-    param = field_path(tuple(first.get("loc", ())))
+    loc = tuple(first.get("loc", ()))
+    tag = next((i for i, part in enumerate(loc) if _is_union_member(part)), None)
+    if tag is not None:  # a value no member of a union took: name the field and the forms
+        forms = dict.fromkeys(str(e["loc"][tag]) for e in errors
+                              if tuple(e.get("loc", ()))[:tag] == loc[:tag]
+                              and len(e.get("loc", ())) > tag)
+        param = field_path(loc[:tag])
+        return ApiError(422, "invalid_request", f"{param}: expected one of "
+                        f"{', '.join(forms)}", param)
+    param = field_path(loc)
     return ApiError(422, "invalid_request", f"{param}: {first.get('msg', 'invalid value')}",
                     param)
+
+
+# How pydantic names a union's member in an error's location (`input.list[str]`).
+_UNION_MEMBER = re.compile(r"(str|int|float|bool|bytes|(list|dict|tuple|set)\[.*\])")
+
+
+def _is_union_member(part: int | str) -> bool:
+    return isinstance(part, str) and _UNION_MEMBER.fullmatch(part) is not None
 
 
 def install(app: FastAPI) -> None:
