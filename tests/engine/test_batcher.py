@@ -196,3 +196,37 @@ def test_a_request_split_across_batches_stays_first_in_line() -> None:
     head = former.oldest()
     assert head is not None and head.group == "q"
     assert costs(former.form()) == [5] and former.oldest() is None
+
+
+def test_a_batch_put_back_forms_again_as_if_it_never_formed() -> None:
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=3, max_padding=1.05)
+    first, second = Owner(), Owner()
+    add(former, [20, 20, 21, 40], owner=first)
+    add(former, [20, 41], owner=second, seq_start=4)
+    formed = [former.form(), former.form()]  # two of the three batches, formed ahead
+    assert all(batch is not None for batch in formed)
+    left = former.pending_items
+    was = [[p.item.payload for p in batch.items] for batch in formed if batch is not None]
+    for batch in reversed(formed):  # the later first, so the earlier's items lead again
+        assert batch is not None
+        former.put_back(batch)
+    assert former.pending_items == 6 == left + sum(map(len, was))
+    assert former.pending_requests == 2
+    head = former.oldest()
+    assert head is not None and head.owner is first
+    again = [former.form(), former.form()]
+    assert [[p.item.payload for p in batch.items] for batch in again if batch is not None] == was
+
+
+def test_a_cheaper_arrival_would_lead_only_a_batch_that_began_a_new_sweep() -> None:
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=4, max_padding=1.05)
+    add(former, [100] * 8)
+    one, two = former.form(), former.form()  # one bucket: the sweep passes it, then wraps
+    assert one is not None and two is not None
+    assert not former.starts_before(one, 5)  # the first sweep began at the cheapest
+    assert former.starts_before(two, 5)  # a new sweep began at 100: 5 comes first
+    assert not former.starts_before(two, 150)  # dearer: it waits for its place
+    former.put_back(two)
+    add(former, [5], seq_start=8)
+    assert costs(former.form()) == [5]
+    assert costs(former.form()) == [100] * 4

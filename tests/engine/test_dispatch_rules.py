@@ -296,6 +296,23 @@ async def test_r5_a_long_item_under_a_stream_of_short_ones_is_not_starved() -> N
     assert result.queue_ms < WELL_UNDER_WINDOW_S * 1000
 
 
+async def test_r5_a_short_request_during_a_bulk_forward_goes_in_the_very_next_one() -> None:
+    """Found by a black-box review: a bulk request of long texts (all cut to the same
+    length, one bucket) runs as full forwards, the next formed ahead while one runs. A
+    short request arriving meanwhile waited through that prefetched forward too; now the
+    sweep that batch began takes the short one first (R5 as of the hand-off)."""
+    config = WorkerConfig(max_batch_tokens=64 * 250, max_batch_items=64)
+    async with running(config, overhead_ms=1.0, per_token_us=15.0) as (worker, adapter):
+        bulk = await worker.submit(items(*[250] * 130, text="bulk"), "p")  # ~240 ms each
+        await asyncio.sleep(0.05)  # into the first forward
+        short = await worker.submit(items(3, text="short"), "p")
+        await asyncio.wait_for(asyncio.gather(bulk, short), 5.0)
+    shapes = [(len(call.payloads), call.payloads[0].rstrip(":0123456789"))
+              for call in adapter.forward_log]
+    assert shapes[:3] == [(64, "bulk"), (1, "short"), (64, "bulk")]
+    assert sum(size for size, _ in shapes) == 131
+
+
 # R6 config groups (scenario 9) -------------------------------------------------------
 
 async def test_r6_items_with_different_params_never_share_a_forward() -> None:

@@ -13,10 +13,13 @@ import bisect
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Protocol, Self
 
 from ember.engine.config import WorkerConfig
 from ember.engine.types import PreparedItem
+
+_SEQ = attrgetter("seq")  # a pending item's place in line
 
 EXACT_COSTS = 64  # costs below this get a bucket each
 STEPS_PER_OCTAVE = 32  # above it, buckets at most 1/32 (~3 %) apart
@@ -89,6 +92,9 @@ class Batch:
     real_tokens: int = 0
     full: bool = False
     released_at: float = 0.0  # when the policy let it go to the device (R10)
+    # Where its group's sweep stood when it formed, and the bucket it started from.
+    cursor: int = 0
+    start: int = 0
 
     def fits(self, cost: int, limits: Limits) -> bool:
         """Whether one more item of `cost` keeps the batch within its limits (R5)."""
@@ -255,11 +261,11 @@ class BatchFormer:
         if head is None:
             return None
         group = self._groups[head.group]
-        batch = Batch(lora, head.group)
         start = bisect.bisect_left(group.keys, group.cursor)
         if start == len(group.keys):  # the sweep reached the top: wrap to the cheapest
             start = 0
         bottom = group.keys[start]
+        batch = Batch(lora, head.group, cursor=group.cursor, start=bottom)
         taken: dict[int, int] = {}  # items taken per bucket, forgotten once packing ends
         self._pack(batch, group, -1, start, taken)  # upward first: the sweep's items lead
         if not batch.full and start > 0:
@@ -272,6 +278,38 @@ class BatchFormer:
         # the cursor rises with every batch and a busy bucket cannot hold the sweep.
         group.cursor = top + 1 if top == bottom else top
         return batch
+
+    def starts_before(self, batch: Batch, cost: int) -> bool:
+        """Whether an item of `cost`, had it come before `batch` formed, would have led it:
+        `batch` began a new sweep (it wrapped to the cheapest bucket) and the item is
+        cheaper still. (A batch formed ahead of a long forward would otherwise make a
+        cheap arrival wait through one more.)"""
+        return batch.start < batch.cursor and cost_bucket(cost) < batch.start
+
+    def put_back(self, batch: Batch) -> None:
+        """Queue a formed batch's items again, each at the head of its bucket and in its
+        request's place in line, and the sweep where it stood: as if it never formed."""
+        group = self._groups.setdefault(batch.group, _Group())
+        owners, rejoined = self._per_owner, False
+        for pending in reversed(batch.items):
+            key = cost_bucket(pending.item.cost)
+            bucket = group.buckets.get(key)
+            if bucket is None:
+                bucket = group.buckets[key] = deque()
+                bisect.insort(group.keys, key)
+                group.live[key] = 0
+            pending.queued = True
+            bucket.appendleft(pending)
+            group.live[key] += 1
+            held = owners.get(pending.owner, 0)
+            if not held:
+                self._arrivals.append(pending)
+                rejoined = True
+            owners[pending.owner] = held + 1
+        if rejoined:  # rare (a batch put back holds the oldest requests): restore the order
+            self._arrivals = deque(sorted(self._arrivals, key=_SEQ))
+        self._count += len(batch.items)
+        group.cursor = batch.cursor
 
     def _taken(self, batch: Batch, group: _Group, taken: dict[int, int]) -> None:
         """Counters for the items `batch` took out of the queue (`taken`: per bucket)."""
