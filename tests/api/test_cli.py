@@ -153,8 +153,9 @@ def test_models_lists_the_catalog_with_cache_state_size_and_tasks(
     assert {DEFAULT_MODEL, SPACY, SYNTH, "BAAI/bge-small-en-v1.5",
             "urchade/gliner_small-v2.1"} <= set(names)
     minilm = rows[DEFAULT_MODEL]  # packaged: here, with its size; state needs a server
+    # no state without a server; its dims from its YAML, as every catalog embedder's
     assert minilm[1:3] == ["encode,score", "yes"] and minilm[4] == "MB" and minilm[-2:] == [
-        "-", "-"]
+        "-", "384"]
     assert 80 < float(minilm[3]) < 100
     assert rows["BAAI/bge-small-en-v1.5"][1:4] == ["encode,score", "no", "-"]
     assert rows["BAAI/bge-small-en-v1.5"][-1] == "384"
