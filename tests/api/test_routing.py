@@ -25,3 +25,31 @@ async def test_paths_route_the_same_before_and_after_the_match_cache_fills(
             assert missing in body["message"]  # this request's own path parameter
         assert (await shared.client.post("/v1/not-a-route", json={})).status_code == 404
         assert (await shared.client.get(f"/v1/models/{SYNTH}")).status_code == 200
+
+
+async def test_a_body_that_stops_coming_is_a_408_that_closes_the_connection() -> None:
+    """Found by a black-box review: a client that sent part of its body and then nothing
+    held its connection open for good."""
+    import asyncio
+
+    from ember.api.errors import ApiError
+
+    parts = [{"type": "http.request", "body": b'{"items": [', "more_body": True}]
+
+    async def receive() -> dict[str, object]:
+        if parts:
+            return parts.pop(0)
+        await asyncio.Event().wait()  # the rest never comes
+        raise AssertionError("unreachable")
+
+    with pytest.raises(ApiError) as caught:
+        await routing.read_body(receive, idle_s=0.05)
+    error = caught.value
+    assert (error.status, error.kind, error.param) == (408, "request_timeout", "body")
+    assert error.headers == {"Connection": "close"}
+    whole = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+    async def at_once() -> dict[str, object]:
+        return whole.pop(0)
+
+    assert await routing.read_body(at_once, idle_s=0.05) == b"{}"

@@ -11,6 +11,7 @@ profile showed cost more than the rest of a request (docs/bench/notes.md).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ember.api import codec
-from ember.api.errors import as_api_error, error_response, validation_error
+from ember.api.errors import ApiError, as_api_error, error_response, validation_error
 from ember.api.state import server_state
 
 Endpoint = Callable[..., Awaitable[Response]]
@@ -74,17 +75,30 @@ class _Handler:
             if isinstance(exc, ClientDisconnect):  # gone mid-upload: a 499, as after it
                 server_state(request).metrics.rejected("client_disconnected")
             error = as_api_error(exc)
+            if error.status == 408:
+                server_state(request).metrics.rejected(error.kind)
             response = error_response(error.status, error.kind, error.message, error.param,
                                       error.headers)
         await response(scope, receive, send)
 
 
-async def read_body(receive: Receive) -> bytes:
+# A client that stops sending its body for this long is answered 408 and its connection
+# closed, so a half-sent body cannot hold a connection (and its memory) for ever.
+BODY_IDLE_S = 30.0
+
+
+async def read_body(receive: Receive, idle_s: float = BODY_IDLE_S) -> bytes:
     """The whole request body, read straight from the ASGI messages (most bodies come in
     one), without Starlette's streaming generator; the next message is the disconnect."""
     chunks: list[bytes] = []
     while True:
-        message = await receive()
+        try:
+            async with asyncio.timeout(idle_s):
+                message = await receive()
+        except TimeoutError:
+            raise ApiError(408, "request_timeout", f"no part of the request body came for "
+                           f"{idle_s:g} s; send it whole", "body",
+                           headers={"Connection": "close"}) from None
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
         chunks.append(message.get("body", b""))
