@@ -20,10 +20,10 @@ from ember.config import (
     ModelSpec,
     RaySettings,
     ServerSettings,
+    files_here,
     hub_ref,
     hub_wanted,
     load_catalog,
-    resolve_source,
     spinning_mode,
 )
 from ember.engine import WorkerConfig
@@ -376,9 +376,8 @@ def local_files(spec: ModelSpec) -> tuple[str, str]:
     installed package, a folder), and their size; `-` for a model without files."""
     if spec.adapter == "synthetic":
         return "-", "-"
-    try:
-        folder = resolve_source(spec, download=False)
-    except (FileNotFoundError, OSError):
+    folder = files_here(spec)
+    if folder is None:
         return "no", "-"
     return "yes", hub.human_bytes(hub.snapshot_bytes(folder))
 

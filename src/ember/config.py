@@ -304,6 +304,15 @@ def resolve_source(spec: ModelSpec, download: bool | None = None) -> Path:
     raise FileNotFoundError(f"model {spec.name!r} names no source")
 
 
+def files_here(spec: ModelSpec) -> Path | None:
+    """The model's folder when its files are on this machine (a Hub model in the Hub's
+    cache, an installed package, a folder), without downloading; None when they are not."""
+    try:
+        return resolve_source(spec, download=False)
+    except (FileNotFoundError, OSError):
+        return None
+
+
 def hub_ref(spec: ModelSpec) -> HubRef:
     assert spec.source.hub is not None
     return HubRef(spec.source.hub, spec.source.revision)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import threading
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -84,6 +85,10 @@ async def test_models_lists_the_catalog_with_states(shared: Served) -> None:
     assert models[SYNTH]["state"] == "loaded" and models[SYNTH]["dims"] == 64
     assert models[BROKEN]["state"] in ("available", "failed")
     assert models[BROKEN]["dims"] is None  # known once loaded
+    # Whether a model's files are here (found by a black-box review: offline, every Hub
+    # model read "available" with nothing to load it from).
+    assert minilm["cached"] is True and models[SPACY]["cached"] is True  # packages
+    assert models[SYNTH]["cached"] is None  # no files at all
     for model in models.values():
         assert model["object"] == "model"
         assert {"id", "tasks", "state", "description", "adapter"} <= set(model)
@@ -230,3 +235,15 @@ def test_metric_names_are_prometheus_safe() -> None:
     names = [m.name for m in text.collect()]
     assert all(re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", n) for n in names)
     assert all(n.startswith("ember_") for n in names)
+
+
+async def test_models_say_whether_a_hub_models_files_are_here(
+        shared: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # an empty Hub cache
+    models = {m["id"]: m for m in (await shared.client.get("/v1/models")).json()["data"]}
+    hub_models = [m for m in models.values() if m["adapter"] not in ("synthetic",)
+                  and m["id"] not in (MINILM, SPACY, BROKEN)]
+    assert hub_models and all(m["cached"] is False for m in hub_models)
+    assert models["BAAI/bge-small-en-v1.5"]["state"] == "available"

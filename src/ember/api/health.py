@@ -14,7 +14,7 @@ from ember import __version__
 from ember.api.errors import as_api_error, error_response
 from ember.api.images import IMAGE_FAMILIES
 from ember.api.state import STATUS_TIMEOUT_S, Models, server_state
-from ember.config import FAMILY_OUTPUTS
+from ember.config import FAMILY_OUTPUTS, files_here
 from ember.errors import ModelNotFound
 from ember.outputs import DTYPES
 
@@ -61,6 +61,9 @@ def model_entry(registry: Models, name: str) -> dict[str, Any]:
         "adapter": spec.adapter, "tasks": list(spec.tasks), "description": spec.description,
         "loras": sorted(spec.loras), "max_seq_length": spec.max_seq_length, "dims": None,
         "output_types": list(FAMILY_OUTPUTS.get(spec.adapter, ())),
+        # Whether its files are on this machine (None: a model without files): one that is
+        # not loads only where this server may download it.
+        "cached": None if spec.adapter == "synthetic" else files_here(spec) is not None,
     }
     info = registry.info(name)
     if info is not None:
