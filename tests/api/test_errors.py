@@ -55,6 +55,16 @@ async def test_text_over_the_token_limit_with_truncate_false(shared: Served) -> 
     assert "256" in error["message"] and "truncate" in error["message"]
 
 
+async def test_cohere_truncate_none_over_the_limit_names_cohere_s_own_setting(
+        shared: Served) -> None:
+    """Found by a black-box review: the advice named the native field (truncate=true)."""
+    response = await shared.client.post("/v2/embed", json={
+        "model": MINILM, "texts": ["fine", "word " * 600], "input_type": "search_document",
+        "truncate": "NONE"})
+    error = assert_error(response, 400, "input_too_long", "texts[1]")
+    assert "set truncate to END" in error["message"] and "=true" not in error["message"]
+
+
 async def test_score_query_over_the_limit_with_truncate_false(shared: Served) -> None:
     body = {"query": {"text": "long " * 600}, "items": [{"text": "a"}],
             "params": {"options": {"truncate": False}}}

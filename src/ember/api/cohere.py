@@ -107,7 +107,12 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
                            "output_dimension")
         return await adapter.encode(m.submit, texts, options)
 
-    output = await run_task(request, body.model, "encode", encode, len(texts), "texts")
+    try:
+        output = await run_task(request, body.model, "encode", encode, len(texts), "texts")
+    except ApiError as error:  # the limit's advice in this route's own terms
+        if error.kind == "input_too_long":
+            error.message = error.message.replace("set truncate=true", "set truncate to END")
+        raise
     vectors = [encoded.dense for encoded in output.values if encoded.dense is not None]
     kinds = dict.fromkeys(body.embedding_types or ["float"])
     embeddings = {kind: by_type(vectors, kind) for kind in kinds}
