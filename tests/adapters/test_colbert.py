@@ -269,3 +269,62 @@ def test_each_layout_is_detected_as_the_multivector_family(base: Path,
         layout = multivector.load(spec, Runtime()).info.extra["colbert"]["layout"]
         assert layout == {"st": "sentence-transformers", "stanford": "stanford"}.get(
             name, "pylate")
+
+
+@pytest.mark.parametrize("file,change,message", [
+    ("2_MultiVectorMask/config.json", lambda c: {**c, "keep_only_token_ids": [5]},
+     "keep_only_token_ids"),
+    ("2_MultiVectorMask/config.json", lambda c: {**c, "skiplist_tasks": ["image"]},
+     "skiplist_tasks"),
+    ("sentence_bert_config.json", lambda c: {**c, "transformer_task": "text-generation"},
+     "transformer_task 'text-generation'"),
+    ("config_sentence_transformers.json", lambda c: {**c, "truncate_dim": 8}, "truncate_dim"),
+    ("1_Dense/config.json", lambda c: {**c, "module_input_name": "sentence_embedding"},
+     "does not project each token"),
+    ("sentence_bert_config.json", lambda c: {**c, "query_expansion": ["fixed", 32]},
+     "is not an object of"),
+], ids=["image-patches", "skiplist-side", "task", "truncate-dim", "sentence-dense", "expansion"])
+def test_what_a_sentence_transformers_colbert_may_not_ask_is_refused(
+        base: Path, tmp_path: Path, file: str, change: Callable[[Any], Any],
+        message: str) -> None:
+    folder = build_st_colbert(tmp_path / "st", base)
+    rewrite(folder / file, change)
+    with pytest.raises(ModelLoadError, match=message):
+        load(folder)
+
+
+def test_a_colbert_projection_that_is_a_pickle_never_runs_code(pylate: Path,
+                                                               tmp_path: Path) -> None:
+    import pickle
+
+    from tests.adapters.test_dense_layers import Payload
+
+    (pylate / "1_Dense" / "model.safetensors").unlink()
+    marker = tmp_path / "ran"
+    (pylate / "1_Dense" / "pytorch_model.bin").write_bytes(
+        pickle.dumps({"linear.weight": Payload(marker)}, protocol=2))
+    with pytest.raises(ModelLoadError, match="allow_pickle: true"):
+        load(pylate)  # a pickle, not allowed by the spec: never opened
+    with pytest.raises(ModelLoadError, match="refused by torch's weights-only unpickler"):
+        load(pylate, allow_pickle=True)
+    assert not marker.exists()
+
+
+def test_oversized_and_bomb_colbert_files_fail_the_load_naming_them(pylate: Path,
+                                                                    tmp_path: Path) -> None:
+    import struct
+
+    settings = pylate / "config_sentence_transformers.json"
+    original = settings.read_text()
+    settings.write_text(original[:-1] + ', "pad": "' + "x" * (17 << 20) + '"}')
+    with pytest.raises(ModelLoadError, match=r"config_sentence_transformers\.json is .* bytes"):
+        load(pylate)
+    settings.write_text(original)
+    exabytes = struct.pack("<Q", 1 << 60) + b"{}"  # a header claiming 2^60 bytes
+    (pylate / "1_Dense" / "model.safetensors").write_bytes(exabytes)
+    with pytest.raises(ModelLoadError, match=r"1_Dense/model\.safetensors is not a readable"):
+        load(pylate)
+    stanford = build_stanford_colbert(tmp_path / "stanford", metadata={})
+    (stanford / "model.safetensors").write_bytes(exabytes)  # the projection's file
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors is not a readable"):
+        load(stanford)

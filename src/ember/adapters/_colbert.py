@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ember.adapters._dense_layers import DenseLayer, read_dense
+from ember.adapters._torch import st_modules
 from ember.errors import ModelLoadError
 from ember.model_files import read_model_file
 
@@ -100,7 +101,7 @@ def _sentence_transformers(model_dir: Path, model: str, st_config: dict[str, Any
                      ["transformer", "dense", "normalize", "mask"]):
         raise ModelLoadError(model, f"modules.json: Ember runs a MultiVectorEncoder of "
                                     f"Transformer, Dense, MultiVectorMask and Normalize; this "
-                                    f"one has {[name for name, _ in _named(model_dir, model)]}")
+                                    f"one has {order}")
     paths = dict(modules)
     backbone = _module_config(paths["transformer"], "sentence_bert_config.json", model)
     task = backbone.get("transformer_task", "feature-extraction")
@@ -138,10 +139,10 @@ def _sentence_transformers(model_dir: Path, model: str, st_config: dict[str, Any
 def _pylate(model_dir: Path, model: str, st_config: dict[str, Any],
             allow_pickle: bool) -> ColbertFolder:
     modules = _modules(model_dir, model)
-    if [kind for kind, _ in modules] != ["transformer", "dense"]:
+    order = [kind for kind, _ in modules]
+    if order != ["transformer", "dense"]:
         raise ModelLoadError(model, f"modules.json: Ember runs a PyLate ColBERT of "
-                                    f"Transformer and Dense; this one has "
-                                    f"{[name for name, _ in _named(model_dir, model)]}")
+                                    f"Transformer and Dense; this one has {order}")
     paths = dict(modules)
     dense = paths["dense"]
     markers, prompts = {}, _prompts(st_config, model)
@@ -189,27 +190,10 @@ def _stanford(model_dir: Path, model: str, projection: DenseLayer) -> ColbertFol
         similarity="maxsim")
 
 
-def _named(model_dir: Path, model: str) -> list[tuple[str, Path]]:
-    """modules.json's modules: each type's class name and folder (inside the model's)."""
-    entries = read_model_file(model_dir / "modules.json", model, list)
-    root = model_dir.resolve()
-    out = []
-    for entry in entries:
-        if not isinstance(entry, dict):
-            raise ModelLoadError(model, "modules.json: a module is not a JSON object")
-        name = str(entry.get("type") or "").rsplit(".", 1)[-1]
-        folder = (model_dir / str(entry.get("path") or "")).resolve()
-        if folder != root and root not in folder.parents:
-            raise ModelLoadError(model, f"modules.json: the {name} module's path "
-                                        f"{entry.get('path')!r} leaves the model's directory")
-        out.append((name, folder))
-    return out
-
-
 def _modules(model_dir: Path, model: str) -> list[tuple[str, Path]]:
     """modules.json's modules as Ember's kinds; a module Ember does not run is refused."""
     out = []
-    for name, folder in _named(model_dir, model):
+    for name, folder in st_modules(model_dir, model):
         if name not in MODULE_TYPES:
             raise ModelLoadError(model, f"modules.json: a {name or 'nameless'} module is not "
                                         "run by Ember's multivector family")

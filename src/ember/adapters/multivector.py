@@ -113,12 +113,12 @@ class SideRows:
         encodings = self.tokens.encode(texts, truncate, where)
         if not self.colbert:
             return [TokenRow(e.ids, [1 - s for s in e.special_tokens_mask]) for e in encodings]
-        out = []
+        out, expansion = [], self.expansion
         for encoding in encodings:
             ids, attend = list(encoding.ids), None
-            missing = self.expansion.length - len(ids) if self.expansion else 0
-            if self.expansion and missing > 0:
-                attend = [1] * len(ids) + [int(self.expansion.attend)] * missing
+            missing = expansion.length - len(ids) if expansion is not None else 0
+            if expansion is not None and missing > 0:
+                attend = [1] * len(ids) + [int(expansion.attend)] * missing
                 ids += [self.expansion_id] * missing
             out.append(TokenRow(ids, [int(i not in self.skip) for i in ids], attend))
         return out
@@ -136,7 +136,7 @@ def read_projection(spec: ModelSpec, model_dir: Path, file: str = PROJECTION_FIL
                     key: str = PROJECTION_KEY) -> DenseLayer:
     """The projection weight named by the spec's options (else `file` and `key`), as a
     layer without bias or activation."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     options: Mapping[str, Any] = spec.options
     name = str(options.get("projection", file))
@@ -145,12 +145,16 @@ def read_projection(spec: ModelSpec, model_dir: Path, file: str = PROJECTION_FIL
     if path.suffix != ".safetensors" or not path.is_file():
         raise ModelLoadError(spec.name, f"no projection file {path} (options.projection: a "
                                         f".safetensors file in the model directory)")
-    with safe_open(str(path), framework="np") as tensors:
-        names = sorted(tensors.keys())
-        if key not in names:
-            raise ModelLoadError(spec.name, f"{path.name} has no tensor {key!r} "
-                                            f"(options.projection_key); it has {names}")
-        weight = tensors.get_tensor(key)
+    try:  # the library checks the header's size and every offset against the file
+        with safe_open(str(path), framework="np") as tensors:
+            names = sorted(tensors.keys())
+            if key not in names:
+                raise ModelLoadError(spec.name, f"{path.name} has no tensor {key!r} "
+                                                f"(options.projection_key); it has {names}")
+            weight = tensors.get_tensor(key)
+    except SafetensorError as error:
+        raise ModelLoadError(spec.name, f"{path.name} is not a readable safetensors file: "
+                                        f"{error}") from None
     if weight.ndim != 2:
         raise ModelLoadError(spec.name, f"the projection has shape {tuple(weight.shape)}; "
                                         "expected (token_dims, hidden_size)")

@@ -50,15 +50,11 @@ def check_query(request: Request, text: str, param: str = "query") -> None:
 def check_text(text: str, limit: int, param: str) -> None:
     # An empty text has nothing to embed: OpenAI and TEI refuse it too, and a vector for
     # it would be the model's bias alone, silently wrong for a search index.
+    # A lone surrogate (valid JSON `\ud800`, no text) was refused by the body's decoder
+    # (codec.decode), in this field as in any other.
     if not text or text.isspace():
         raise ApiError(422, "invalid_request", "text is empty or blank; send text with at "
                        "least one non-space character", param)
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate (valid JSON \ud800) is no text
-            raise ApiError(422, "invalid_request", "text is not valid Unicode (it "
-                           "holds a lone surrogate)", param) from None
     if len(text) > limit:
         raise ApiError(422, "invalid_request", f"text of {len(text)} characters is over the "
                        f"limit of {limit}; shorten it", param)
