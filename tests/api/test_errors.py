@@ -105,6 +105,22 @@ async def test_unknown_model_lists_the_available_ones(shared: Served, route: str
         assert name in error["message"]
 
 
+@pytest.mark.parametrize(("path", "example"), [
+    ("/v1/encode", f"/v1/encode/{SYNTH}"),  # the default model, which encodes
+    ("/v1/encode/", f"/v1/encode/{SYNTH}"),
+    ("/v1/score", "/v1/score/"),
+    ("/v1/extract/", f"/v1/extract/{SPACY}"),  # the default does not extract: one that does
+])
+async def test_a_native_path_without_its_model_says_how_to_name_one(
+        shared: Served, path: str, example: str) -> None:
+    response = await shared.client.post(path, json={"items": [{"text": "x"}]})
+    assert not response.is_redirect
+    error = assert_error(response, 404, "model_not_found", "model")
+    task = path.strip("/").split("/")[1]
+    assert f"POST /v1/{task}/{{model}}" in error["message"]
+    assert example in error["message"]
+
+
 async def test_unknown_route_and_wrong_method(shared: Served) -> None:
     assert_error(await shared.client.get("/v2/nothing"), 404, "not_found")
     assert_error(await shared.client.get(f"/v1/encode/{SYNTH}"), 405, "method_not_allowed")

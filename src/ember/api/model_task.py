@@ -73,6 +73,18 @@ def requested_model(request: Request, body: BaseModel) -> str:
     return name
 
 
+def unnamed_model(request: Request, task: str) -> ApiError:
+    """A native route's path without its model (`/v1/encode`, `/v1/encode/`)."""
+    state = server_state(request)
+    catalog = state.registry.catalog
+    default = state.settings.default_model
+    doing = [name for name, spec in catalog.items() if task in spec.tasks]
+    example = default if default in doing else min(doing, default=None)
+    hint = f", for example /v1/{task}/{example}" if example else ""
+    return ApiError(404, "model_not_found", f"the path names no model: POST /v1/{task}/{{model}}"
+                    f"{hint} (GET /v1/models lists the models and their tasks)", "model")
+
+
 # A client's disconnect is watched for only once its request has waited this long: the
 # watch is a task per request (its start, wake-up and cancel measured ~0.1 ms of CPU a
 # request at 256 in flight), and most requests are answered sooner. A client that left is
@@ -145,6 +157,8 @@ async def run_task(request: Request, model_name: str, task: str,
     list of inputs, for the errors' `param`."""
     state = server_state(request)
     request.state.items = items  # for the access log
+    if not model_name:
+        raise unnamed_model(request, task)
     try:
         spec = state.registry.catalog.get(model_name)
         # Refused from the catalog, before a load that could evict a model in use.

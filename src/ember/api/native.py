@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
 from ember.adapters.base import Encoded, EncodeOptions, ExtractOptions, ScoreOptions
@@ -25,7 +26,7 @@ from ember.api.images import (
     takes_images,
     texts_of,
 )
-from ember.api.model_task import check_inputs, check_query, run_task
+from ember.api.model_task import check_inputs, check_query, run_task, unnamed_model
 from ember.api.routing import InferenceRoute
 from ember.outputs import PACKED_BITS, quantize
 
@@ -179,6 +180,16 @@ def _scaled(body: dict[str, Any], scale: float | None) -> dict[str, Any]:
 
 def with_id(item: Item, body: dict[str, Any]) -> dict[str, Any]:
     return {"id": item.id, **body} if item.id is not None else body
+
+
+async def no_model(request: Request) -> Response:
+    """Without this, the path would be redirected to its trailing slash, then not found."""
+    raise unnamed_model(request, request.url.path.rsplit("/", 1)[-1])
+
+
+for _task in ("encode", "score", "extract"):  # plain routes: they read no body
+    router.add_api_route(f"/v1/{_task}", no_model, methods=["POST"], include_in_schema=False,
+                         route_class_override=APIRoute)
 
 
 @router.post("/v1/encode/{model:path}", summary="Embed items")
