@@ -55,6 +55,7 @@ from benchlib import Json, table
 
 from ember.engine import Batch, BatchFormer, PendingItem, PreparedItem, WorkerConfig
 from ember.engine.batcher import cost_bucket
+from ember.engine.config import LEAD_RATIO
 
 SCENARIO = "open_mixed_120"
 RECORDED = Path(__file__).resolve().parents[1] / "docs" / "bench" / "overload_engine.json"
@@ -90,8 +91,8 @@ class AgingFormer(ModelFormer):
     STARVATION_S = scheduler.starvation_s(WorkerConfig())
 
     def __init__(self, max_batch_tokens: int, max_batch_items: int,
-                 max_padding: float = 0.0) -> None:
-        super().__init__(max_batch_tokens, max_batch_items, max_padding)
+                 max_padding: float = 0.0, lead_ratio: float = LEAD_RATIO) -> None:
+        super().__init__(max_batch_tokens, max_batch_items, max_padding, lead_ratio)
         self.now = 0.0
         self.recent: deque[float] = deque(maxlen=self.RECENT)
 

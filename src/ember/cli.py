@@ -27,7 +27,7 @@ from ember.config import (
     spinning_mode,
 )
 from ember.engine import WorkerConfig
-from ember.engine.config import DISPATCH_MODES
+from ember.engine.config import DISPATCH_MODES, LEAD_RATIO
 from ember.logs import FORMATS, LEVELS
 
 log = logging.getLogger("ember")
@@ -45,6 +45,8 @@ WORKER_FLAGS: list[tuple[str, type, object, str]] = [
      "text); 0 turns the cap off (default: learned; 1.05 until learned)"),
     ("idle-coalesce-ms", float, None, "quiet time that closes a burst reaching an idle model "
      "(default: learned, at most 3)"),
+    ("lead-ratio", float, LEAD_RATIO, "a request with at most 1/this the items of the largest "
+     "queued beside it leads the next forward (a query beside a bulk request); 0: off"),
     ("max-queue-items", int, 4096, "queued items per model before 429"),
 ]
 

@@ -333,3 +333,21 @@ def test_onnx_pooling_quick_run_times_both_paths_and_both_blas_settings(
         assert set(entry["numpy_over_torch"]) == {"median", "min", "max", "n"}
     assert set(data["blas"]["maxsim then one-text forward"]["ms"]) == {"started", "one"}
     assert "| sparse 16 long |" in run.stdout and "| one / a core |" in run.stdout
+
+
+def test_bulk_queries_quick_run_interleaves_both_variants_and_reports_ratios(
+        tmp_path: Path) -> None:
+    out = tmp_path / "bulk_queries.json"
+    run = bench("bulk_queries.py", "--quick", "--seconds", "1", "--costs", "gpu", "--out",
+                str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = strict_json(out)
+    result = data["results"]["gpu"]
+    assert set(result["runs"]) == {"default", "lead_ratio=0"}
+    check_summary(result["summary"], {"default", "lead_ratio=0"},
+                  {"query_wait_p50_ms", "query_wait_p99_ms", "documents_per_s",
+                   "bulk_latency_p50_ms", "device_idle_share"})
+    for runs in result["runs"].values():
+        assert runs[0]["queries"] > 0 and runs[0]["documents_per_s"] > 0
+    assert data["variants"]["lead_ratio=0"]["lead_ratio"] == 0
+    assert "| lead_ratio=0 |" in run.stdout

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ember.engine import Batch, BatchFormer, PendingItem, PreparedItem
+import pytest
+
+from ember.engine import Batch, BatchFormer, PendingItem, PreparedItem, WorkerConfig
 from ember.engine.batcher import cost_bucket
 
 
@@ -13,13 +15,27 @@ class Owner:
     live: bool = True
 
 
+def request(costs: list[int], *, owner: Owner | None = None, group: str = "p",
+            arrival: float = 0.0, seq_start: int = 0) -> list[PendingItem]:
+    """One request's pending items, not yet queued anywhere."""
+    owner = owner or Owner()
+    return [PendingItem(PreparedItem(c, c, i), owner, group, arrival, seq_start + i)
+            for i, c in enumerate(costs)]
+
+
 def add(former: BatchFormer, costs: list[int], *, owner: Owner | None = None,
         group: str = "p", arrival: float = 0.0, seq_start: int = 0) -> list[PendingItem]:
-    owner = owner or Owner()
-    pending = [PendingItem(PreparedItem(c, c, i), owner, group, arrival, seq_start + i)
-               for i, c in enumerate(costs)]
+    pending = request(costs, owner=owner, group=group, arrival=arrival, seq_start=seq_start)
     former.add(pending)
     return pending
+
+
+def requests(former: BatchFormer, costs: list[int], *, group: str = "p",
+             seq_start: int = 0) -> None:
+    """One request of one item for each cost: a queue of like-sized requests, where the
+    sweep alone orders the batches."""
+    for i, cost in enumerate(costs):
+        add(former, [cost], group=group, seq_start=seq_start + i)
 
 
 def costs(batch: Batch | None) -> list[int]:
@@ -50,9 +66,9 @@ def test_formation_respects_the_item_limit_and_always_takes_one() -> None:
 
 def test_batches_sweep_upward_from_where_the_last_one_ended_then_wrap() -> None:
     former = BatchFormer(max_batch_tokens=10**6, max_batch_items=64, max_padding=1.05)
-    add(former, [100, 10, 50, 11, 104, 52])
+    requests(former, [100, 10, 50, 11, 104, 52])
     assert costs(former.form()) == [10, 11]  # a fresh sweep starts at the cheapest
-    add(former, [5], seq_start=10)  # behind the sweep: it waits for the wrap
+    requests(former, [5], seq_start=10)  # behind the sweep: it waits for the wrap
     assert costs(former.form()) == [50, 52]
     assert costs(former.form()) == [100, 104]
     assert costs(former.form()) == [5]
@@ -220,13 +236,143 @@ def test_a_batch_put_back_forms_again_as_if_it_never_formed() -> None:
 
 def test_a_cheaper_arrival_would_lead_only_a_batch_that_began_a_new_sweep() -> None:
     former = BatchFormer(max_batch_tokens=10**6, max_batch_items=4, max_padding=1.05)
-    add(former, [100] * 8)
+    requests(former, [100] * 8)
     one, two = former.form(), former.form()  # one bucket: the sweep passes it, then wraps
     assert one is not None and two is not None
-    assert not former.starts_before(one, 5)  # the first sweep began at the cheapest
-    assert former.starts_before(two, 5)  # a new sweep began at 100: 5 comes first
-    assert not former.starts_before(two, 150)  # dearer: it waits for its place
+    cheap, dear = request([5]), request([150])
+    assert not former.would_lead(one, cheap)  # the first sweep began at the cheapest
+    assert former.would_lead(two, cheap)  # a new sweep began at 100: 5 comes first
+    assert not former.would_lead(two, dear)  # dearer: it waits for its place
     former.put_back(two)
-    add(former, [5], seq_start=8)
+    requests(former, [5], seq_start=8)
     assert costs(former.form()) == [5]
     assert costs(former.form()) == [100] * 4
+
+
+# -- a small request beside a large one leads (R5) --------------------------------------
+
+
+def bulk_and_sweep(former: BatchFormer) -> None:
+    """A bulk request of 16 items at 8 lengths, its first batch formed: the sweep's
+    cursor stands past the cheapest lengths."""
+    add(former, [10, 10, 20, 20, 40, 40, 80, 80, 160, 160, 320, 320, 640, 640, 1280, 1280])
+    assert costs(former.form())[0] == 10
+
+
+def test_a_small_request_beside_a_large_one_leads_the_next_batch_below_the_cursor() -> None:
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=4, max_padding=1.05)
+    bulk_and_sweep(former)
+    add(former, [5, 6], seq_start=20)  # 2 items against 16: below the cursor, it leads
+    led = former.form()
+    assert led is not None and led.led and costs(led) == [5, 6]
+    # The sweep goes on where it stood, and takes the next batch: it is not starved.
+    swept = former.form()
+    assert swept is not None and not swept.led and costs(swept) == [20, 20]
+
+
+def test_the_leader_takes_its_items_first_then_the_nearest_in_cost() -> None:
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=4, max_padding=0.0)
+    bulk_and_sweep(former)
+    add(former, [300, 45], seq_start=20)  # its items span lengths: both go, then neighbours
+    assert costs(former.form()) == [45, 300, 320, 320]
+
+
+def test_a_small_request_of_another_group_leads_too() -> None:
+    """A query (is_query: its own parameter group) beside a bulk request of documents: by
+    arrival, it would wait until every document queued before it had run (R6)."""
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=4, max_padding=1.05)
+    bulk_and_sweep(former)
+    add(former, [12], group="query", seq_start=20)
+    led = former.form()
+    assert led is not None and led.group == "query" and costs(led) == [12]
+    assert former.oldest() is not None and former.oldest().group == "p"  # type: ignore[union-attr]
+
+
+def test_a_stream_of_small_requests_leads_every_other_batch_at_most() -> None:
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=2, max_padding=1.05)
+    bulk_and_sweep(former)
+    kinds, swept = [], []
+    for n in range(8):
+        add(former, [3], seq_start=100 + n)  # one more query before every formation
+        batch = former.form()
+        assert batch is not None
+        kinds.append("led" if batch.led else "sweep")
+        if not batch.led:
+            swept.append(costs(batch))
+    assert kinds == ["led", "sweep"] * 4
+    # The sweep went on upward through the bulk request, a batch every other forward.
+    assert all(3 not in batch for batch in swept)
+    assert [min(batch) for batch in swept] == sorted(min(batch) for batch in swept)
+    assert min(swept[-1]) >= 160
+
+
+def test_requests_of_like_sizes_keep_the_sweep() -> None:
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=64, max_padding=1.05)
+    add(former, [100, 110, 120])
+    add(former, [50, 10, 30], seq_start=3)
+    assert costs(former.form()) == [10]  # a fresh sweep: the cheapest first
+    add(former, [5], seq_start=6)  # 1 item against 3: not small enough to lead
+    batch = former.form()
+    assert batch is not None and not batch.led and costs(batch) == [30]
+
+
+def test_a_led_batch_put_back_restores_the_turn_and_the_sweep() -> None:
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=4, max_padding=1.05)
+    bulk_and_sweep(former)
+    add(former, [5], seq_start=20)
+    led = former.form()
+    assert led is not None and led.led
+    former.put_back(led)
+    assert former.pending_items == 15
+    again = former.form()
+    assert again is not None and again.led and costs(again) == [5]
+    assert costs(former.form()) == [20, 20]
+
+
+def test_small_requests_lead_in_order_of_size_then_arrival() -> None:
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=1, max_padding=1.05)
+    bulk_and_sweep(former)
+    add(former, [7, 7], seq_start=20)
+    add(former, [9], seq_start=22)
+    add(former, [8], seq_start=23)
+    led = [costs(former.form()) for _ in range(6)]
+    assert led[0::2] == [[9], [8], [7]]  # one item before two; then by arrival
+
+
+def test_entries_of_served_requests_do_not_pile_up() -> None:
+    """One query always pending while bulk requests come and go: the served bulk
+    requests' entries sit deep in the smallest-first heap and must not accumulate."""
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=64, max_padding=0.0)
+    for n in range(2000):
+        add(former, [3], seq_start=3 * n)
+        add(former, [50] * 8, seq_start=3 * n + 1)
+        while former.pending_items > 1:
+            former.form()
+    assert former.pending_requests <= 1
+    assert len(former._smallest) < 200 and len(former._largest) < 200
+
+
+def test_a_lead_ratio_of_zero_keeps_every_batch_the_sweeps() -> None:
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=4, max_padding=1.05,
+                         lead_ratio=0)
+    bulk_and_sweep(former)
+    add(former, [5], seq_start=20)
+    batch = former.form()
+    assert batch is not None and not batch.led and 5 not in costs(batch)
+    with pytest.raises(ValueError, match="lead_ratio"):
+        WorkerConfig(lead_ratio=0.5)
+
+
+def test_a_request_added_in_parts_leads_only_with_what_it_has_queued() -> None:
+    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=1, max_padding=0.0)
+    bulk_and_sweep(former)
+    small = Owner()
+    part = PendingItem(PreparedItem(5, 5, 0), small, "q", 0.0, 20)
+    other = PendingItem(PreparedItem(7, 7, 1), small, "r", 0.0, 20)
+    former.add([part])
+    former.add([other])  # the same request's item in another group: a second entry
+    formed = [former.form() for _ in range(4)]
+    # Once `part` ran, its entry leads nothing: no empty batch from its emptied group.
+    assert [(b.group, costs(b)) for b in formed if b is not None and b.led] == [
+        ("q", [5]), ("r", [7])]
+    assert all(b is not None and b.items for b in formed)

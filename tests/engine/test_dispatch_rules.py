@@ -313,6 +313,24 @@ async def test_r5_a_short_request_during_a_bulk_forward_goes_in_the_very_next_on
     assert sum(size for size, _ in shapes) == 131
 
 
+async def test_r5_a_query_beside_a_bulk_request_of_many_lengths_goes_in_the_next_forward(
+        ) -> None:
+    """A search query (its own parameter group, as `is_query` makes it) sent while a bulk
+    request of documents at many lengths runs: it leads the very next forward, instead of
+    waiting for every document queued before it (R6) or for the sweep to wrap (R5)."""
+    config = WorkerConfig(max_batch_tokens=16 * 250, max_batch_items=16)
+    documents = [20 + (i * 37) % 230 for i in range(48)]  # 20-249 tokens, shuffled
+    async with running(config, overhead_ms=1.0, per_token_us=200.0) as (worker, adapter):
+        bulk = await worker.submit(items(*documents, text="doc"), "doc")
+        while not adapter.forward_log:  # into the first forward (~30 ms)
+            await asyncio.sleep(0.001)
+        query = await worker.submit(items(6, text="query"), "query")
+        await asyncio.wait_for(asyncio.gather(bulk, query), 5.0)
+    groups = [call.params for call in adapter.forward_log]
+    assert groups[:3] == ["doc", "query", "doc"]
+    assert sum(map(len, payloads(adapter))) == 49
+
+
 # R6 config groups (scenario 9) -------------------------------------------------------
 
 async def test_r6_items_with_different_params_never_share_a_forward() -> None:

@@ -26,7 +26,7 @@ arrivals = st.lists(
     st.builds(
         Arrival,
         delay_ms=st.sampled_from([0.0, 0.0, 0.5, 2.0]),
-        costs=st.lists(st.integers(1, 300), min_size=1, max_size=5).map(tuple),
+        costs=st.lists(st.integers(1, 300), min_size=1, max_size=12).map(tuple),
         lora=st.sampled_from([None, "a", "b"]),
         params=st.sampled_from(["p", "q"]),
         cancel=st.sampled_from([False, False, False, True]),

@@ -10,16 +10,19 @@ no item waits more than one sweep and neighbours in length drain together.
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Protocol, Self
 
-from ember.engine.config import WorkerConfig
+from ember.engine.config import LEAD_RATIO, WorkerConfig
 from ember.engine.types import PreparedItem
 
 _SEQ = attrgetter("seq")  # a pending item's place in line
+_COST = attrgetter("item.cost")
 
 EXACT_COSTS = 64  # costs below this get a bucket each
 STEPS_PER_OCTAVE = 32  # above it, buckets at most 1/32 (~3 %) apart
@@ -95,6 +98,8 @@ class Batch:
     # Where its group's sweep stood when it formed, and the bucket it started from.
     cursor: int = 0
     start: int = 0
+    led: bool = False  # a small request's items lead it, outside the sweep
+    after_led: bool = False  # the batch formed before it was led
 
     def fits(self, cost: int, limits: Limits) -> bool:
         """Whether one more item of `cost` keeps the batch within its limits (R5)."""
@@ -176,18 +181,26 @@ class BatchFormer:
     """
 
     def __init__(self, max_batch_tokens: int, max_batch_items: int,
-                 max_padding: float = 0.0) -> None:
+                 max_padding: float = 0.0, lead_ratio: float = LEAD_RATIO) -> None:
         self.limits = Limits(max_batch_tokens, max_batch_items, max_padding)
+        self.lead_ratio = lead_ratio
         self._groups: dict[Hashable, _Group] = {}
         # Arrival order, one entry a request (its first item here: a request's items share
         # group, arrival and place in line); requests with nothing queued are skipped lazily.
         self._arrivals: deque[PendingItem] = deque()
         self._per_owner: dict[Owner, int] = {}
         self._count = 0
+        # Pending requests by their size, smallest and largest first (entries of requests
+        # with nothing queued are dropped lazily): which may lead the next forward.
+        self._smallest: list[tuple[int, int, int, list[PendingItem]]] = []
+        self._largest: list[tuple[int, int, int, Owner]] = []
+        self._entries = itertools.count()  # ties in a heap never compare the payloads
+        self._led_last = False  # the last batch formed was led: the sweep's turn
 
     @classmethod
     def for_config(cls, config: WorkerConfig) -> Self:
-        return cls(config.max_batch_tokens, config.max_batch_items, config.padding)
+        return cls(config.max_batch_tokens, config.max_batch_items, config.padding,
+                   config.lead_ratio)
 
     @property
     def pending_items(self) -> int:
@@ -230,6 +243,7 @@ class BatchFormer:
             self._arrivals.append(first)
         owners[owner] = held + len(items)
         self._count += len(items)
+        self._sized(items)
         group = self._groups.get(first.group)
         if group is None:
             group = self._groups[first.group] = _Group()
@@ -260,6 +274,13 @@ class BatchFormer:
         head = self.oldest()
         if head is None:
             return None
+        leader = self._leader()
+        batch = self._led(lora, leader) if leader else self._swept(lora, head)
+        batch.after_led, self._led_last = self._led_last, batch.led
+        return batch
+
+    def _swept(self, lora: str | None, head: PendingItem) -> Batch:
+        """The sweep's next batch, in the group of the oldest pending request."""
         group = self._groups[head.group]
         start = bisect.bisect_left(group.keys, group.cursor)
         if start == len(group.keys):  # the sweep reached the top: wrap to the cheapest
@@ -279,18 +300,77 @@ class BatchFormer:
         group.cursor = top + 1 if top == bottom else top
         return batch
 
-    def starts_before(self, batch: Batch, cost: int) -> bool:
-        """Whether an item of `cost`, had it come before `batch` formed, would have led it:
-        `batch` began a new sweep (it wrapped to the cheapest bucket) and the item is
-        cheaper still. (A batch formed ahead of a long forward would otherwise make a
-        cheap arrival wait through one more.)"""
-        return batch.start < batch.cursor and cost_bucket(cost) < batch.start
+    def _led(self, lora: str | None, leader: list[PendingItem]) -> Batch:
+        """A batch that a small request's queued items lead, cheapest first, packed with
+        the items that pad it least; the sweep's cursor stays where it was."""
+        group = self._groups[leader[0].group]
+        batch = Batch(lora, leader[0].group, cursor=group.cursor, start=group.cursor,
+                      led=True)
+        taken: dict[int, int] = {}
+        for pending in sorted((p for p in leader if p.queued), key=_COST):
+            if not batch.fits(pending.item.cost, self.limits):
+                batch.full = True
+                break
+            key = cost_bucket(pending.item.cost)
+            batch.add(pending)  # a tombstone in its bucket from here on
+            taken[key] = taken.get(key, 0) + 1
+        if not batch.full:  # from the widest outward: what pads least comes first
+            at = bisect.bisect_left(group.keys, cost_bucket(batch.widest))
+            self._pack(batch, group, at - 1, at, taken)
+        self._taken(batch, group, taken)
+        return batch
+
+    def _sized(self, items: list[PendingItem]) -> None:
+        """Enter one request's queued items by their count (what may lead, or be led)."""
+        first, entry = items[0], next(self._entries)
+        heapq.heappush(self._smallest, (len(items), first.seq, entry, items))
+        heapq.heappush(self._largest, (-len(items), first.seq, entry, first.owner))
+        if len(self._smallest) > 2 * len(self._per_owner) + 64:
+            # Entries of requests served deep in a heap never reach its top: drop them.
+            owners = self._per_owner
+            self._smallest = [e for e in self._smallest if e[3][0].owner in owners]
+            self._largest = [e for e in self._largest if e[3] in owners]
+            heapq.heapify(self._smallest)
+            heapq.heapify(self._largest)
+
+    def _largest_size(self) -> int:
+        largest, owners = self._largest, self._per_owner
+        while largest and largest[0][3] not in owners:
+            heapq.heappop(largest)
+        return -largest[0][0] if largest else 0
+
+    def _leader(self) -> list[PendingItem] | None:
+        """The smallest pending request's items when it holds at most 1/`lead_ratio` of
+        the items of the largest and the last batch was the sweep's (so the sweep keeps
+        every other forward, and its bound, at most doubled, holds)."""
+        if self._led_last or not self.lead_ratio:
+            return None
+        smallest, owners = self._smallest, self._per_owner
+        while smallest and (smallest[0][3][0].owner not in owners
+                            or not any(p.queued for p in smallest[0][3])):
+            heapq.heappop(smallest)  # served (a request added in parts has an entry a part)
+        if not smallest or smallest[0][0] * self.lead_ratio > self._largest_size():
+            return None
+        return smallest[0][3]
+
+    def would_lead(self, batch: Batch, items: Sequence[PendingItem]) -> bool:
+        """Whether one request's `items`, had they come before `batch` formed, would have
+        led it: `batch` began a new sweep (it wrapped to the cheapest bucket) and they are
+        cheaper still, or they are a small request beside a large one and neither `batch`
+        nor the one before it was led. (A batch formed ahead of a long forward would
+        otherwise make them wait through one more.)"""
+        if batch.group == items[0].group and batch.start < batch.cursor and cost_bucket(
+                min(map(_COST, items))) < batch.start:
+            return True
+        return (bool(self.lead_ratio) and not batch.led and not batch.after_led
+                and len(items) * self.lead_ratio <= self._largest_size())
 
     def put_back(self, batch: Batch) -> None:
         """Queue a formed batch's items again, each at the head of its bucket and in its
         request's place in line, and the sweep where it stood: as if it never formed."""
         group = self._groups.setdefault(batch.group, _Group())
-        owners, rejoined = self._per_owner, False
+        owners = self._per_owner
+        rejoined: dict[Owner, list[PendingItem]] = {}
         for pending in reversed(batch.items):
             key = cost_bucket(pending.item.cost)
             bucket = group.buckets.get(key)
@@ -302,14 +382,17 @@ class BatchFormer:
             bucket.appendleft(pending)
             group.live[key] += 1
             held = owners.get(pending.owner, 0)
-            if not held:
-                self._arrivals.append(pending)
-                rejoined = True
+            if not held or pending.owner in rejoined:
+                rejoined.setdefault(pending.owner, []).append(pending)
             owners[pending.owner] = held + 1
         if rejoined:  # rare (a batch put back holds the oldest requests): restore the order
+            for items in rejoined.values():
+                self._arrivals.append(items[-1])
+                self._sized(items[::-1])
             self._arrivals = deque(sorted(self._arrivals, key=_SEQ))
         self._count += len(batch.items)
         group.cursor = batch.cursor
+        self._led_last = batch.after_led
 
     def _taken(self, batch: Batch, group: _Group, taken: dict[int, int]) -> None:
         """Counters for the items `batch` took out of the queue (`taken`: per bucket)."""

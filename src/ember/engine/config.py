@@ -12,6 +12,9 @@ DISPATCH_MODES: tuple[Dispatch, ...] = ("auto", "fixed")
 FIXED_MAX_BATCH_WAIT_MS = 10.0
 FIXED_IDLE_COALESCE_MS = 3.0
 FIXED_MAX_PADDING = 1.05
+# A request with at most 1/LEAD_RATIO the items of the largest one pending leads the next
+# forward (every other one at most), so a query does not wait out a bulk request's sweep.
+LEAD_RATIO = 4.0
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,10 @@ class WorkerConfig:
     this many per real token (plus a few per item, so close lengths still share a
     forward); the item waits for a batch of its own length. 0 turns it off (for a
     device whose fixed cost per forward dwarfs its cost per padded token).
+
+    `lead_ratio`: a request with at most 1/`lead_ratio` the items of the largest request
+    queued beside it leads the next forward, outside the sweep, every other forward at
+    most; 0 turns it off (every batch is the sweep's).
     """
 
     max_batch_tokens: int = 16384
@@ -44,6 +51,7 @@ class WorkerConfig:
     max_padding: float | None = None
     dispatch: Dispatch = "auto"
     forward_fills_cores: bool = False  # a forward keeps every core busy (set by the registry)
+    lead_ratio: float = LEAD_RATIO
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_batch_items", "max_queue_items"):
@@ -55,6 +63,8 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if self.max_padding is not None and 0 < self.max_padding < 1:
             raise ValueError(f"max_padding must be 0 (off) or >= 1, got {self.max_padding}")
+        if not (self.lead_ratio == 0 or self.lead_ratio >= 1):
+            raise ValueError(f"lead_ratio must be 0 (off) or >= 1, got {self.lead_ratio}")
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
 

@@ -419,17 +419,15 @@ class ModelWorker:
         return items
 
     def _put_back_if_led(self, lora: str | None, items: list[PendingItem]) -> None:
-        """R5 as of the hand-off, not of the prefetch: when the batches formed ahead began
-        a new sweep and an arrival that did not fit them is cheaper than where they began,
-        they go back to the queue and the loop forms again, so the arrival leads the next
-        forward instead of waiting through the one formed before it came. Called under
-        the lock."""
+        """R5 as of the hand-off, not of the prefetch: when an arrival that did not fit the
+        batches formed ahead would have led them (`BatchFormer.would_lead`), they go back
+        to the queue and the loop forms again, so the arrival leads the next forward
+        instead of waiting through the one formed before it came. Called under the lock."""
         formed = [batch for batch in (self._handed, self._slot) if batch is not None]
         if not formed or any(batch.lora != lora for batch in formed):
             return
-        former, first = self._lanes[lora].former, formed[0]
-        if first.group != items[0].group or not former.starts_before(
-                first, min(pending.item.cost for pending in items)):
+        former = self._lanes[lora].former
+        if not former.would_lead(formed[0], items):
             return
         for batch in reversed(formed):  # the later first: the earlier's items lead again
             former.put_back(batch)
