@@ -55,6 +55,8 @@ class HubStandIn:
         self.requests: list[tuple[str, str, str]] = []  # (method, path, Range header)
         self.cut_once: set[str] = set()  # file names whose first GET stops half way
         self.notes: dict[str, str] = {}  # what a fixture wants to remember (commit shas)
+        # Names a repository lists beside its files and never serves (a hostile Hub).
+        self.listed: dict[str, list[str]] = {}
         self._lock = threading.Lock()
         self._etags: dict[Path, str] = {}
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -155,6 +157,7 @@ class HubStandIn:
                 sha, folder = found
                 siblings = [{"rfilename": name, "size": (folder / name).stat().st_size}
                             for name in files_of(folder)]
+                siblings += [{"rfilename": name, "size": 10} for name in hub.listed.get(repo, [])]
                 self._json({"id": repo, "modelId": repo, "sha": sha, "private": False,
                             "siblings": siblings})
 
@@ -165,7 +168,9 @@ class HubStandIn:
                 _, folder = found
                 self._json([{"type": "file", "path": name, "size": (folder / name).stat().st_size,
                              "oid": hashlib.sha1((folder / name).read_bytes()).hexdigest()}
-                            for name in files_of(folder)])
+                            for name in files_of(folder)]
+                           + [{"type": "file", "path": name, "size": 10, "oid": "0" * 40}
+                              for name in hub.listed.get(repo, [])])
 
             def _missing(self, repo: str, revision: str) -> None:
                 if repo in hub.repos:

@@ -213,6 +213,23 @@ def test_a_pickle_only_repository_is_refused_unless_allowed(
     assert standin.gets("pytorch_model.bin") == 1
 
 
+@pytest.mark.parametrize("name", ["../../outside.json", "/etc/outside.json",
+                                  "sub/../../outside.json", "a\\..\\outside.json"])
+def test_a_repository_listing_files_outside_itself_is_refused(
+        standin: HubStandIn, tmp_path: Path, name: str) -> None:
+    """Found by a black-box review: such a name reached huggingface_hub's own check and
+    came back as a 500; it is a model that cannot be had (502 on a request)."""
+    repo = f"someone/escapes-{abs(hash(name)) % 10**6}"
+    standin.add(repo, Path(standin.notes["dense"]))
+    standin.listed[repo] = [name]
+    refused = run(standin, tmp_path / "hf", snapshot(repo))
+    assert "lists files outside itself" in str(refused["error"]), refused
+    assert repr(name) in str(refused["error"])
+    assert not [path for method, path, _ in standin.requests  # nothing downloaded
+                if method == "GET" and path.startswith(f"/{repo}/resolve/")]
+    assert not list(tmp_path.rglob("outside.json"))
+
+
 def test_a_dense_module_in_a_subfolder_is_fetched_and_run(standin: HubStandIn,
                                                           tmp_path: Path) -> None:
     from sentence_transformers import SentenceTransformer

@@ -10,7 +10,7 @@ import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from ember.adapters.base import EncodeOptions, Runtime, usable_cores
-from ember.config import ModelSpec, load_catalog, parse_spec, spec_from_directory
+from ember.config import ModelSpec, ServerSettings, load_catalog, parse_spec, spec_from_directory
 from ember.errors import ModelLoadError, ModelNotFound
 from ember.ipc.models import front_loader
 from ember.registry import Registry, RegistryLimits, adapter_loader
@@ -65,6 +65,22 @@ async def test_a_model_in_use_is_not_evicted() -> None:
     async with registry.use("a"):
         await registry.get("b")  # a is busy: both stay, over the limit, rather than fail
         assert sorted(registry.loaded) == ["a", "b"]
+    await registry.close()
+
+
+async def test_the_default_model_is_never_evicted() -> None:
+    """Found by a black-box review: with --max-loaded-models 1, one request for another
+    model evicted the default model and /readyz turned 503 until someone used it again."""
+    settings = ServerSettings(default_model="a", max_loaded_models=1)
+    registry = Registry.serving(settings, catalog(synthetic("a"), synthetic("b"),
+                                                  synthetic("c")))
+    evicted: list[str] = []
+    registry.on_evict.append(evicted.append)
+    await registry.get("a")
+    await registry.get("b")  # over the limit: only a pinned model is left to evict
+    await registry.get("c")
+    assert evicted == ["b"] and sorted(registry.loaded) == ["a", "c"]
+    assert registry.state("a") == "loaded"
     await registry.close()
 
 

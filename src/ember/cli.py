@@ -275,7 +275,10 @@ def serve(settings: ServerSettings) -> int:
         log.error("--workers must be 0 (one process) or more, got %d", settings.workers)
         return 2
     if settings.ray is not None:
-        return serve_ray(settings)
+        return serve_ray(settings)  # the replicas' machines hold the devices
+    if (problem := device_problem(settings.device)) is not None:
+        log.error("%s", problem)
+        return 2
     if settings.workers:
         from ember.supervisor import serve_processes
 
@@ -292,6 +295,22 @@ def serve(settings: ServerSettings) -> int:
     with sock:
         run_http(settings, Registry.serving(settings, catalog), sockets=[sock])
     return 0
+
+
+def device_problem(device: str) -> str | None:
+    """Why this machine cannot run forwards on `device`, if it cannot (checked at start:
+    otherwise every model would fail to load and the server would run unready)."""
+    if device == "cpu":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return (f"--device {device}: torch {torch.__version__} sees no CUDA device on this "
+                "machine; use --device cpu")
+    count = torch.cuda.device_count()
+    if int(device.partition(":")[2] or 0) >= count:
+        return f"--device {device}: this machine has {count} CUDA devices (cuda:0-{count - 1})"
+    return None
 
 
 def with_hub_models(settings: ServerSettings,

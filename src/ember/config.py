@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -410,6 +411,9 @@ passes every replica's cap waits in the router only up to a bound, then gets 429
         return float(2 * max_batch_items)
 
 
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """Everything `ember serve` is configured with (flags and EMBER_* variables)."""
@@ -441,3 +445,22 @@ class ServerSettings:
     log_level: str = "info"
     log_format: str = "text"  # text | json (one JSON object a line, for log shippers)
     ray: RaySettings | None = None  # set: serve on Ray Serve (`ember serve --ray`)
+
+    def __post_init__(self) -> None:
+        # A value that would make every request fail is refused at start, not served.
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be 0-65535, got {self.port}")
+        if not DEVICE.fullmatch(self.device):
+            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
+        for flag, value in (("--max-body-bytes", self.max_body_bytes),
+                            ("--max-items-per-request", self.max_items_per_request),
+                            ("--max-text-chars", self.max_text_chars),
+                            ("--max-images-per-request", self.max_images_per_request),
+                            ("--max-loaded-models", self.max_loaded_models)):
+            if value < 1:
+                raise ValueError(f"{flag} must be 1 or more, got {value}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError("--request-timeout-s must be over 0 (leave it out for no "
+                             f"timeout), got {self.request_timeout_s:g}")
+        if self.memory_budget_mb is not None and self.memory_budget_mb < 1:
+            raise ValueError(f"--memory-budget-mb must be 1 or more, got {self.memory_budget_mb}")

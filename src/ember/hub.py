@@ -190,6 +190,9 @@ def _download(ref: HubRef, wanted: Wanted) -> Path:
                        f"{str(exc).splitlines()[0] if str(exc) else ''}); check HF_ENDPOINT "
                        "and the network, or set HF_HUB_OFFLINE=1 to use the cache") from None
     sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or []}
+    if unsafe := sorted(name for name in sizes if not _inside(name)):
+        raise HubError(f"model {ref}: the repository lists files outside itself "
+                       f"({', '.join(map(repr, unsafe[:3]))}); refused, nothing downloaded")
     has_safetensors = any(name.endswith(".safetensors") for name in sizes)
     pickled = [n for n in sizes if any(_match(n, p) for p in PICKLE_FILES)]
     if not wanted.weights:
@@ -212,12 +215,22 @@ def _download(ref: HubRef, wanted: Wanted) -> Path:
              len(files), human_bytes(total), sha)
     for name in missing:
         log.info("%s: downloading %s (%s)", ref, name, human_bytes(sizes[name]))
-    folder = snapshot_download(ref.repo, revision=ref.revision, allow_patterns=patterns,
-                               ignore_patterns=list(IGNORED),
-                               tqdm_class=progress_class(str(ref)))
+    try:
+        folder = snapshot_download(ref.repo, revision=ref.revision, allow_patterns=patterns,
+                                   ignore_patterns=list(IGNORED),
+                                   tqdm_class=progress_class(str(ref)))
+    except ValueError as exc:  # the client's own checks of what the Hub answered
+        raise HubError(f"model {ref}: {str(exc).splitlines()[0]}") from None
     log.info("%s: downloaded %s in %.1f s", ref, human_bytes(total),
              time.monotonic() - started)
     return Path(folder)
+
+
+def _inside(name: str) -> bool:
+    """Whether a file name a repository lists stays inside its folder once downloaded."""
+    parts = name.split("/")
+    return bool(name) and not name.startswith("/") and "\\" not in name and all(
+        part not in ("", ".", "..") for part in parts)
 
 
 def _match(name: str, pattern: str) -> bool:

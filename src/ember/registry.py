@@ -127,6 +127,8 @@ class RegistryLimits:
     max_loaded_models: int = 4
     memory_budget_bytes: int | None = None
     failure_retry_s: float = 30.0
+    # Never evicted: the default model serves the routes without a model name and /readyz.
+    pinned: frozenset[str] = frozenset()
 
 
 class CatalogLookup:
@@ -163,7 +165,8 @@ class Registry(CatalogLookup):
         """The registry `ember serve` runs with these settings."""
         budget = settings.memory_budget_mb * 1024 * 1024 if settings.memory_budget_mb else None
         return cls(catalog, Runtime.from_settings(settings), settings.worker,
-                   RegistryLimits(settings.max_loaded_models, budget))
+                   RegistryLimits(settings.max_loaded_models, budget,
+                                  pinned=frozenset({settings.default_model})))
 
     def __init__(self, catalog: Mapping[str, ModelSpec], runtime: Runtime | None = None,
                  worker_config: WorkerConfig | None = None,
@@ -300,10 +303,11 @@ class Registry(CatalogLookup):
             return budget is not None and used + incoming_bytes > budget
 
         while over():
-            idle = [m for m in self._loaded.values() if m.in_use == 0]
+            idle = [m for m in self._loaded.values()
+                    if m.in_use == 0 and m.spec.name not in limits.pinned]
             if not idle:
-                log.warning("over the model limits but every loaded model is busy; "
-                            "loading anyway")
+                log.warning("over the model limits but every loaded model is busy or "
+                            "pinned (the default model); loading anyway")
                 return
             await self._evict(min(idle, key=lambda m: m.last_used).spec.name)
 

@@ -377,6 +377,20 @@ def test_an_unknown_similarity_is_refused_at_load(tiny_dirs: dict[str, Path],
         transformer.load(spec_for(directory, "transformer", ("encode",)), ONNX)
 
 
+@pytest.mark.parametrize("backend", [ONNX, Runtime(backend="torch")], ids=["onnx", "torch"])
+def test_a_folder_without_its_tokenizer_files_fails_the_load(tmp_path: Path,
+                                                            backend: Runtime) -> None:
+    """Found by a black-box review: transformers then builds a tokenizer of special tokens
+    only, every word became [UNK], and "cat" and "dog" got the same vector."""
+    directory = build_bi_encoder(tmp_path / "model", seed=4)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                 "special_tokens_map.json"):
+        (directory / name).unlink(missing_ok=True)
+    with pytest.raises(ModelLoadError, match=r"the tokenizer knows \d+ tokens where the "
+                       r"model embeds \d+: its files .* are missing"):
+        transformer.load(spec_for(directory, "transformer", ("encode",)), backend)
+
+
 def test_a_folder_that_names_its_document_prompt_passage_gets_it_on_documents(
         tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
     directory = build_st_pipeline(tmp_path / "passage", tiny_dirs["base"],

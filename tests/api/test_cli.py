@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import socket
 import subprocess
 import sys
@@ -288,6 +289,33 @@ def test_a_bad_log_level_is_one_line() -> None:
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "ember: --log-level must be one of debug, info, warning, error, not 'loud'"]
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--port", "70000"), "--port must be 0-65535, got 70000"),
+    (("--device", "tpu"), "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+    (("--max-body-bytes", "0"), "--max-body-bytes must be 1 or more, got 0"),
+    (("--max-loaded-models", "0"), "--max-loaded-models must be 1 or more, got 0"),
+    (("--request-timeout-s", "-1"), "--request-timeout-s must be over 0"),
+    (("--max-text-chars", "0"), "--max-text-chars must be 1 or more, got 0"),
+])
+def test_a_setting_that_would_fail_every_request_is_refused_at_start(
+        flags: tuple[str, str], says: str) -> None:
+    """Found by a black-box review: these started, answered /readyz 200, then refused
+    every request (a bad deploy that looks alive)."""
+    result = run_ember("serve", "--default-model", SYNTH, *flags)
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ember: {says}"), lines
+
+
+@pytest.mark.skipif(bool(importlib.util.find_spec("torch")) and __import__(
+    "torch").cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_cuda_device_on_a_machine_without_one_is_refused_at_start() -> None:
+    result = run_ember("serve", "--default-model", SYNTH, "--device", "cuda", "--port", "1")
+    assert result.returncode == 2, result
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "--device cuda" in errors[0] and "--device cpu" in errors[0]
 
 
 def test_a_taken_port_is_one_line_and_exit_1() -> None:

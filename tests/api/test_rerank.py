@@ -56,6 +56,10 @@ async def test_top_n_above_the_count_returns_all(shared: Served) -> None:
     ({"query": QUERY, "documents": []}, "documents"),
     ({"query": QUERY, "documents": DOCS, "top_n": 0}, "top_n"),
     ({"query": QUERY, "documents": [{"txt": "x"}]}, None),
+    # Found by a black-box review: ranked on "text" with a 200 while the client asked for
+    # its title; any field Cohere or Jina have that Ember does not is named too.
+    ({"query": QUERY, "documents": [{"text": "x"}], "rank_fields": ["title"]}, "rank_fields"),
+    ({"query": QUERY, "documents": DOCS, "max_chunks_per_doc": 3}, "max_chunks_per_doc"),
 ])
 async def test_invalid_bodies_are_422_naming_the_field(shared: Served, body: dict[str, object],
                                                        param: str | None) -> None:
@@ -78,3 +82,10 @@ async def test_a_model_that_cannot_score_is_422(shared: Served) -> None:
     response = await shared.client.post("/v1/rerank", json={
         "model": SPACY, "query": QUERY, "documents": DOCS})
     assert_error(response, 422, "unsupported_task", "model")
+
+
+async def test_rank_fields_naming_the_text_is_taken(shared: Served) -> None:
+    response = await shared.client.post("/v1/rerank", json={
+        "model": SYNTH, "query": QUERY, "documents": [{"text": "x", "title": "t"}],
+        "rank_fields": ["text"]})
+    assert response.status_code == 200, response.text

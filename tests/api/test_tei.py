@@ -106,6 +106,15 @@ async def test_tei_rerank_on_the_real_model(real_default: Served) -> None:
     ("/embed", {"inputs": [1, 2]}, None),
     ("/rerank", {"texts": ["a"]}, "query"),
     ("/rerank", {"query": "q", "texts": []}, "texts"),
+    # Found by a black-box review: each was ignored with a 200, and a TEI client asking for
+    # 100 dimensions got all of them.
+    ("/embed", {"inputs": "x", "dimensions": 100}, "dimensions"),
+    ("/embed", {"inputs": "x", "prompt_name": "no-such-prompt"}, "prompt_name"),
+    ("/embed", {"inputs": "x", "pooling": "cls"}, "pooling"),
+    ("/embed", {"inputs": "x", "parameters": {"normalize": False}}, "parameters"),
+    ("/rerank", {"query": "q", "texts": ["a"], "raw_scores": True}, "raw_scores"),
+    ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"], "x": 1}},
+     "inputs.x"),
 ])
 async def test_invalid_bodies_are_422_naming_the_field(shared: Served, route: str,
                                                        body: dict[str, object],
@@ -123,3 +132,13 @@ async def test_root_post_embeds_like_tei_for_clients_given_only_the_base_url(
     at_root = await shared.client.post("/", json={"inputs": "one"})
     at_embed = await shared.client.post("/embed", json={"inputs": "one"})
     assert at_root.status_code == 200 and at_root.json() == at_embed.json()
+
+
+async def test_fields_tei_has_are_taken_when_they_can_be_honoured(shared: Served) -> None:
+    dims = shared.synthetic().dims
+    for body in ({"inputs": "x", "dimensions": dims}, {"inputs": "x", "prompt_name": "passage"},
+                 {"inputs": "x", "parameters": {}}):  # huggingface_hub sends an empty one
+        response = await shared.client.post("/embed", json=body)
+        assert response.status_code == 200, (body, response.text)
+    query = await shared.client.post("/embed", json={"inputs": "x", "prompt_name": "query"})
+    assert query.status_code == 200, query.text

@@ -17,6 +17,7 @@ import torch
 
 from ember.adapters._arrays import padded
 from ember.adapters.base import (
+    DOCUMENT_PROMPTS,
     Entity,
     ExtractOptions,
     ModelInfo,
@@ -29,7 +30,7 @@ from ember.adapters.base import (
 from ember.config import ModelSpec
 from ember.engine.types import PreparedItem, RequestResult
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
-from ember.model_files import read_model_file
+from ember.model_files import read_model_file, read_model_json
 
 if TYPE_CHECKING:
     from ember.adapters._backend import Forward
@@ -263,17 +264,33 @@ def load_tokenizer(spec: ModelSpec, model_dir: Path) -> Any:
     if not tokenizer.is_fast:
         raise ModelLoadError(spec.name, "a fast (tokenizers) tokenizer is required; the "
                                         "model directory needs a tokenizer.json")
+    # Without its vocabulary files transformers builds a tokenizer of special tokens only:
+    # every word would be [UNK], and every text the same vector.
+    rows = embedding_rows(model_dir)
+    if rows is not None and len(tokenizer) < rows // 2:
+        raise ModelLoadError(spec.name, f"the tokenizer knows {len(tokenizer)} tokens where "
+                                        f"the model embeds {rows}: its files (tokenizer.json, "
+                                        "vocab.txt...) are missing from the model directory "
+                                        "or belong to another model")
     return tokenizer
+
+
+def embedding_rows(model_dir: Path) -> int | None:
+    """The model's vocabulary size by its config.json (a text tower's, for CLIP)."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        return None
+    config = read_model_json(path)
+    for where in (config, config.get("text_config")):
+        if isinstance(where, dict) and isinstance(where.get("vocab_size"), int):
+            return int(where["vocab_size"])
+    return None
 
 
 def refuse_loras(spec: ModelSpec, family: str) -> None:
     if spec.loras:
         raise ModelLoadError(spec.name, f"the {family} family does not take LoRA adapters; "
                                         f"remove 'loras' from the spec")
-
-
-# What models call the document side's prompt, in sentence-transformers' order.
-DOCUMENT_PROMPTS = ("document", "passage", "corpus")
 
 
 def side_prefix(model: str, prompts: Mapping[str, str], is_query: bool,

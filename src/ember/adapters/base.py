@@ -89,6 +89,10 @@ class TaskOutput(Generic[T]):
     tokens: int  # input tokens after truncation, for usage counts
 
 
+# What models call the document side's prompt, in sentence-transformers' order.
+DOCUMENT_PROMPTS = ("document", "passage", "corpus")
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     name: str

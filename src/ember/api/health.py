@@ -36,9 +36,9 @@ async def readyz(request: Request) -> JSONResponse:
     if not await state.recent_status():
         return error_response(503, "not_ready", "the engine did not answer within "
                               f"{STATUS_TIMEOUT_S:g} s")
-    if state.registry.state(default) != "loaded":
-        return error_response(503, "not_ready", f"default model {default!r} is "
-                              f"{state.registry.state(default)}")
+    if (now := state.registry.state(default)) != "loaded":
+        return error_response(503, "not_ready", f"default model {default!r} is not loaded "
+                              f"(state: {now})")
     return JSONResponse({"status": "ready", "default_model": default})
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ember.adapters.base import ScoreOptions
 from ember.api.codec import render
+from ember.api.errors import ApiError
 from ember.api.model_task import check_inputs, check_query, requested_model, run_task
 from ember.api.routing import InferenceRoute
 
@@ -19,11 +20,17 @@ class Document(BaseModel):
 
 
 class RerankRequest(BaseModel):
+    """Cohere's v1 and Jina's body; any other field is a 422 naming it, never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
     query: str
     documents: list[str | Document]
     model: str | None = Field(None, description="catalog name; default: the server's model")
     top_n: int | None = Field(None, ge=1, description="return only the best n")
     return_documents: bool = False
+    rank_fields: list[str] | None = Field(None, description='["text"] only: each document\'s '
+                                          "text is what is ranked")
 
 
 def ranked(scores: list[float], top_n: int | None) -> list[int]:
@@ -35,6 +42,10 @@ def ranked(scores: list[float], top_n: int | None) -> list[int]:
 @router.post("/v1/rerank", summary="Rerank documents for a query (Cohere/Jina shape)")
 async def rerank(body: RerankRequest, request: Request) -> Response:
     model = requested_model(request, body)
+    if body.rank_fields not in (None, ["text"]):
+        raise ApiError(422, "invalid_request", f"rank_fields {body.rank_fields} is not "
+                       "supported: each document's text is ranked; put what to rank in "
+                       '"text", or leave rank_fields out', "rank_fields")
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
     check_inputs(request, texts, "documents")
     check_query(request, body.query)

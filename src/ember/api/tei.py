@@ -9,9 +9,16 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, RootModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError, field_validator
 
-from ember.adapters.base import Encoded, EncodeOptions, ScoreOptions, TaskModel, TaskOutput
+from ember.adapters.base import (
+    DOCUMENT_PROMPTS,
+    Encoded,
+    EncodeOptions,
+    ScoreOptions,
+    TaskModel,
+    TaskOutput,
+)
 from ember.api.codec import render
 from ember.api.errors import ApiError, validation_error
 from ember.api.model_task import check_inputs, check_query, require_dense, run_task
@@ -23,29 +30,51 @@ router = APIRouter(tags=["tei"], route_class=InferenceRoute)
 Direction = Literal["right", "Right", "left", "Left"]
 
 
-class EmbedRequest(BaseModel):
+class Strict(BaseModel):
+    """A TEI body has TEI's fields only: any other is a 422 naming it, never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+    # huggingface_hub's InferenceClient sends an empty one beside the inputs.
+    parameters: dict[str, Any] | None = Field(None, description="empty, if sent: the "
+                                              "options go at the top level, as TEI reads them")
+
+    @field_validator("parameters")
+    @classmethod
+    def nothing_in_parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value:
+            raise ValueError(f"{sorted(value)} would be ignored here: send them at the top "
+                             "level of the body, as TEI reads them")
+        return value
+
+
+class EmbedRequest(Strict):
     inputs: str | list[str]
     normalize: bool = True
     truncate: bool = True
     truncation_direction: Direction | None = None
-    prompt_name: str | None = None
+    prompt_name: str | None = Field(None, description="query, or document (passage, corpus): "
+                                    "the side of an asymmetric model")
+    dimensions: int | None = Field(None, description="must equal the model's dims if given")
 
 
-class TeiRerankRequest(BaseModel):
+class TeiRerankRequest(Strict):
     query: str
     texts: list[str]
     truncate: bool = True
     truncation_direction: Direction | None = None
     return_text: bool = False
-    raw_scores: bool = False
+    raw_scores: bool = Field(False, description="true is refused: scores are the model's own "
+                             "activation of its logits")
 
 
 class SimilarityInputs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     source_sentence: str
     sentences: list[str]
 
 
-class SimilarityRequest(BaseModel):
+class SimilarityRequest(Strict):
     inputs: SimilarityInputs
     truncate: bool = True
     truncation_direction: Direction | None = None
@@ -62,17 +91,27 @@ def encode_options(truncate: bool, direction: str | None, prompt_name: str | Non
         raise ApiError(422, "invalid_request", "truncation_direction 'Left' is not supported: "
                        "Ember cuts the end of a long text; send 'Right' or leave it out",
                        "truncation_direction")
+    if prompt_name is not None and prompt_name not in ("query", *DOCUMENT_PROMPTS):
+        raise ApiError(422, "invalid_request", f"prompt_name {prompt_name!r} is not one Ember "
+                       f"serves: query, or {', '.join(DOCUMENT_PROMPTS)} for the document side",
+                       "prompt_name")
     return EncodeOptions(normalize=normalize, truncate=truncate,
                          is_query=prompt_name == "query")
 
 
 async def dense_vectors(request: Request, texts: list[str], options: EncodeOptions,
-                        field: str) -> TaskOutput[list[Encoded]]:
-    """The default model's dense vectors for `texts`; a model without them is a 422."""
+                        field: str, dimensions: int | None = None
+                        ) -> TaskOutput[list[Encoded]]:
+    """The default model's dense vectors for `texts`; a model without them is a 422, and
+    so is a `dimensions` other than the model's (Ember does not cut vectors)."""
     model = server_state(request).settings.default_model
 
     async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
         require_dense(m, request.url.path)
+        dims = adapter.info.dims
+        if dimensions is not None and dims is not None and dimensions != dims:
+            raise ApiError(422, "invalid_request", f"dimensions={dimensions} is not "
+                           f"supported; {model} returns {dims}", "dimensions")
         return await adapter.encode(m.submit, texts, options)
 
     return await run_task(request, model, "encode", encode, len(texts), field)
@@ -84,7 +123,7 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     check_inputs(request, texts, "inputs")
     options = encode_options(body.truncate, body.truncation_direction, body.prompt_name,
                              body.normalize)
-    output = await dense_vectors(request, texts, options, "inputs")
+    output = await dense_vectors(request, texts, options, "inputs", body.dimensions)
     return render(request.headers, [encoded.dense for encoded in output.values])
 
 
@@ -107,6 +146,9 @@ async def tei_rerank(body: TeiRerankRequest, request: Request) -> Response:
     check_inputs(request, body.texts, "texts")
     check_query(request, body.query)
     encode_options(body.truncate, body.truncation_direction, None)  # refuses Left
+    if body.raw_scores:
+        raise ApiError(422, "invalid_request", "raw_scores is not supported: scores are the "
+                       "model's own activation of its logits; leave it out", "raw_scores")
     options = ScoreOptions(truncate=body.truncate)
     output = await run_task(request, model, "score",
                             lambda m, a: a.score(m.submit, body.query, body.texts, options),
