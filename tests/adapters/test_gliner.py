@@ -15,7 +15,7 @@ import torch
 from ember.adapters.base import Entity, ExtractOptions, Runtime
 from ember.adapters.gliner import GlinerParams, load, load_front
 from ember.config import ModelSpec, Source, spec_from_directory
-from ember.engine import WorkerConfig
+from ember.engine import RequestTooLarge, WorkerConfig
 from ember.errors import InvalidInput, ModelLoadError
 from tests.adapters.serving import ServeFactory
 from tests.adapters.tiny_models import build_bi_encoder
@@ -190,3 +190,265 @@ async def test_the_native_extract_route_answers_any_labels(gliner_dir: Path,
         assert refused.status_code == 422 and "params.labels" in refused.text
         listed = (await served.client.get("/v1/models/local/model")).json()
         assert listed["adapter"] == "gliner" and listed["tasks"] == ["extract"]
+
+
+# Long texts: the tiny model reads 64 words (max_len) and predicts spans of up to 4
+# (max_width); a longer text is read in windows of 64 words, 16 shared by neighbours.
+SIZE, OVERLAP = 64, 16
+FILLER = " ".join(TEXTS[:3]).split()
+
+
+def long_text(words: int, tail: str = "") -> str:
+    return " ".join((FILLER * (words // len(FILLER) + 1))[:words]) + tail
+
+
+def windows_of(reference: Any, text: str) -> list[tuple[int, str]]:
+    """Each window's offset and text, from the reference's own word splitter."""
+    words = list(reference.data_processor.words_splitter(text))
+    if len(words) <= SIZE:
+        return [(0, text)]
+    firsts = [*range(0, len(words) - SIZE, SIZE - OVERLAP), len(words) - SIZE]
+    return [(words[f][1], text[words[f][1]:words[f + SIZE - 1][2]]) for f in firsts]
+
+
+def merged(reference: Any, text: str, labels: list[str], threshold: float = THRESHOLD,
+           flat_ner: bool = True, multi_label: bool = False) -> list[dict[str, Any]]:
+    """predict_entities on each window alone, shifted into the text; a span found twice
+    once, at its higher score; then gliner's own greedy_search over the whole text."""
+    windows = windows_of(reference, text)
+    if not text.strip():
+        return []
+    if len(windows) == 1:
+        found: list[dict[str, Any]] = reference.predict_entities(
+            text, labels, flat_ner=flat_ner, threshold=threshold, multi_label=multi_label)
+        return found
+    best: dict[tuple[int, int, str], float] = {}
+    for offset, part in windows:
+        for e in reference.predict_entities(part, labels, flat_ner=flat_ner,
+                                            threshold=threshold, multi_label=multi_label):
+            key = (e["start"] + offset, e["end"] + offset, e["label"])
+            best[key] = max(best.get(key, -1.0), e["score"])
+    # gliner's spans end on their last word (inclusive): the last character here.
+    spans = [(start, end - 1, label, score) for (start, end, label), score in best.items()]
+    kept = reference.decoder.greedy_search(spans, flat_ner=flat_ner, multi_label=multi_label)
+    return [{"start": s, "end": e + 1, "text": text[s:e + 1], "label": label, "score": score}
+            for s, e, label, score in kept]
+
+
+def whole(text: str, entities: list[Entity]) -> None:
+    """Offsets into the original text, sorted by start, each span once."""
+    assert all(text[e.start:e.end] == e.text for e in entities)
+    assert [e.start for e in entities] == sorted(e.start for e in entities)
+    assert len({(e.start, e.end, e.label) for e in entities}) == len(entities)
+
+
+async def test_a_long_text_is_read_past_max_len(serve: ServeFactory, gliner_dir: Path,
+                                                reference: Any) -> None:
+    """The review's repro: the old code kept the first 64 words and found nothing after."""
+    adapter = load(spec_for(gliner_dir), Runtime(backend="torch"))
+    text = " ".join(f"word{i}" for i in range(100)) + " Barack Obama visited Paris."
+    past = adapter.split(text).starts[SIZE]  # the first character the old code dropped
+    options = ExtractOptions(labels=("person", "city"), threshold=0.0)
+    async with serve(adapter) as served:
+        entities = (await adapter.extract(served.submit, [text], options)).values[0]
+    whole(text, entities)
+    assert any(e.start >= past for e in entities)
+    # At threshold 0 every word is in some span; the last window alone holds these.
+    assert {"Barack", "Obama", "Paris"} <= {w for e in entities for w in e.text.split()}
+    same(entities, merged(reference, text, ["person", "city"], threshold=0.0))
+
+
+@pytest.mark.parametrize(("flat_ner", "multi_label"),
+                         [(True, False), (False, False), (True, True), (False, True)])
+async def test_windows_merge_as_the_reference_reads_each_window(
+        serve: ServeFactory, gliner_dir: Path, reference: Any, flat_ner: bool,
+        multi_label: bool) -> None:
+    adapter = load(spec_for(gliner_dir, options={"flat_ner": flat_ner,
+                                                 "multi_label": multi_label}),
+                   Runtime(backend="torch"))
+    assert (adapter.max_words, adapter.overlap) == (SIZE, OVERLAP)
+    text = long_text(190)  # windows at words 0, 48, 96 and 126
+    assert len(windows_of(reference, text)) == 4
+    options = ExtractOptions(labels=tuple(LABELS), threshold=THRESHOLD)
+    async with serve(adapter) as served:
+        got = (await adapter.extract(served.submit, [text], options)).values[0]
+    want = merged(reference, text, LABELS, flat_ner=flat_ner, multi_label=multi_label)
+    assert want, "the random model finds something at this threshold"
+    whole(text, got)
+    same(got, want)
+
+
+def test_the_merge_keeps_spans_as_gliners_greedy_search(gliner_dir: Path,
+                                                         reference: Any) -> None:
+    """merge_windows against gliner's own greedy_search, on many random span sets."""
+    import random
+
+    from ember.adapters.gliner import merge_windows
+
+    front = load_front(spec_for(gliner_dir), Runtime(backend="torch"))
+    text = long_text(60)
+    words = front.split(text)
+    rng = random.Random(0)
+    for trial in range(200):
+        flat_ner, multi_label = bool(trial % 2), bool(trial // 2 % 2)
+        found = []
+        for _ in range(rng.randrange(1, 80)):
+            first = rng.randrange(len(words.words))
+            last = min(len(words.words) - 1, first + rng.randrange(4))
+            start, end = words.starts[first], words.ends[last]
+            found.append(Entity(text[start:end], rng.choice(LABELS), start, end, rng.random()))
+        best: dict[tuple[int, int, str], float] = {}
+        for e in found:
+            best[(e.start, e.end, e.label)] = max(best.get((e.start, e.end, e.label), -1.0),
+                                                  e.score)
+        want = reference.decoder.greedy_search(
+            [(s, e - 1, label, score) for (s, e, label), score in best.items()],
+            flat_ner=flat_ner, multi_label=multi_label)
+        got = merge_windows(found, words, flat_ner, multi_label)
+        assert [(e.start, e.end - 1, e.label, e.score) for e in got] == want
+
+
+async def test_a_span_across_a_window_boundary_is_found_whole(
+        serve: ServeFactory, gliner_dir: Path, reference: Any) -> None:
+    """Spans over words 63 and 64 lie in the second window alone (words 48 on)."""
+    adapter = load(spec_for(gliner_dir, options={"flat_ner": False}), Runtime(backend="torch"))
+    options = ExtractOptions(labels=tuple(LABELS), threshold=THRESHOLD)
+    across = []
+    async with serve(adapter) as served:
+        for before in range(56, SIZE):  # the target words, placed over the boundary
+            text = long_text(before, " the cat is in paris and london with a big dog ") \
+                + long_text(40)
+            boundary = adapter.split(text).starts[SIZE]
+            got = (await adapter.extract(served.submit, [text], options)).values[0]
+            whole(text, got)
+            same(got, merged(reference, text, LABELS, flat_ner=False))
+            across += [(text, e) for e in got if e.start < boundary < e.end]
+    assert across, "the random model puts a span over the boundary"
+    for text, entity in across:
+        offset, second = windows_of(reference, text)[1]
+        assert offset < entity.start and entity.end <= offset + len(second)
+        assert len(entity.text.split()) > 1 and text[entity.start:entity.end] == entity.text
+
+
+async def test_a_span_two_windows_find_is_reported_once(
+        serve: ServeFactory, gliner_dir: Path, reference: Any) -> None:
+    adapter = load(spec_for(gliner_dir), Runtime(backend="torch"))
+    text = long_text(120)
+    options = ExtractOptions(labels=tuple(LABELS), threshold=THRESHOLD)
+    async with serve(adapter) as served:
+        got = (await adapter.extract(served.submit, [text], options)).values[0]
+    whole(text, got)
+    seen: dict[tuple[int, int, str], list[float]] = {}
+    for offset, part in windows_of(reference, text):
+        for e in reference.predict_entities(part, LABELS, threshold=THRESHOLD):
+            seen.setdefault((e["start"] + offset, e["end"] + offset, e["label"]),
+                            []).append(e["score"])
+    twice = {key: scores for key, scores in seen.items() if len(scores) == 2}
+    reported = [e for e in got if (e.start, e.end, e.label) in twice]
+    assert reported, "spans in the shared words are found by both windows"
+    for entity in reported:
+        assert [(e.start, e.end, e.label) for e in got].count(
+            (entity.start, entity.end, entity.label)) == 1
+        assert entity.score == pytest.approx(max(twice[entity.start, entity.end,
+                                                       entity.label]), abs=1e-5)
+
+
+async def test_long_and_short_texts_of_one_request_come_back_in_order(
+        serve: ServeFactory, gliner_dir: Path, reference: Any) -> None:
+    adapter = load(spec_for(gliner_dir), Runtime(backend="torch"))
+    texts = [long_text(150), TEXTS[0], long_text(70, " paris"), "", TEXTS[2],
+             long_text(300)]
+    options = ExtractOptions(labels=tuple(LABELS), threshold=THRESHOLD)
+    params = adapter.params(options)
+    items = adapter.prepare(texts, params)
+    assert [item.index for item in items] == list(range(len(items)))  # the worker's rule
+    assert len(items) == 3 + 1 + 2 + 1 + 1 + 6  # windows at words 0, 48, 86 of 150...
+    async with serve(adapter, WorkerConfig(idle_coalesce_ms=50)) as served:
+        whole_request = await adapter.extract(served.submit, texts, options)
+        alone = [await adapter.extract(served.submit, [text], options) for text in texts]
+    assert len(whole_request.values) == len(texts)
+    assert whole_request.tokens == sum(item.cost for item in items)
+    for text, got, one in zip(texts, whole_request.values, alone, strict=True):
+        whole(text, got)
+        same(got, merged(reference, text, LABELS))
+        same(got, [e.__dict__ for e in one.values[0]])
+
+
+async def test_the_front_windows_and_merges_across_the_process_boundary(
+        serve: ServeFactory, gliner_dir: Path, reference: Any) -> None:
+    """`load_front` in an API process: windows cross the wire as ordinary items, the
+    engine's forward sees nothing else, and the merge follows its answer."""
+    from ember.engine import PreparedItem, RequestResult
+    from ember.ipc.batch import items_from_wire, items_to_wire, values_from_wire, values_to_wire
+    from ember.ipc.wire import pack, unpack
+
+    front = load_front(spec_for(gliner_dir), Runtime(backend="torch"))
+    adapter = load(spec_for(gliner_dir), Runtime(backend="torch"))
+    texts = [long_text(200), TEXTS[1]]
+    options = ExtractOptions(labels=tuple(LABELS), threshold=THRESHOLD)
+    async with serve(adapter) as served:
+
+        async def over_the_wire(items: Any, params: Any, lora: str | None) -> RequestResult:
+            sent: list[PreparedItem] = items_from_wire(unpack(pack(items_to_wire(items))))
+            result = await served.submit(sent, unpack(pack(params)), lora)
+            values = values_from_wire(unpack(pack(values_to_wire(result.values))), 0,
+                                      len(result.values))
+            return RequestResult(values, result.queue_ms, result.inference_ms,
+                                 result.forwards)
+
+        got = await front.extract(over_the_wire, texts, options)
+    for text, entities in zip(texts, got.values, strict=True):
+        whole(text, entities)
+        same(entities, merged(reference, text, LABELS))
+
+
+async def test_a_hostile_text_is_read_in_bounded_windows_or_refused_by_name(
+        serve: ServeFactory, gliner_dir: Path) -> None:
+    adapter = load(spec_for(gliner_dir), Runtime(backend="torch"))
+    text = " ".join(f"w{i}" for i in range(40_000))[:150_000]
+    words = len(adapter.split(text).words)
+    options = ExtractOptions(labels=tuple(LABELS), threshold=THRESHOLD)
+    items = adapter.prepare([text], adapter.params(options))
+    # Windows grow with the words, a window's words/(max_len - overlap): bounded, as
+    # the text is by --max-text-chars; each window carries its own slice of the text.
+    assert len(items) == -(-(words - SIZE) // (SIZE - OVERLAP)) + 1 < 4096
+    assert all(len(item.payload.words) == SIZE and len(item.payload.text) < 1000
+               for item in items)
+    async with serve(adapter) as served:
+        output = await adapter.extract(served.submit, ["a cat", text], options)
+    found = output.values[1]
+    whole(text, found)
+    assert found[-1].end > len(text) - 200  # read to its end
+    # A queue that can never hold the text's windows: the text is refused by name.
+    async with serve(adapter, WorkerConfig(max_queue_items=len(items) - 1)) as served:
+        with pytest.raises(InvalidInput) as caught:
+            await adapter.extract(served.submit, ["a cat", text], options)
+        assert caught.value.param == "items[1].text"
+        assert f"max_queue_items={len(items) - 1}" in caught.value.message
+        assert served.worker.pending_items == 0
+    # Texts that fit one by one, but not together: the request is too large (413).
+    async with serve(adapter, WorkerConfig(max_queue_items=len(items))) as served:
+        with pytest.raises(RequestTooLarge, match="windows"):
+            await adapter.extract(served.submit, [text, text], options)
+
+
+async def test_the_route_refuses_a_text_the_queue_never_holds_by_name(
+        gliner_dir: Path) -> None:
+    from ember.config import ServerSettings
+    from tests.api.conftest import SYNTH, serving
+
+    settings = ServerSettings(default_model=SYNTH, model_paths=(gliner_dir,), backend="torch",
+                              worker=WorkerConfig(max_queue_items=50))
+    text = long_text(5000)  # 104 windows
+    async with serving(settings) as served:
+        refused = await served.client.post("/v1/extract/local/model", json={
+            "items": [{"text": TEXTS[0]}, {"text": text}], "params": {"labels": LABELS}})
+        assert refused.status_code == 422, refused.text
+        error = refused.json()
+        assert "items[1].text" in refused.text and "max_queue_items=50" in refused.text, error
+        too_large = await served.client.post("/v1/extract/local/model", json={
+            "items": [{"text": long_text(1000)}] * 3, "params": {"labels": LABELS}})
+        assert too_large.status_code == 413 and "windows" in too_large.text, too_large.text
+        fits = await served.client.post("/v1/extract/local/model", json={
+            "items": [{"text": long_text(1000)}], "params": {"labels": LABELS}})
+        assert fits.status_code == 200, fits.text

@@ -7,6 +7,13 @@ its tokens (the words' sub-words plus the label prompt, the item's cost); the fo
 collates one batch of texts that share labels and threshold (a parameter group, R6),
 runs the span model once, and decodes.
 
+A text longer than the model's `max_len` words is read whole, in overlapping windows of
+`max_len` words, each an item of its own (windows of many texts batch together); the
+overlap is at least the longest span the model predicts (`max_width` words), so every
+span lies whole inside some window. The request path merges a text's windows as
+gliner's decoder resolves spans within one text: a span two windows found once, at its
+higher score, then greedy by score over the clashes its flat_ner/multi_label forbid.
+
 Weights load from safetensors only unless the spec sets `allow_pickle` (a
 `pytorch_model.bin`, which gliner reads with torch's weights-only unpickler). The
 backbone's config and tokenizer, when the model folder lacks them, come from the Hub id
@@ -17,7 +24,8 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Hashable, Sequence
+from bisect import bisect_left
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +47,7 @@ from ember.adapters.base import (
     forward_fills_cores,
 )
 from ember.config import ModelSpec, resolve_source
+from ember.engine.errors import RequestTooLarge
 from ember.engine.types import PreparedItem
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
 from ember.model_files import read_model_file
@@ -71,6 +80,82 @@ class Words:
     ends: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class Window:
+    """Where an item's words lie: the index of their text in the request, and the
+    character offset of the item's text (a window's slice) in it."""
+
+    text: int
+    offset: int
+
+
+class TooManyWindows(RequestTooLarge):
+    """A request whose texts, read in windows, are more items than the queue ever holds."""
+
+    def __init__(self, texts: int, windows: int, words: int, limit: int) -> None:
+        super().__init__(windows, limit)
+        # The engine's message counts items; the client sent texts: say how they grew.
+        self.args = (f"request too large: its {texts} texts are read in {windows} windows "
+                     f"of up to {words} words (a longer text is read in overlapping "
+                     f"windows, one item each), over max_queue_items={limit}; split it "
+                     "into smaller requests",)
+
+
+def window_overlap(max_words: int, max_width: int) -> int:
+    """Words two neighbouring windows share: at least the longest span (so every span
+    lies whole in one window), a quarter of a window for context, less than a window."""
+    return max(0, min(max_words - 1, max(max_width, max_words // 4)))
+
+
+def window_starts(count: int, size: int, stride: int) -> list[int]:
+    """The first word of each window over `count` words: every `stride` words, and the
+    last window ends at the text's end (a full window, not a sliver)."""
+    if count <= size:
+        return [0]
+    starts = list(range(0, count - size, stride))
+    starts.append(count - size)
+    return starts
+
+
+def clashes(a: Entity, b: Entity, flat_ner: bool, multi_label: bool) -> bool:
+    """gliner's has_overlapping (flat) and has_overlapping_nested on character offsets:
+    words never share characters, so word spans overlap exactly when these do."""
+    if (a.start, a.end) == (b.start, b.end):
+        return not multi_label
+    apart = a.start >= b.end or b.start >= a.end
+    if flat_ner:
+        return not apart
+    nested = (a.start <= b.start and a.end >= b.end) or (b.start <= a.start and b.end >= a.end)
+    return not (apart or nested)
+
+
+def merge_windows(found: Sequence[Entity], words: Words, flat_ner: bool,
+                  multi_label: bool) -> list[Entity]:
+    """One text's entities from all its windows, as gliner's greedy_search keeps spans
+    within one text: by score, each unless it clashes with one kept; then by start."""
+    best: dict[tuple[int, int, str], Entity] = {}
+    for entity in found:  # a span two windows found is reported once, its higher score
+        key = (entity.start, entity.end, entity.label)
+        if key not in best or entity.score > best[key].score:
+            best[key] = entity
+    spans = list(best.values())
+    # Spans are a few words long, so only a kept span starting at most `width` words
+    # before this one's end can clash with it: a look at those, not at every kept span.
+    first = [bisect_left(words.starts, e.start) for e in spans]
+    last = [bisect_left(words.ends, e.end) for e in spans]
+    width = max((b - a + 1 for a, b in zip(first, last, strict=True)), default=1)
+    kept_at: dict[int, list[Entity]] = {}
+    kept: list[Entity] = []
+    for i in sorted(range(len(spans)), key=lambda i: -spans[i].score):  # stable, as gliner's
+        entity = spans[i]
+        near = (other for w in range(first[i] - width + 1, last[i] + 1)
+                for other in kept_at.get(w, ()))
+        if not any(clashes(entity, other, flat_ner, multi_label) for other in near):
+            kept_at.setdefault(first[i], []).append(entity)
+            kept.append(entity)
+    return sorted(kept, key=lambda e: e.start)
+
+
 class GlinerFront:
     """The request path: label checks, word splitting, token costs, result shaping."""
 
@@ -83,6 +168,10 @@ class GlinerFront:
         self.tokenizer = tokenizer
         self.splitter = splitter
         self.max_words = int(config.max_len)
+        if self.max_words < 1:  # a window must hold a word
+            raise ModelLoadError(spec.name, f"gliner_config.json's max_len is "
+                                            f"{self.max_words}; it must be at least 1")
+        self.overlap = window_overlap(self.max_words, int(config.max_width))
         self.threshold = float(spec.options.get("threshold", DEFAULT_THRESHOLD))
         self.default_labels = tuple(str(x) for x in spec.options.get("labels", ()))
         self.flat_ner = bool(spec.options.get("flat_ner", True))
@@ -90,7 +179,8 @@ class GlinerFront:
         self.info = ModelInfo(name=spec.name, tasks=TASKS, output_types=(),
                               max_seq_length=self.max_words, labels=self.default_labels,
                               extra={"zero_shot": True, "threshold": self.threshold,
-                                     "max_words": self.max_words})
+                                     "max_words": self.max_words,
+                                     "window_overlap_words": self.overlap})
 
     def params(self, options: ExtractOptions) -> GlinerParams:
         labels = options.labels if options.labels is not None else self.default_labels
@@ -124,25 +214,91 @@ class GlinerFront:
         """The label prompt's tokens: a marker and the label's tokens each, a separator."""
         return 1 + sum(1 + len(self.tokenizer.tokenize(label)) for label in labels)
 
-    def prepare(self, texts: Sequence[str], params: GlinerParams) -> list[PreparedItem]:
+    def windows(self, words: Words) -> Iterator[tuple[int, Words]]:
+        """A text's windows of at most `max_words` words, each with its character offset
+        in the text: the text itself when it fits, else overlapping slices of it (each
+        with its own slice of the text, so no window carries the whole text)."""
+        if len(words.words) <= self.max_words:
+            yield 0, words
+            return
+        size = self.max_words
+        for first in window_starts(len(words.words), size, size - self.overlap):
+            begin, end = words.starts[first], words.ends[first + size - 1]
+            yield begin, Words(words.text[begin:end], words.words[first:first + size],
+                               tuple(x - begin for x in words.starts[first:first + size]),
+                               tuple(x - begin for x in words.ends[first:first + size]))
+
+    def prepare_windows(self, texts: Sequence[str], params: GlinerParams
+                        ) -> tuple[list[PreparedItem], list[Window], list[Words]]:
+        """The items (windows numbered 0..m-1 across the request), where each lies, and
+        each text's words (for the merge)."""
         prompt = self.prompt_tokens(params.labels)
-        items = []
-        for i, text in enumerate(texts):
-            words = self.split(text)
-            kept = list(words.words[: self.max_words])
-            tokens = len(self.tokenizer(kept, is_split_into_words=True,
-                                        add_special_tokens=True)["input_ids"]) if kept else 0
-            items.append(PreparedItem(words, max(1, tokens + prompt), i))
-        return items
+        items: list[PreparedItem] = []
+        places: list[Window] = []
+        split = [self.split(text) for text in texts]
+        for i, words in enumerate(split):
+            windows = list(self.windows(words))
+            counts = self.token_counts([window.words for _, window in windows])
+            for (offset, window), tokens in zip(windows, counts, strict=True):
+                items.append(PreparedItem(window, max(1, tokens + prompt), len(items)))
+                places.append(Window(i, offset))
+        return items, places, split
+
+    def token_counts(self, rows: Sequence[Sequence[str]]) -> list[int]:
+        """Each row of words' tokens with the special ones, one tokenizer call (a row of
+        no words has none)."""
+        full = [list(row) for row in rows if row]
+        ids = self.tokenizer(full, is_split_into_words=True,
+                             add_special_tokens=True)["input_ids"] if full else []
+        lengths = iter(ids)
+        return [len(next(lengths)) if row else 0 for row in rows]
+
+    def prepare(self, texts: Sequence[str], params: GlinerParams) -> list[PreparedItem]:
+        return self.prepare_windows(texts, params)[0]
+
+    def too_many_windows(self, places: Sequence[Window], split: Sequence[Words],
+                         limit: int) -> Exception:
+        """A text the queue can never take, as a bad input naming it; else the request."""
+        windows = [0] * len(split)
+        for place in places:
+            windows[place.text] += 1
+        for i, count in enumerate(windows):
+            if count > limit:
+                return InvalidInput(
+                    f"text of {len(split[i].words)} words is read in {count} overlapping "
+                    f"windows of {self.max_words} words, more than the model's queue ever "
+                    f"holds (max_queue_items={limit}); shorten it or split it into "
+                    "several items", f"items[{i}].text")
+        return TooManyWindows(len(split), len(places), self.max_words, limit)
+
+    def merge(self, places: Sequence[Window], split: Sequence[Words],
+              values: Sequence[list[Entity]], params: GlinerParams) -> list[list[Entity]]:
+        """Each text's entities, in order: its one item's as they are, or its windows'
+        shifted to offsets in the text and merged."""
+        found: list[list[Entity]] = [[] for _ in split]
+        windows = [0] * len(split)
+        for place, entities in zip(places, values, strict=True):
+            windows[place.text] += 1
+            found[place.text].extend(
+                Entity(e.text, e.label, e.start + place.offset, e.end + place.offset, e.score)
+                for e in entities)
+        return [spans if count == 1 else
+                merge_windows(spans, words, params.flat_ner, params.multi_label)
+                for spans, count, words in zip(found, windows, split, strict=True)]
 
     async def extract(self, submit: Submit, texts: Sequence[str],
                       options: ExtractOptions) -> TaskOutput[list[list[Entity]]]:
         common.require_items(len(texts))
         params = self.params(options)
-        items = self.prepare(texts, params)
-        result = await submit(items, params, None)
-        return TaskOutput(list(result.values), result.queue_ms, result.inference_ms,
-                          sum(item.cost for item in items))
+        items, places, split = self.prepare_windows(texts, params)
+        try:
+            result = await submit(items, params, None)
+        except RequestTooLarge as refused:
+            if len(items) == len(texts):  # no text was windowed: the request's own count
+                raise
+            raise self.too_many_windows(places, split, refused.limit) from None
+        return TaskOutput(self.merge(places, split, result.values, params), result.queue_ms,
+                          result.inference_ms, sum(item.cost for item in items))
 
     async def encode(self, submit: Submit, texts: Sequence[str],
                      options: EncodeOptions) -> TaskOutput[list[Encoded]]:
