@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ember.outputs import dequantize_int8, hamming, quantize, unpack_binary
+from ember.outputs import (
+    dequantize_int8,
+    hamming,
+    quantize,
+    quantize_unit,
+    unit_range,
+    unpack_binary,
+)
 
 
 def unit(seed: int, dims: int = 384) -> np.ndarray:
@@ -44,3 +51,24 @@ def test_binary_packs_sign_bits_and_hamming_finds_the_neighbour() -> None:
 def test_an_unknown_dtype_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="float32, float16, int8, uint8, binary, ubinary"):
         quantize(unit(0), "int4")
+
+
+def test_quantize_unit_has_one_scale_for_every_vector_of_a_model() -> None:
+    rng = np.random.default_rng(3)
+    docs = rng.normal(size=(200, 384)).astype(np.float32)
+    query = rng.normal(size=384).astype(np.float32)
+    codes = np.stack([quantize_unit(v, "int8") for v in docs]).astype(np.int64)
+    np.testing.assert_array_equal(quantize_unit(docs[0] * 7.5, "int8"), codes[0])  # unit first
+    np.testing.assert_array_equal(quantize_unit(docs[0], "uint8").astype(np.int64) - 128,
+                                  codes[0])
+    # One scale: x ~= q * unit_range / 127 for every vector, so dot products keep the order.
+    unit = docs / np.linalg.norm(docs, axis=1, keepdims=True)
+    inside = np.abs(unit) <= unit_range(384)  # the rest (4 standard deviations out) clips
+    assert inside.mean() > 0.999
+    np.testing.assert_allclose((codes * unit_range(384) / 127)[inside], unit[inside],
+                               atol=unit_range(384) / 127)
+    floats = unit @ (query / np.linalg.norm(query))
+    dots = codes @ quantize_unit(query, "int8").astype(np.int64)
+    assert np.corrcoef(floats, dots)[0, 1] > 0.999
+    with pytest.raises(ValueError, match="int8 or uint8"):
+        quantize_unit(query, "float16")

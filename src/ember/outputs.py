@@ -51,6 +51,29 @@ def quantize(vector: npt.NDArray[np.float32], dtype: str) -> Quantized:
     raise ValueError(f"unknown output dtype {dtype!r}; use one of {', '.join(DTYPES)}")
 
 
+def unit_range(dims: int) -> float:
+    """The range a unit vector's components are mapped from, for one scale a model: a
+    component of a unit vector of `dims` rarely passes 4 / sqrt(dims) (4 standard
+    deviations of a random direction's), so that maps to 127 and the rare rest clips."""
+    return min(1.0, 4.0 / float(np.sqrt(max(dims, 1))))
+
+
+def quantize_unit(vector: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[Any]:
+    """int8 or uint8 with one scale for every vector of a model, as APIs without a
+    per-vector `scale` field need (Cohere's): the vector is made unit, then
+    `q = round(127 * x / unit_range(dims))`, clipped; dot products of the codes rank
+    as the float vectors' cosines do, where a per-vector scale would skew them."""
+    norm = float(np.linalg.norm(vector))
+    unit = vector / norm if norm > 0 else vector
+    q: npt.NDArray[np.float32] = np.clip(
+        np.rint(unit * (127.0 / unit_range(vector.shape[-1]))), -127, 127)
+    if dtype == "int8":
+        return q.astype(np.int8)
+    if dtype == "uint8":
+        return (q + UINT8_ZERO).astype(np.uint8)
+    raise ValueError(f"quantize_unit makes int8 or uint8, not {dtype!r}")
+
+
 def dequantize_int8(values: npt.NDArray[np.int8], scale: float) -> npt.NDArray[np.float32]:
     return values.astype(np.float32) * np.float32(scale)
 

@@ -26,7 +26,7 @@ from ember.api.model_task import check_count, check_inputs, check_query, require
 from ember.api.rerank import ranked
 from ember.api.routing import InferenceRoute
 from ember.api.state import ServedModel
-from ember.outputs import quantize
+from ember.outputs import quantize, quantize_unit
 
 router = APIRouter(tags=["cohere"], route_class=InferenceRoute)
 
@@ -71,7 +71,9 @@ def meta(**billed: int) -> dict[str, Any]:
 
 def by_type(vectors: list[np.ndarray], kind: str) -> list[Any]:
     """Cohere's embedding types: binary is the packed sign bits as signed bytes (the
-    unsigned bytes minus 128), ubinary the unsigned bytes, base64 the float32 bytes."""
+    unsigned bytes minus 128), ubinary the unsigned bytes, base64 the float32 bytes;
+    int8 and uint8 have one scale a model (Cohere's shape has no field for a vector's
+    own), so their dot products rank as the floats do."""
     if kind == "float":
         return [vector.astype(np.float32) for vector in vectors]
     if kind == "base64":
@@ -79,6 +81,8 @@ def by_type(vectors: list[np.ndarray], kind: str) -> list[Any]:
     if kind == "binary":
         return [(quantize(v, "ubinary").values.astype(np.int16) - 128).astype(np.int8)
                 for v in vectors]
+    if kind in ("int8", "uint8"):
+        return [quantize_unit(vector, kind) for vector in vectors]
     return [quantize(vector, kind).values for vector in vectors]
 
 
