@@ -78,6 +78,16 @@ def test_transparency_is_composited_over_white() -> None:
     assert image.getpixel((0, 0)) == (255, 255, 255)
 
 
+def test_16_bit_gray_is_scaled_to_8_bits_not_clipped() -> None:
+    """Found by a black-box review: Pillow's conversion clips 16-bit gray, so every value
+    past 255 (almost every pixel of a real 16-bit image) became white."""
+    ramp = np.array([[0, 128, 30000, 65535]], dtype=np.uint16)
+    image = decode(ImageInput(encoded(Image.fromarray(ramp), "PNG")), "x")
+    assert Image.open(io.BytesIO(encoded(Image.fromarray(ramp), "PNG"))).mode.startswith("I")
+    assert [image.getpixel((x, 0)) for x in range(4)] == [
+        (0, 0, 0), (0, 0, 0), (117, 117, 117), (255, 255, 255)]  # the high byte
+
+
 def refusal(data: bytes, fmt: str | None = None) -> InvalidInput:
     with pytest.raises(InvalidInput) as caught:
         decode(ImageInput(data, fmt), "items[2].images[0]")
@@ -108,12 +118,14 @@ def test_corrupt_and_truncated_bytes_are_refused() -> None:
         error = refusal(broken)
         assert "could not be decoded" in error.message or "not a" in error.message, broken[:12]
         assert error.param == "items[2].images[0].data"
+        assert "object at 0x" not in error.message  # no buffer's address in a client's answer
 
 
 def test_a_decompression_bomb_is_refused_from_its_header() -> None:
     started = time.monotonic()
     error = refusal(png_claiming(100_000, 100_000))
     assert "over the limit" in error.message and f"{MAX_PIXELS:,}" in error.message
+    assert "10,000,000,000 pixels" in error.message or "100000 x 100000" in error.message
     refusal(png_claiming(30_000, 1))  # a side over the limit
     assert time.monotonic() - started < 5  # refused, not decoded (10^10 pixels)
 

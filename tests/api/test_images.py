@@ -213,6 +213,8 @@ BAD_ENCODES: list[tuple[str, Any, int, str]] = [
     ("not base64", {"items": [{"images": [{"data": "not base64!"}]}]}, 422,
      "items[0].images[0].data"),
     ("no data", {"items": [{"images": [{"format": "png"}]}]}, 422, "items[0].images[0].data"),
+    ("a data uri", {"items": [{"images": [{"data": "data:image/png;base64," + b64(IMAGES[0])}]}]},
+     422, "items[0].images[0].data"),
     ("text and image in one item", {"items": [{"text": "a", **image_item(IMAGES[0])}]}, 422,
      "items[0].text"),
     ("two images in one item", {"items": [{"images": [{"data": b64(IMAGES[0])}] * 2}]}, 422,
@@ -230,6 +232,8 @@ async def test_each_bad_image_gets_its_4xx_and_the_server_serves_on(
         assert "not fetched" in error["message"]
     if case == "decompression bomb":
         assert "over the limit" in error["message"]
+    if case == "a data uri":  # found by a black-box review: say what to send instead
+        assert "data URI" in error["message"] and "Cohere" in error["message"]
     ok = await app.client.post(f"/v1/encode/{CLIP}", json={"items": [image_item(IMAGES[0])]})
     assert ok.status_code == 200, ok.text
 
@@ -373,3 +377,16 @@ def test_max_images_per_request_is_a_flag_and_a_variable(monkeypatch: pytest.Mon
     assert parsed("--max-images-per-request", "4").max_images_per_request == 4
     monkeypatch.setenv("EMBER_MAX_IMAGES_PER_REQUEST", "7")
     assert parsed().max_images_per_request == 7
+
+
+async def test_score_counts_the_querys_image_against_the_limit(app: Served) -> None:
+    """Found by a black-box review: 32 item images and a query image passed a limit of
+    32 (the query's was not counted), though it is decoded too."""
+    items = [image_item(IMAGES[0])] * MAX_IMAGES
+    over = await app.client.post(f"/v1/score/{CLIP}", json={
+        "query": image_item(IMAGES[1]), "items": items})
+    error = assert_error(over, 413, param="items")
+    assert f"{MAX_IMAGES + 1} images" in error["message"]
+    under = await app.client.post(f"/v1/score/{CLIP}", json={
+        "query": {"text": "a photo"}, "items": items})
+    assert under.status_code == 200, under.text

@@ -12,6 +12,7 @@ error, never a partial image. Every refusal is an InvalidInput (422) naming the 
 from __future__ import annotations
 
 import io
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,8 +110,11 @@ def decode(image: ImageInput, param: str) -> Image.Image:
             return to_rgb(opened)
     except InvalidInput:
         raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise too_large("its size", param) from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        # Pillow refuses in open(), before the size can be read: its message has the count.
+        count = re.search(r"\((\d+) pixels\)", str(exc))
+        raise too_large(f"{int(count.group(1)):,} pixels" if count else "its size",
+                        param) from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise InvalidInput(f"the {found} image could not be decoded ({_reason(exc)}): it "
                            "is corrupt or truncated", f"{param}.data") from None
@@ -123,12 +127,19 @@ def too_large(size: str, param: str) -> InvalidInput:
 
 def _reason(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return text[:120]
+    return _OBJECT_REPR.sub("", text)[:120]  # Pillow names the buffer by its address
+
+
+_OBJECT_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB, with any transparency composited over white (what the processors' own
-    convert-to-RGB does)."""
+    convert-to-RGB does); 16-bit gray scaled to 8 bits first (Pillow's conversion clips
+    it: every value past 255 would become white)."""
+    if image.mode.startswith("I;16") or image.mode == "I":
+        wide = np.asarray(image).astype(np.int64)
+        image = Image.fromarray((np.clip(wide, 0, 65535) >> 8).astype(np.uint8), "L")
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))

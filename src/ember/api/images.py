@@ -84,8 +84,10 @@ def image_bytes(data: bytes | str | None, param: str) -> bytes:
     try:  # base64 wrapped in lines, as the base64 tool writes it by default
         return base64.b64decode("".join(data.split()), validate=True)
     except (binascii.Error, ValueError):
+        hint = (" without the data URI's 'data:...;base64,' head (only Cohere's route takes "
+                "data URIs)") if data.startswith("data:") else ""
         raise ApiError(422, "invalid_request", "data is not valid base64; send the image's "
-                       "bytes base64-encoded (or raw bytes in msgpack)", param) from None
+                       f"bytes base64-encoded{hint} (or raw bytes in msgpack)", param) from None
 
 
 def check_image_count(request: Request, count: int, field: str) -> None:
@@ -97,11 +99,12 @@ def check_image_count(request: Request, count: int, field: str) -> None:
 
 
 def item_inputs(request: Request, items: Sequence[ItemFields],
-                field: str = "items") -> list[ItemInput]:
+                field: str = "items", others: int = 0) -> list[ItemInput]:
     """The items as model inputs, checked before any work: the item count, the image
-    count (413 over --max-images-per-request), URLs, base64 and the texts' limits."""
+    count (413 over --max-images-per-request, counting `others` the request carries
+    elsewhere, such as a query's), URLs, base64 and the texts' limits."""
     check_count(request, len(items), field)
-    check_image_count(request, sum(len(item.images or ()) for item in items), field)
+    check_image_count(request, others + sum(len(item.images or ()) for item in items), field)
     inputs = []
     for index, item in enumerate(items):
         param = field if field == "query" else f"{field}[{index}]"

@@ -216,7 +216,7 @@ async def encode(model: str, body: EncodeRequest, request: Request) -> Response:
 async def score(model: str, body: ScoreRequest, request: Request) -> Response:
     count = len(body.items)
     if has_images([body.query, *body.items]):
-        inputs = item_inputs(request, body.items)
+        inputs = item_inputs(request, body.items, others=len(body.query.images or ()))
         query = item_inputs(request, [body.query], "query")[0]
         where = first_images([body.query], "query") if body.query.images else \
             first_images(body.items)
