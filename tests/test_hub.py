@@ -342,6 +342,40 @@ asyncio.run(main())
     assert TINY in allowed["names"]  # type: ignore[operator]
 
 
+def test_a_request_for_a_repository_the_hub_lacks_or_a_revision_is_a_404_saying_why(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    """Found by a black-box review: a repository not on the Hub was a 502 (a load that
+    failed), and a revision in a request a 404 listing the catalog without saying why."""
+    code = f"""
+import asyncio, json
+from ember.api.errors import as_api_error
+from ember.config import load_catalog
+from ember.registry import Registry
+from ember.adapters.base import Runtime
+
+async def main():
+    registry = Registry(load_catalog(), Runtime(backend="torch"))
+    out = {{}}
+    for name in ("someone/not-there", {TINY + "@main"!r}):
+        try:
+            await registry.get(name)
+            out[name] = "loaded"
+        except Exception as exc:
+            error = as_api_error(exc)
+            out[name] = [error.status, error.kind, error.message]
+    await registry.close()
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+    answers = run(standin, tmp_path / "hf", code, extra={"EMBER_ALLOW_HUB_MODELS": "1"})
+    status, kind, message = answers["someone/not-there"]  # type: ignore[misc]
+    assert (status, kind) == (404, "model_not_found") and "not on the Hub" in message
+    status, kind, message = answers[TINY + "@main"]  # type: ignore[misc]
+    assert (status, kind) == (404, "model_not_found")
+    assert f"--model {TINY}@main" in message and "without a revision" in message
+
+
 @pytest.mark.parametrize("text", ["../etc/passwd", "/abs/path", "org/../name", "org/name/x",
                                   "org name/x", "~/models/x", "./org/name", "org/",
                                   "org/na$me", "o" * 200 + "/x", "org/name@rev with space"])

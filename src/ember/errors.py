@@ -25,11 +25,12 @@ class InputTooLong(InvalidInput):
 class ModelNotFound(EmberError):
     """No catalog entry by that name (HTTP 404)."""
 
-    def __init__(self, name: str, available: Sequence[str]) -> None:
+    def __init__(self, name: str, available: Sequence[str], why: str | None = None) -> None:
         self.name = name
         self.available = list(available)
-        super().__init__(f"model {name!r} is not in the catalog; available: "
-                         f"{', '.join(self.available) or 'none'}")
+        self.why = why  # where the name was looked for beyond the catalog, and what to do
+        super().__init__(why or f"model {name!r} is not in the catalog; available: "
+                                f"{', '.join(self.available) or 'none'}")
 
 
 class ModelLoadError(EmberError):

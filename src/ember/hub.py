@@ -50,6 +50,10 @@ class HubError(FileNotFoundError):
     """A Hub model that cannot be had: the message is one line naming it and what to do."""
 
 
+class NotOnHub(HubError):
+    """No such repository (or one the token may not see): an unknown model, not a fault."""
+
+
 @dataclass(frozen=True)
 class HubRef:
     repo: str
@@ -183,7 +187,7 @@ def _download(ref: HubRef, wanted: Wanted) -> Path:
         raise HubError(f"model {ref}: the repository has no revision {ref.revision!r}; "
                        "name a branch, a tag or a commit it has") from None
     except RepositoryNotFoundError:
-        raise HubError(f"model {ref} is not on the Hub (or needs a token: set HF_TOKEN)"
+        raise NotOnHub(f"model {ref} is not on the Hub (or needs a token: set HF_TOKEN)"
                        ) from None
     except (HfHubHTTPError, OSError) as exc:
         raise HubError(f"model {ref}: the Hub could not be reached ({type(exc).__name__}: "

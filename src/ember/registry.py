@@ -35,6 +35,7 @@ from ember.engine import (
     WorkerConfig,
 )
 from ember.errors import ModelLoadError, ModelNotFound
+from ember.hub import NotOnHub, parse_hub_id, requests_may_download
 
 log = logging.getLogger("ember.registry")
 # A load or eviction leaves the whole-heap collection for when nothing has run this long.
@@ -149,9 +150,16 @@ class CatalogLookup:
             pass
         try:
             found = hub_spec_on_request(name)
+        except NotOnHub as exc:
+            raise ModelNotFound(name, self.names, str(exc)) from None
         except (FileNotFoundError, CatalogError) as exc:
             raise ModelLoadError(name, str(exc)) from None
         if found is None:
+            ref = parse_hub_id(name)
+            if ref is not None and ref.revision is not None and requests_may_download():
+                raise ModelNotFound(name, self.names, f"model {name!r}: a request names a "
+                                    "Hub model without a revision; pin one when the server "
+                                    f"starts (--model {name}), or name {ref.repo}") from None
             raise ModelNotFound(name, self.names) from None
         cast(dict[str, ModelSpec], self.catalog)[name] = found
         return found
