@@ -1,11 +1,14 @@
-"""`ember serve --workers N` as a whole: API processes and engines that die are replaced,
-an engine that dies on every start ends the server, a killed supervisor takes every
-process with it, /metrics reports every process, a Ctrl-C drains the tree, and the API
-and reliability suites pass against it as they do against one process."""
+"""`ember serve --workers N` as a whole: API processes and engines that die are replaced
+(an engine however often it dies once it has loaded its models), an engine that dies on
+every load ends the server, a request that kills the engine fails with a 503 after two
+engines instead of killing every new one, a killed supervisor takes every process with it,
+/metrics reports every process, a Ctrl-C drains the tree, and the API and reliability
+suites pass against it as they do against one process."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -23,6 +26,9 @@ import psutil  # type: ignore[import-untyped]
 import pytest
 import yaml
 
+from ember.adapters.synthetic import CRASH_EXIT_CODE
+from ember.config import ServerSettings
+from ember.supervisor import Supervisor
 from tests.live_server import (
     REPO,
     TEST_WORKERS,
@@ -48,8 +54,9 @@ def api_pids(server: ServerProcess) -> set[int]:
     return pids
 
 
-def encode(url: str, text: str) -> httpx.Response:
-    return httpx.post(f"{url}/v1/encode/{SYNTH}", json={"items": [{"text": text}]}, timeout=30)
+def encode(url: str, text: str, model: str = SYNTH) -> httpx.Response:
+    return httpx.post(f"{url}/v1/encode/{model}", json={"items": [{"text": text}]},
+                      timeout=30)
 
 
 @pytest.fixture
@@ -151,6 +158,26 @@ def test_a_process_that_fails_its_drain_is_named_and_the_exit_is_1(
     assert "engine drained" in server.log_text()
 
 
+def test_a_wedged_engine_cannot_hold_the_drain_for_good(
+        two_api_processes: ServerProcess) -> None:
+    """Found by a black-box review: with the engine stopped (SIGSTOP), SIGTERM drained the
+    API processes, then the supervisor waited on the engine without end."""
+    server = two_api_processes
+    [engine] = children_titled(server, "ember: engine")
+    assert encode(server.url, "before the stop").status_code == 200
+    engine.suspend()
+    try:
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(60) == 1, server.log_tail()
+        assert time.monotonic() - started < 40
+    finally:
+        if engine.is_running():
+            engine.resume()
+    assert "did not end its drain within 10 s" in server.log_text(), server.log_tail()
+    assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
+
+
 def test_a_taken_port_is_one_line_and_exit_1(two_api_processes: ServerProcess) -> None:
     taken = two_api_processes.port
     result = subprocess.run(
@@ -192,6 +219,136 @@ def test_a_dead_engine_is_replaced_and_the_new_one_serves(
     assert server.alive()
     assert re.search(r"the engine process died \(killed by SIGKILL\); starting another",
                      server.log_text()), server.log_tail()
+
+
+def replaced_and_serving(server: ServerProcess, dead: psutil.Process,
+                         model: str = SYNTH) -> psutil.Process:
+    """Wait (bounded) for the engine that replaced `dead`, /readyz 200 and a request
+    answered; return the new engine."""
+    deadline = time.monotonic() + 60
+    while True:
+        assert server.alive(), server.log_tail()
+        engines = [p for p in children_titled(server, "ember: engine") if p.pid != dead.pid]
+        if engines and httpx.get(f"{server.url}/readyz", timeout=5).status_code == 200:
+            break
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.1)
+    assert encode(server.url, f"after engine {dead.pid}", model).status_code == 200
+    return engines[0]
+
+
+UNLOADABLE = "test/unloadable"  # a synthetic TEST model whose load raises
+
+
+@pytest.mark.parametrize("failed_preload", [False, True],
+                         ids=["default-model", "and-a-preload-that-failed"])
+def test_an_engine_killed_after_it_loaded_and_served_is_replaced_every_time(
+        tmp_path: Path, failed_preload: bool) -> None:
+    """Deaths within 30 s of the engine's start but after it loaded its models and served:
+    no crash loop at load, so none ends the server (the crash-loop guard is for a model
+    that kills the engine as it loads). A start model whose load failed (raised) is no
+    load in progress either: it is neither blamed nor counted."""
+    args = ["--default-model", SYNTH, "--workers", "2"]
+    if failed_preload:
+        catalog = tmp_path / "catalog"
+        catalog.mkdir()
+        (catalog / "unloadable.yaml").write_text(yaml.safe_dump({
+            "name": UNLOADABLE, "adapter": "synthetic", "tasks": ["encode"],
+            "description": "synthetic TEST model that fails to load (not a real model)",
+            "options": {"dims": "not a number"}}))
+        args += ["--model-dir", str(catalog), "--preload", UNLOADABLE]
+    server = start_server(tmp_path / "server.log", args)
+    try:
+        [engine] = children_titled(server, "ember: engine")
+        kills = 3 if failed_preload else 4  # the old guard stopped the server at the 3rd
+        for i in range(kills):
+            assert encode(server.url, f"served before kill {i}").status_code == 200
+            time.sleep(0.5)  # a moment after it served, as in the review's repro
+            engine.kill()
+            engine = replaced_and_serving(server, engine)
+        for i in range(10):
+            assert encode(server.url, f"after {kills} deaths {i}").status_code == 200
+        log = server.log_text()
+        assert len(re.findall(
+            r"the engine process died \(killed by SIGKILL\); starting another in \d+ s; .*"
+            r"no crash loop at load, so it is replaced however often it dies", log)) == kills, \
+            server.log_tail()
+        assert "keeps dying" not in log and "while it loaded" not in log, server.log_tail()
+        if failed_preload:
+            assert f"could not preload {UNLOADABLE}" in log, server.log_tail()
+        assert server.stop() == 0, server.log_tail()  # only the drain ends it, and cleanly
+    finally:
+        server.stop()
+
+
+def test_the_supervisor_reads_every_note_of_the_engine() -> None:
+    """Loads begun, ended (loaded or failed) and the start loads done; a model loaded that
+    it was not told of (a Hub id a request named) is no error."""
+    supervisor = Supervisor(ServerSettings())
+    read, write = multiprocessing.Pipe(duplex=False)
+    try:
+        supervisor.engine_notes = read
+        for note in [("loading", "a"), ("loading", "b"), ("loaded", "org/hub-model"),
+                     ("failed", "a"), ("preloaded", ""), ("loading", "c"), ("loaded", "c")]:
+            write.send(note)
+        supervisor._read_engine_notes()
+        assert supervisor.engine_loading == ["b"] and supervisor.engine_preloaded
+        write.close()
+        supervisor._read_engine_notes()  # the engine is gone: its pipe is read to the end
+        assert supervisor.engine_notes is None
+    finally:
+        read.close()
+        supervisor._wake_read.close()
+        supervisor._wake_write.close()
+        shutil.rmtree(supervisor.runtime_dir, ignore_errors=True)
+
+
+POISON = "test/poison"  # a synthetic TEST model whose forward of MARKER ends the engine
+MARKER = "__end_the_engine__"
+
+
+@pytest.fixture
+def poison_server(tmp_path: Path) -> Iterator[ServerProcess]:
+    catalog = tmp_path / "catalog"
+    catalog.mkdir()
+    (catalog / "poison.yaml").write_text(yaml.safe_dump({
+        "name": POISON, "adapter": "synthetic", "tasks": ["encode"],
+        "description": "synthetic TEST model; a text holding the marker ends the process "
+                       "of its forward (not a real model)",
+        "options": {"dims": 16, "overhead_ms": 2.0, "test_crash_marker": MARKER}}))
+    server = start_server(tmp_path / "server.log", ["--default-model", POISON, "--workers",
+                                                    "2", "--model-dir", str(catalog)])
+    yield server
+    server.stop()
+
+
+def test_a_request_that_kills_the_engine_fails_with_a_503_after_two_engines(
+        poison_server: ServerProcess) -> None:
+    """A poison request (its forward crashes the engine natively) is sent to the new
+    engine once; that one dies too, and the request ends with a 503 instead of killing
+    every new engine. Every other request is served, and the server stays up."""
+    server = poison_server
+    [first] = children_titled(server, "ember: engine")
+    for i in range(5):
+        assert encode(server.url, f"before {i}", POISON).status_code == 200
+    poison = encode(server.url, f"a {MARKER} b", POISON)
+    assert poison.status_code == 503, poison.text
+    assert poison.headers.get("Retry-After"), poison.headers
+    error = poison.json()["error"]
+    assert error["type"] == "unavailable", error
+    assert "the engine process died twice while serving this request, so it was not sent " \
+           "again" in error["message"], error
+    replaced_and_serving(server, first, POISON)
+    for i in range(5):
+        assert encode(server.url, f"after {i}", POISON).status_code == 200
+    assert server.alive()
+    log = server.log_text()
+    assert len(re.findall(rf"the engine process died \(exit code {CRASH_EXIT_CODE}\); "
+                          "starting another", log)) == 2, server.log_tail()  # both it reached
+    assert len(re.findall(r"a new engine process serves", log)) == 2, server.log_tail()
+    assert "1 requests fail with 503: the engine process died twice" in log, server.log_tail()
+    assert "keeps dying" not in log, server.log_tail()
+    assert server.stop() == 0, server.log_tail()
 
 
 def test_a_killed_supervisor_takes_every_process_with_it_and_frees_the_port(

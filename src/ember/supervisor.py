@@ -4,13 +4,18 @@ process per device, and this process watching over them.
 The API processes parse, validate, tokenize and encode the answers; the engine
 process batches and runs the forwards (`ember.ipc`). An API process that dies is
 replaced (its requests in flight end with their connections; the engine drops their
-queued work). An engine process that dies is replaced too: each API process sends the
-new one the requests the dead one left unanswered (`ember.ipc.client`); an engine that
-keeps dying soon after its start (a model that crashes it on every load) ends the
-server with exit 1 and the reason, after a few tries with growing pauses. Every child
-dies with this process (`ember.ipc.lifeline`). SIGTERM or SIGINT drains: every API
-process finishes what it accepted, then the engine drains its workers, then everything
-exits 0. A second signal ends all processes at once.
+queued work). An engine process that dies is replaced too, however often, after a pause
+that grows while each dies soon after its start: each API process sends the new one the
+requests the dead one left unanswered, each request at most once (`ember.ipc.client`: a
+request whose second engine dies too gets a 503, so a request that crashes the engine
+cannot kill engines for ever). Only a crash loop at load ends the server: an engine that
+dies as it loads (a model it was loading, or before it finished loading the default
+model and --preload) within ENGINE_QUICK_DEATH_S of its start, ENGINE_QUICK_DEATHS times
+in a row, ends it with exit 1 and the model's name; an engine that had loaded its models
+and served is no crash loop at load. Every child dies with this process
+(`ember.ipc.lifeline`). SIGTERM or SIGINT drains: every API process finishes what it
+accepted, then the engine drains its workers, then everything exits 0. A second signal
+ends all processes at once.
 """
 
 from __future__ import annotations
@@ -43,10 +48,13 @@ log = logging.getLogger("ember.supervisor")
 ENGINE_START_S = 120.0  # the engine imports torch before it answers
 QUICK_DEATH_S = 5.0  # an API process that dies this soon after its start ...
 QUICK_DEATHS = 5  # ... this many times in a row means it cannot start: give up
-ENGINE_QUICK_DEATH_S = 30.0  # an engine that dies this soon after its start ...
-ENGINE_QUICK_DEATHS = 3  # ... this many times in a row will not stay up: give up
-ENGINE_BACKOFF_S = (0.0, 1.0, 4.0)  # pause before each restart after a quick death
+ENGINE_QUICK_DEATH_S = 30.0  # an engine that dies as it loads this soon after its start ...
+ENGINE_QUICK_DEATHS = 3  # ... this many times in a row cannot load its models: give up
+ENGINE_BACKOFF_S = (0.0, 1.0, 4.0)  # pause before a restart, by quick deaths in a row
 ENGINE_GONE_GRACE_S = 5.0  # API processes answer what they can once the engine is gone
+# Once the API processes have drained, no client waits on the engine: its own drain is
+# given this long, then it is killed, so a wedged engine cannot hold the exit for good.
+ENGINE_DRAIN_S = 10.0
 
 
 def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: int) -> None:
@@ -88,10 +96,12 @@ class Supervisor:
         self.apis: list[ApiProcess] = []
         self.signals = 0
         self.quick_deaths = 0
-        self.engine_deaths = 0  # engine deaths in a row, each soon after its start
+        self.engine_deaths = 0  # engine deaths in a row, each soon after its start (pauses)
+        self.load_deaths = 0  # of those, the ones as it loaded (the crash-loop guard)
         self.engine_started = 0.0
         self.engine_notes: Connection | None = None  # what the engine says it loads
         self.engine_loading: list[str] = []  # the models it is loading now
+        self.engine_preloaded = False  # it loaded (or failed) the default model and --preload
         self._api_index = itertools.count()
         self._wake_read, self._wake_write = socket.socketpair()
 
@@ -126,7 +136,7 @@ class Supervisor:
         engine.start()
         ready_send.close()
         self.engine_started = time.monotonic()
-        self.engine_notes, self.engine_loading = ready, []
+        self.engine_notes, self.engine_loading, self.engine_preloaded = ready, [], False
         return engine, self._engine_ready(engine, ready)
 
     def _engine_ready(self, engine: BaseProcess, ready: multiprocessing.connection.Connection
@@ -148,33 +158,54 @@ class Supervisor:
         try:
             while notes is not None and notes.poll(0):
                 note = notes.recv()
-                if isinstance(note, tuple) and note[0] == "loading":
+                if not isinstance(note, tuple):
+                    continue
+                if note[0] == "loading":
                     self.engine_loading.append(str(note[1]))
-                elif isinstance(note, tuple) and note[0] == "loaded":
-                    self.engine_loading.remove(str(note[1]))
+                elif note[0] in ("loaded", "failed") and str(note[1]) in self.engine_loading:
+                    self.engine_loading.remove(str(note[1]))  # (a Hub model is not noted)
+                elif note[0] == "preloaded":
+                    self.engine_preloaded = True
         except (EOFError, OSError):  # the engine is gone: its pipe is read to the end
             self.engine_notes = None
 
     def _replace_engine(self, engine: BaseProcess) -> BaseProcess | None:
         """A new engine for one that died, after a pause that grows while each dies soon
-        after its start; None once that happened ENGINE_QUICK_DEATHS times in a row (or a
-        signal came)."""
+        after its start. None only for a crash loop at load: ENGINE_QUICK_DEATHS deaths in
+        a row, each as the engine loaded (a model, or before it finished the default model
+        and --preload) within ENGINE_QUICK_DEATH_S of its start; or once a signal came."""
         while not self.signals:
-            quick = time.monotonic() - self.engine_started < ENGINE_QUICK_DEATH_S
-            self.engine_deaths = self.engine_deaths + 1 if quick else 1
             self._read_engine_notes()
+            up_s = time.monotonic() - self.engine_started
+            quick = up_s < ENGINE_QUICK_DEATH_S
+            at_load = quick and (bool(self.engine_loading) or not self.engine_preloaded)
+            self.engine_deaths = self.engine_deaths + 1 if quick else 1
+            self.load_deaths = self.load_deaths + 1 if at_load else 0  # a served one breaks it
             reason = exit_reason(engine.exitcode)
             if self.engine_loading:
                 reason += f" while it loaded {', '.join(self.engine_loading)}"
-            if self.engine_deaths >= ENGINE_QUICK_DEATHS:
+            if self.load_deaths >= ENGINE_QUICK_DEATHS:
+                fix = ("remove or fix that model, or leave it out of --default-model and "
+                       "--preload" if self.engine_loading else "it died as it started, "
+                       "before it loaded a model")
                 log.error("the engine process keeps dying: %d times in a row within %.0f s "
                           "of its start, the last %s; stopping (see the engine's log above; "
-                          "remove or fix that model, or leave it out of --default-model "
-                          "and --preload)", self.engine_deaths, ENGINE_QUICK_DEATH_S, reason)
+                          "%s)", self.load_deaths, ENGINE_QUICK_DEATH_S, reason, fix)
                 return None
             pause = ENGINE_BACKOFF_S[min(self.engine_deaths, len(ENGINE_BACKOFF_S)) - 1]
+            if at_load:
+                why = (f"a death as it loads: {self.load_deaths} of {ENGINE_QUICK_DEATHS} in "
+                       f"a row within {ENGINE_QUICK_DEATH_S:.0f} s of the start stop the "
+                       "server")
+            else:
+                why = ("it had finished its start loads and was loading no model: no "
+                       "crash loop at load" if quick else
+                       f"it had run {up_s:.0f} s") + (
+                    ", so it is replaced however often it dies; the engine's log above says "
+                    "why it died")
             log.error("the engine process died (%s); starting another in %.0f s; the API "
-                      "processes send it the requests it left unanswered", reason, pause)
+                      "processes send it the requests it left unanswered, each at most "
+                      "once (%s)", reason, pause, why)
             if pause:
                 wait([self._wake_read], timeout=pause)
                 if self.signals:
@@ -257,7 +288,13 @@ class Supervisor:
     def _stop_engine(self, engine: BaseProcess) -> int:
         if engine.is_alive() and engine.pid is not None:
             os.kill(engine.pid, signal.SIGTERM)
-        engine.join()
+        engine.join(ENGINE_DRAIN_S)
+        if engine.is_alive():  # wedged (a stopped process, a stuck forward): end it
+            log.error("the engine process did not end its drain within %.0f s of the API "
+                      "processes' (nothing it holds has a client left); killing it",
+                      ENGINE_DRAIN_S)
+            engine.kill()
+            engine.join()
         return engine.exitcode or 0
 
     def _tell_engine(self, message: dict[str, object]) -> None:

@@ -4,7 +4,8 @@ requests of every process join the same batcher, a caller that goes away has its
 work dropped, the queue refuses what it cannot take, timings come back, and SIGTERM
 drains everything accepted before the engine exits 0. And the boundary loses nothing:
 a peer that stalls gets every reply late, never none; a bad frame either way is skipped;
-an engine killed mid-request is replaced and the request answered by the new one."""
+an engine killed mid-request is replaced and the request answered by the new one, but a
+request is sent to a new engine only once (a second death fails it with a 503)."""
 
 from __future__ import annotations
 
@@ -28,14 +29,16 @@ import zmq.asyncio
 
 from ember.adapters.base import Runtime
 from ember.api.errors import as_api_error
-from ember.config import ServerSettings, load_catalog
+from ember.config import ServerSettings, load_catalog, parse_spec
 from ember.engine import PreparedItem, QueueFull, ShuttingDown, WorkerConfig
+from ember.errors import ModelLoadError
 from ember.ipc import engine as ipc_engine
 from ember.ipc.batch import items_from_wire, items_to_wire, values_to_wire
-from ember.ipc.client import EngineClient, EngineUnavailable
-from ember.ipc.engine import run_engine
+from ember.ipc.client import EngineClient, EngineDiedTwice, EngineUnavailable
+from ember.ipc.engine import LoadNotes, run_engine
 from ember.ipc.models import RemoteModels
 from ember.ipc.wire import pack, unpack
+from ember.registry import Registry, preload_models
 
 SLOW = "test/ipc-slow"  # 300 ms forwards of up to 64 items: arrivals pile up behind one
 MODEL = f"""
@@ -474,6 +477,55 @@ async def test_a_new_engine_is_sent_the_group_again_with_the_unanswered_calls(
         client.close()
 
 
+async def test_a_call_goes_to_a_new_engine_once_and_a_second_death_fails_it_with_a_503(
+        fake_engine: tuple[str, zmq.asyncio.Socket]) -> None:
+    """Counted per call: a request both engines died serving is not sent to a third (it
+    may be what kills them), while one that only the second engine held is."""
+    address, router = fake_engine
+    client = EngineClient(address, "api-test-resend-once", heartbeat_s=0.05)
+    try:
+        poison = submit(client, "poison")
+        status = asyncio.ensure_future(client.call("status"))
+        first = await calls_of(router, "fake", 2)  # engine "fake" takes both, then dies
+        again = await calls_of(router, "fake-2", 2)  # a new engine: both sent once more
+        assert again == first
+        other = submit(client, "first sent to the second engine")
+        [(other_id, _)] = await calls_of(router, "fake-2", 1)
+        # The second engine dies too: only the call it was the first to hold goes on.
+        assert await calls_of(router, "fake-3", 1) == [(other_id, "batch")]
+        for lost in (poison, status):
+            with pytest.raises(EngineDiedTwice) as died:
+                await asyncio.wait_for(lost, 10)
+            error = as_api_error(died.value)
+            assert error.status == 503 and error.kind == "unavailable", error.message
+            assert error.headers.get("Retry-After")
+            assert "the engine process died twice while serving this request, so it was not " \
+                   "sent again" in error.message
+        peer = client.identity.encode()
+        await router.send_multipart([peer, pack({
+            "op": "results", "errors": [], "ok": [[other_id, 1.0, 2.0, 1, 0, 1]],
+            "values": values_to_wire([np.ones(3, np.float32)])})])
+        assert len((await asyncio.wait_for(other, 10))["values"]) == 1  # type: ignore[arg-type]
+        with pytest.raises(TimeoutError):  # and nothing else was sent to the third
+            await calls_of(router, "fake-3", 1, timeout=0.5)
+    finally:
+        client.close()
+
+
+async def calls_of(router: zmq.asyncio.Socket, engine: str, count: int,
+                   timeout: float = 10) -> list[tuple[int, str]]:
+    """The next `count` calls (id, op) the engine `engine` is sent, by id; pings answered
+    as that engine would."""
+    calls: list[tuple[int, str]] = []
+    while len(calls) < count:
+        _, message = await asyncio.wait_for(next_call(router, engine), timeout)
+        if message["op"] == "batch":
+            calls.extend((entry[0], "batch") for entry in message["calls"])
+        else:
+            calls.append((message["id"], message["op"]))
+    return sorted(calls)
+
+
 async def test_one_forward_answers_an_api_process_in_one_message(
         engine: tuple[str, BaseProcess], clients: list[EngineClient]) -> None:
     address, _ = engine
@@ -497,3 +549,39 @@ async def test_one_forward_answers_an_api_process_in_one_message(
     finally:
         raw.close(0)
         context.term()
+
+
+async def test_the_supervisor_is_told_each_load_that_ended_and_when_start_loads_are_done(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load that raised is told as `failed` (the registry has no hook for it), at the end
+    of the start loads and, for a load a request began, within LOAD_CHECK_S: so that a
+    later death of the engine is neither blamed on that model nor counted as one at load."""
+    monkeypatch.setattr(ipc_engine, "LOAD_CHECK_S", 0.05)
+    specs = [parse_spec({"name": name, "adapter": "synthetic", "tasks": ["encode"],
+                         "options": {"dims": dims}}, "test")
+             for name, dims in (("test/good", 8), ("test/bad", "x"), ("test/bad-later", "x"))]
+    registry = Registry({spec.name: spec for spec in specs})
+    notes_read, notes_write = multiprocessing.Pipe(duplex=False)
+    notes = LoadNotes(notes_write, registry)
+    watch = asyncio.ensure_future(notes.watch_failures())
+    try:
+        start = ["test/good", "test/bad"]
+        for name in start:
+            notes.note(name)
+        await preload_models(registry, start)
+        notes.preloaded(start)
+        notes.note("test/bad-later")  # as a request that names it begins its load
+        with pytest.raises(ModelLoadError):
+            await registry.get("test/bad-later")
+        await asyncio.sleep(0.3)
+        told = []
+        while notes_read.poll(0):
+            told.append(notes_read.recv())
+        assert told == [("loading", "test/good"), ("loading", "test/bad"),
+                        ("loaded", "test/good"), ("failed", "test/bad"), ("preloaded", ""),
+                        ("loading", "test/bad-later"), ("failed", "test/bad-later")]
+    finally:
+        watch.cancel()
+        await registry.close()
+        notes_read.close()
+        notes_write.close()

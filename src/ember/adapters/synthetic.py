@@ -5,13 +5,18 @@ LoRA), and takes a forward time from a cost model,
 `overhead_ms + per_token_us * padded tokens` (padded tokens = items x longest),
 either sleeping (a GPU-like device that leaves the CPU free) or computing (a
 CPU-like device that keeps a core busy). A text containing `fault_marker`
-makes its whole forward raise, for fault-injection tests.
+makes its whole forward raise, for fault-injection tests. TESTS ONLY: a model whose
+options set `test_crash_marker` ends the process that runs a forward holding a text
+that contains it (`os._exit`, as a native crash in a model would), so that the tests can
+send a request that kills the engine; no catalog entry sets it, and without it no input
+does this.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -51,6 +56,9 @@ class CostModel:
         return (self.overhead_ms * 1e3 + self.per_token_us * items * longest) / 1e6
 
 
+CRASH_EXIT_CODE = 86  # the exit code of a process a forward with the crash marker ended
+
+
 class SyntheticFault(RuntimeError):
     """Raised by a forward that carries the fault marker."""
 
@@ -59,10 +67,11 @@ class SyntheticAdapter:
     """Deterministic vectors and a modelled forward time. For tests and benchmarks only."""
 
     def __init__(self, dims: int = 32, cost: CostModel | None = None,
-                 fault_marker: str = "__fail__") -> None:
+                 fault_marker: str = "__fail__", test_crash_marker: str | None = None) -> None:
         self.dims = dims
         self.cost = cost or CostModel()
         self.fault_marker = fault_marker
+        self.test_crash_marker = test_crash_marker  # TESTS ONLY: ends the process; off if None
         self._lora: str | None = None
         self._spin_a = np.ones((64, 64), dtype=np.float32)
 
@@ -79,6 +88,9 @@ class SyntheticAdapter:
     def forward(self, items: Sequence[PreparedItem],
                 params: Hashable) -> list[npt.NDArray[np.float32]]:
         texts = tuple(str(item.payload) for item in items)
+        crash = self.test_crash_marker
+        if crash and any(crash in text for text in texts):
+            os._exit(CRASH_EXIT_CODE)  # no cleanup, no answer: as a segfault in native code
         self._spend(self.cost.forward_seconds(len(items), max(item.cost for item in items)))
         if any(self.fault_marker in text for text in texts):
             raise SyntheticFault(f"synthetic fault injected by an input containing "
@@ -109,8 +121,9 @@ class SyntheticModel(SyntheticAdapter):
     FOR TESTS AND BENCHMARKS ONLY: its vectors carry no meaning.
     """
 
-    def __init__(self, info: ModelInfo, dims: int, cost: CostModel, fault_marker: str) -> None:
-        super().__init__(dims, cost, fault_marker)
+    def __init__(self, info: ModelInfo, dims: int, cost: CostModel, fault_marker: str,
+                 test_crash_marker: str | None = None) -> None:
+        super().__init__(dims, cost, fault_marker, test_crash_marker)
         self.info = info
 
     async def encode(self, submit: Submit, texts: Sequence[str],
@@ -151,7 +164,9 @@ def load(spec: ModelSpec, runtime: Runtime) -> SyntheticModel:
                      "compute" if options.get("mode") == "compute" else "sleep")
     tasks: tuple[Task, ...] = tuple(t for t in ("encode", "score") if t in spec.tasks)
     info = ModelInfo(name=spec.name, tasks=tasks, dims=dims, max_seq_length=spec.max_seq_length)
-    return SyntheticModel(info, dims, cost, str(options.get("fault_marker", "__fail__")))
+    crash = options.get("test_crash_marker")  # TESTS ONLY: see the module's docstring
+    return SyntheticModel(info, dims, cost, str(options.get("fault_marker", "__fail__")),
+                          str(crash) if crash else None)
 
 
 def load_front(spec: ModelSpec, runtime: Runtime) -> SyntheticModel:

@@ -1,10 +1,13 @@
 """An API process's side of the IPC: one DEALER socket to the engine process.
 
-Nothing it sends is lost to the engine's death: the engine answers a heartbeat with its
+Nothing it sends is lost to one engine's death: the engine answers a heartbeat with its
 boot id; when a new engine process answers (the supervisor replaced a dead one), every
 call still unanswered is sent to it again (encode, score and extract are idempotent, and
-the engine ignores a copy of a call it already runs). A call waits for a new engine at
-most `restart_wait_s` from the moment the engine fell silent, then fails with
+the engine ignores a copy of a call it already runs). Once only: a call whose second
+engine dies before answering too fails with `EngineDiedTwice` (503), so a request that
+crashes the engine (a poison request) ends after two engines, not with every new one, as
+the Ray mode's calls are sent once more to another replica. A call waits for a new engine
+at most `restart_wait_s` from the moment the engine fell silent, then fails with
 `EngineUnavailable` (503 with Retry-After); so does a new call while it stays silent.
 """
 
@@ -33,6 +36,7 @@ HEARTBEAT_S = 0.5  # a ping this often; the engine's reader answers it at once
 RESTART_WAIT_S = 30.0  # how long calls wait for a silent engine (or its replacement)
 PARAMS_KEPT = 512  # interned parameter groups (the engine holds more per API process)
 PARAMS_TRIES = 3  # times a call is sent again because the engine lacked its group
+ENGINE_SENDS = 2  # engine processes a call goes to: the first, and once more to a new one
 
 
 class EngineUnavailable(WorkerFailed):
@@ -46,14 +50,27 @@ class EngineUnavailable(WorkerFailed):
                            "shortly")
 
 
+class EngineDiedTwice(EngineUnavailable):
+    """The engine process died while serving the call, and so did the new one it was sent
+    to: it is not sent to a third, as it may be what kills them. A 503 with Retry-After."""
+
+    def __init__(self) -> None:
+        self.name = "engine"
+        self.cause = ConnectionError("the engine process died twice")
+        Exception.__init__(self, "the engine process died twice while serving this request, "
+                           "so it was not sent again (if the request itself crashes the "
+                           "engine, sending it again will not help)")
+
+
 @dataclass(eq=False)
 class _Call:
     id: int
     reply: asyncio.Future[dict[str, Any]]
-    engine: str  # the boot id of the engine it went to
+    engine: str | None  # the boot id of the engine it went to (None: a submit not yet sent)
     message: bytes = b""  # load and status: packed once; sent again as is to a new engine
     submit: _Submit | None = None  # a submit: packed with the others of its turn
     tries: int = 0  # times a submit was sent again for its parameter group
+    lost: int = 0  # engines that died before answering it (ENGINE_SENDS bounds the resends)
 
 
 @dataclass(eq=False, slots=True)
@@ -112,8 +129,8 @@ class EngineClient:
                 raise ShuttingDown()
         call_id = next(self._ids)
         reply = asyncio.get_running_loop().create_future()
-        if op == "submit":
-            call = _Call(call_id, reply, self.engine, submit=_Submit(
+        if op == "submit":  # its engine is set once its turn's message is packed
+            call = _Call(call_id, reply, None, submit=_Submit(
                 fields["model"], _prepared(fields["items"]), fields["params"], fields["lora"]))
         else:
             call = _Call(call_id, reply, self.engine, pack({"op": op, "id": call_id, **fields}))
@@ -281,13 +298,23 @@ class EngineClient:
             return
         self._sent_params.clear()  # a new engine holds no parameter group yet
         stale = [c for c in self._waiting.values()
-                 if c.engine != engine and not c.reply.done() and c not in self._outbox]
-        log.warning("a new engine process answers; sending it the %d requests the last "
-                    "one left unanswered", len(stale))
+                 if c.engine is not None and c.engine != engine and not c.reply.done()]
         for call in stale:
+            call.lost += 1
+        resend = [c for c in stale if c.lost < ENGINE_SENDS]
+        dropped = [c for c in stale if c.lost >= ENGINE_SENDS]  # maybe what kills them
+        log.warning("a new engine process answers; sending it the %d requests the last "
+                    "one left unanswered", len(resend))
+        if dropped:
+            log.error("%d requests fail with 503: the engine process died twice while "
+                      "serving each, so they are not sent again", len(dropped))
+        for call in dropped:
+            call.reply.set_exception(EngineDiedTwice())
+        for call in resend:
             call.engine = engine
             if call.submit is not None:
-                self._post(call)
+                if call not in self._outbox:  # one sent again for its group is on its way
+                    self._post(call)
                 continue
             task = asyncio.get_running_loop().create_task(self._send(call.message))
             self._sends.add(task)

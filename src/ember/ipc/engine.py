@@ -59,6 +59,7 @@ from ember.registry import LoadedModel, Registry, preload_models
 log = logging.getLogger("ember.engine")
 SEND_LIMIT = 1000  # replies ZeroMQ queues for one peer; more wait in that peer's backlog
 RETRY_FIRST_S, RETRY_MAX_S = 0.001, 0.05  # a full peer queue is tried again this often
+LOAD_CHECK_S = 1.0  # a failed load is told to the supervisor within this (no hook says it)
 
 
 PARAMS_PER_PEER = 1024  # parameter groups held per API process; the oldest go first
@@ -358,17 +359,35 @@ class EngineServer(RegistryCalls):
 
 class LoadNotes:
     """Tells the supervisor, through the start-up pipe, each model this engine begins to
-    load and each it finished loading: if a load kills the process, the supervisor names
-    the model."""
+    load, each it finished loading and each whose load failed, and once the models it
+    loads at start are done: if a load kills the process, the supervisor names the model,
+    and only a death as the engine loads counts toward its crash-loop guard."""
 
     def __init__(self, pipe: Connection, registry: Registry) -> None:
         self.pipe = pipe
+        self.registry = registry
         self.loading: set[str] = set()
         registry.on_load.append(lambda model: self._send("loaded", model.spec.name))
 
     def note(self, name: str) -> None:
         if name not in self.loading:
             self._send("loading", name)
+
+    def preloaded(self, names: list[str]) -> None:
+        """The start models' loads are over: each that did not load failed (its name may
+        not even resolve, so the registry may not say `failed`)."""
+        for name in dict.fromkeys(names):
+            if name in self.loading and self.registry.state(name) not in ("loading", "loaded"):
+                self._send("failed", name)
+        with contextlib.suppress(OSError):  # the supervisor is gone; this process follows it
+            self.pipe.send(("preloaded", ""))
+
+    async def watch_failures(self) -> None:
+        """Tell each failed load soon: a later death must not count as one while loading."""
+        while True:
+            await asyncio.sleep(LOAD_CHECK_S)
+            for name in [n for n in self.loading if self.registry.state(n) == "failed"]:
+                self._send("failed", name)
 
     def _send(self, what: str, name: str) -> None:
         if what == "loading":
@@ -383,8 +402,10 @@ def run_engine(settings: ServerSettings, address: str, ready: Connection) -> Non
     """The engine process's main: serve the registry on `address` until SIGTERM (from the
     supervisor, once every API process has drained), then drain every worker and exit.
     `ready` gets "ready" once the socket is bound, then ("loading", name) as a model starts
-    to load, so that the supervisor can say which one an engine died loading. SIGINT is
-    the supervisor's."""
+    to load, ("loaded", name) or ("failed", name) as its load ends, and ("preloaded", "")
+    once the default model and --preload are loaded or failed, so that the supervisor can
+    tell a death as the engine loads (and which model) from one after. SIGINT is the
+    supervisor's."""
     import uvloop
 
     supervisor = parent_process()
@@ -411,11 +432,18 @@ async def _engine(settings: ServerSettings, address: str, ready: Connection) -> 
     preloads = [settings.default_model, *settings.preload]
     for name in preloads:
         loading.note(name)
-    preload = loop.create_task(preload_models(registry, preloads))
+    preload = loop.create_task(_preload(registry, preloads, loading))
+    failures = loop.create_task(loading.watch_failures())
     await stop.wait()  # a supervisor that dies takes this process with it (lifeline)
     started = time.perf_counter()
     preload.cancel()
+    failures.cancel()
     await registry.close()
     await server.close()
     ready.close()
     log.info("engine drained in %.2f s; exiting", time.perf_counter() - started)
+
+
+async def _preload(registry: Registry, names: list[str], notes: LoadNotes) -> None:
+    await preload_models(registry, names)
+    notes.preloaded(names)
