@@ -74,6 +74,18 @@ async def test_unknown_label_lists_the_known_ones(ner: SpacyNerAdapter,
         assert name in caught.value.message
 
 
+async def test_a_threshold_is_refused_as_spacy_scores_no_entity(ner: SpacyNerAdapter,
+                                                                 serve: ServeFactory) -> None:
+    """Found by a black-box review: it was accepted and filtered nothing (every entity
+    scores 1.0), so a client thought it had asked for confident entities only."""
+    async with serve(ner) as served:
+        with pytest.raises(InvalidInput) as caught:
+            await ner.extract(served.submit, [APPLE], ExtractOptions(threshold=0.9))
+        assert caught.value.param == "params.threshold" and "1.0" in caught.value.message
+        out = await ner.extract(served.submit, [APPLE], ExtractOptions())
+    assert all(entity.score == 1.0 for entity in out.values[0])
+
+
 async def test_a_batch_gives_each_text_its_own_entities(ner: SpacyNerAdapter,
                                                         serve: ServeFactory) -> None:
     batched = await extract(ner, serve, TEXTS)

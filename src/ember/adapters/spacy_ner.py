@@ -182,6 +182,10 @@ class SpacyNerFront:
                       options: ExtractOptions) -> TaskOutput[list[list[Entity]]]:
         if not texts:
             raise InvalidInput("at least one item is required; send 1 or more texts", "items")
+        if getattr(options, "threshold", None) is not None:  # it would filter nothing
+            raise InvalidInput(f"model {self.spec.name!r} takes no threshold: spaCy's NER "
+                               "scores no entity (each is 1.0); leave params.threshold out",
+                               "params.threshold")
         wanted = self.resolve_labels(options.labels)
         items = self.prepare(texts)
         result = await submit(items, NER_PARAMS, None)
