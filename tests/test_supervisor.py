@@ -88,6 +88,9 @@ def test_a_dead_api_process_is_replaced_and_service_goes_on(
     for i in range(20):  # served by whichever processes accept now
         assert encode(server.url, f"after the death {i}").status_code == 200
     assert re.search(rf"API process {victim} died \(exit code -9\)", server.log_text())
+    # The replacement takes the dead one's slot: the titles stay "ember: api 0" and "1".
+    titles = sorted(psutil.Process(pid).cmdline()[0] for pid in api_pids(server))
+    assert titles == ["ember: api 0", "ember: api 1"], titles
 
 
 def test_requests_in_flight_on_a_killed_api_process_fail_cleanly(

@@ -85,6 +85,7 @@ def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: 
 class ApiProcess:
     process: BaseProcess
     started: float
+    index: int  # its slot: a replacement takes the dead one's, so names stay 0..N-1
 
 
 class Supervisor:
@@ -216,13 +217,13 @@ class Supervisor:
                 return engine
         return None
 
-    def _start_api(self, sock: socket.socket) -> None:
-        index = next(self._api_index)
+    def _start_api(self, sock: socket.socket, index: int | None = None) -> None:
+        index = next(self._api_index) if index is None else index
         process = self.context.Process(target=run_api, name=f"ember-api-{index}",
                                        args=(self.settings, sock, self.address, index))
         process.start()
         log.info("started API process %d (pid %s)", index, process.pid)
-        self.apis.append(ApiProcess(process, time.monotonic()))
+        self.apis.append(ApiProcess(process, time.monotonic(), index))
 
     def _watch(self, engine: BaseProcess, sock: socket.socket) -> int:
         """Replace API processes that die until a signal comes; then drain in order."""
@@ -268,7 +269,7 @@ class Supervisor:
                     "with their connections; starting another", pid, code)
         if pid is not None:
             self._tell_engine({"op": "forget", "peer": peer_name(pid)})
-        self._start_api(sock)
+        self._start_api(sock, api.index)
         return True
 
     def _stop_apis(self, grace_s: float | None = None) -> list[int]:
