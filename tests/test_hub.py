@@ -356,7 +356,7 @@ from ember.adapters.base import Runtime
 async def main():
     registry = Registry(load_catalog(), Runtime(backend="torch"))
     out = {{}}
-    for name in ("someone/not-there", {TINY + "@main"!r}):
+    for name in ("someone/not-there", {TINY + "@main"!r}, {TINY + " "!r}, {TINY + "  "!r}):
         try:
             await registry.get(name)
             out[name] = "loaded"
@@ -374,9 +374,14 @@ asyncio.run(main())
     status, kind, message = answers[TINY + "@main"]  # type: ignore[misc]
     assert (status, kind) == (404, "model_not_found")
     assert f"--model {TINY}@main" in message and "without a revision" in message
+    # A space after the id is no Hub id (it had loaded a second copy under "org/x ").
+    for alias in (TINY + " ", TINY + "  "):
+        assert answers[alias][:2] == [404, "model_not_found"]  # type: ignore[index]
 
 
-@pytest.mark.parametrize("text", ["../etc/passwd", "/abs/path", "org/../name", "org/name/x",
+@pytest.mark.parametrize("text", ["org/tiny ", " org/tiny", "org/tiny\n", "org/tiny.git",
+                                  "org/ti--ny", "../etc/passwd", "/abs/path", "org/../name",
+                                  "org/name/x",
                                   "org name/x", "~/models/x", "./org/name", "org/",
                                   "org/na$me", "o" * 200 + "/x", "org/name@rev with space"])
 def test_what_is_not_a_hub_id_is_never_fetched(text: str) -> None:

@@ -194,7 +194,7 @@ def _list(values: Sequence[str] | str | None, sep: str) -> tuple[str, ...]:
         return ()
     if isinstance(values, str):
         values = [values]
-    return tuple(part for value in values for part in value.split(sep) if part)
+    return tuple(part.strip() for value in values for part in value.split(sep) if part.strip())
 
 
 def settings_from(args: argparse.Namespace) -> ServerSettings:

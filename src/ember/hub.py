@@ -64,9 +64,19 @@ class HubRef:
 
 
 def parse_hub_id(text: str) -> HubRef | None:
-    """`org/name[@revision]` as a HubRef; None for anything else (a path, a bad name)."""
-    match = HUB_ID.fullmatch(text.strip())
+    """`org/name[@revision]` as a HubRef; None for anything else (a path, a bad name).
+    Exact: a space or a newline around it is no Hub id (a request's name is the catalog's
+    key, and "org/x " would load a second copy of org/x), nor is a name the Hub's own
+    client refuses (`--`, a `.git` end)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    match = HUB_ID.fullmatch(text)
     if match is None or ".." in text or text.startswith(("./", "/", "~")):
+        return None
+    try:
+        validate_repo_id(match.group("repo"))
+    except HFValidationError:
         return None
     return HubRef(match.group("repo"), match.group("revision"))
 
