@@ -391,6 +391,20 @@ def test_a_folder_without_its_tokenizer_files_fails_the_load(tmp_path: Path,
         transformer.load(spec_for(directory, "transformer", ("encode",)), backend)
 
 
+def test_an_oversized_config_json_is_refused_before_transformers_reads_it(
+        tmp_path: Path) -> None:
+    """Found by a black-box review: a 17 MiB config.json loaded and served, past the
+    16 MiB every other JSON file of a model directory is held to."""
+    from ember.model_files import MAX_MODEL_JSON_BYTES, ModelFileError
+
+    directory = build_bi_encoder(tmp_path / "model", seed=4)
+    config = json.loads((directory / "config.json").read_text())
+    config["padding"] = "x" * (MAX_MODEL_JSON_BYTES + 1024)
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises((ModelFileError, ModelLoadError), match="config.json is .* bytes"):
+        transformer.load(spec_for(directory, "transformer", ("encode",)), ONNX)
+
+
 def test_a_folder_that_names_its_document_prompt_passage_gets_it_on_documents(
         tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
     directory = build_st_pipeline(tmp_path / "passage", tiny_dirs["base"],

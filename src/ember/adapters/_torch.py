@@ -258,6 +258,7 @@ def load_tokenizer(spec: ModelSpec, model_dir: Path) -> Any:
     """The directory's fast tokenizer, offline; a slow-only tokenizer fails the load."""
     from transformers import AutoTokenizer
 
+    rows = embedding_rows(model_dir)  # config.json through the size and depth checks first
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), use_fast=True,
                                               local_files_only=True,
                                               trust_remote_code=spec.trust_remote_code)
@@ -266,7 +267,6 @@ def load_tokenizer(spec: ModelSpec, model_dir: Path) -> Any:
                                         "model directory needs a tokenizer.json")
     # Without its vocabulary files transformers builds a tokenizer of special tokens only:
     # every word would be [UNK], and every text the same vector.
-    rows = embedding_rows(model_dir)
     if rows is not None and len(tokenizer) < rows // 2:
         raise ModelLoadError(spec.name, f"the tokenizer knows {len(tokenizer)} tokens where "
                                         f"the model embeds {rows}: its files (tokenizer.json, "
@@ -276,7 +276,8 @@ def load_tokenizer(spec: ModelSpec, model_dir: Path) -> Any:
 
 
 def embedding_rows(model_dir: Path) -> int | None:
-    """The model's vocabulary size by its config.json (a text tower's, for CLIP)."""
+    """The model's vocabulary size by its config.json (a text tower's, for CLIP), read
+    under the model files' limits before transformers reads it unchecked."""
     path = model_dir / "config.json"
     if not path.is_file():
         return None
