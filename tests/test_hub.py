@@ -186,6 +186,18 @@ def test_offline_without_the_cache_is_one_line_that_says_how_to_fetch(
     assert TINY in errors[0] and "HF_HUB_OFFLINE" in errors[0] and "--preload" in errors[0]
 
 
+def test_offline_with_part_of_a_model_in_the_cache_says_it_is_incomplete(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    """Found by a black-box review: after a download cut short, the offline start said
+    the model was not in the cache at all."""
+    folder = Path(str(run(standin, tmp_path / "hf", snapshot(TINY))["folder"]))
+    (folder / "model.safetensors").unlink()  # as if its download never finished
+    refused = run(standin, tmp_path / "hf", snapshot(TINY), offline=True)
+    assert "is incomplete in the Hugging Face cache" in str(refused["error"]), refused
+    empty = run(standin, tmp_path / "other", snapshot(TINY), offline=True)
+    assert "is not in the Hugging Face cache" in str(empty["error"]), empty
+
+
 def test_a_revision_pin_is_honoured(standin: HubStandIn, tmp_path: Path) -> None:
     old = standin.notes["old"]
     pinned = run(standin, tmp_path / "hf", snapshot(MINILM, old))

@@ -155,12 +155,16 @@ def snapshot(ref: HubRef, wanted: Wanted, download: bool | None = None,
     folder = cached(ref, wanted if exact else replace(wanted, onnx=False))
     if folder is not None:
         return folder
+    # Some of its files there (a download cut short) is not the same as none.
+    where = ("is incomplete in the Hugging Face cache (a download was cut short?)"
+             if (cache_root() / f"models--{ref.repo.replace('/', '--')}").is_dir()
+             else "is not in the Hugging Face cache")
     if offline():
-        raise HubError(f"model {ref} is not in the Hugging Face cache ({cache_root()}) and "
+        raise HubError(f"model {ref} {where} ({cache_root()}) and "
                        "HF_HUB_OFFLINE is set; fetch it once online (unset HF_HUB_OFFLINE "
                        f"and start `ember serve --preload {ref}`), or copy the cache here")
     if not (downloads_allowed() if download is None else download):
-        raise HubError(f"model {ref} is not in the Hugging Face cache ({cache_root()}) and "
+        raise HubError(f"model {ref} {where} ({cache_root()}) and "
                        "this server downloads only the models named at its start; name it "
                        f"with --preload {ref}, or start with --allow-hub-models")
     return fetch(ref, wanted)
