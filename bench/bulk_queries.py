@@ -203,33 +203,39 @@ HTTP_METRICS = ["query_latency_p50_ms", "query_latency_p99_ms", "query_wait_p50_
                 "bulk_latency_p50_ms", "documents_per_s"]
 
 
+def section(title: str, result: Json, names: Sequence[str], metrics: Sequence[str],
+            ratios: Sequence[str], headers: Sequence[str]) -> str:
+    """One table: a row a variant, the medians of `metrics`, then `ratios` to the default."""
+    rows = [benchlib.summary_row(result["summary"][name], name, metrics, ratios)
+            for name in names]
+    return (f"### {title}; median of {len(result['runs']['default'])} repetitions\n\n"
+            + table([*headers, *(f"{header} / default" for header in ratio_headers(ratios))],
+                    rows))
+
+
+def ratio_headers(ratios: Sequence[str]) -> list[str]:
+    return [name.removesuffix("_ms").replace("_", " ") for name in ratios]
+
+
 def report(data: Json) -> str:
     out = []
     for cost_name, result in data["results"].items():
         if cost_name == "http":
-            rows = [benchlib.summary_row(result["summary"][name], name, HTTP_METRICS,
-                                         ["query_latency_p50_ms", "query_latency_p99_ms",
-                                          "documents_per_s"])
-                    for name in HTTP_SERVE_ARGS]
-            out.append(f"### over HTTP, {HTTP_MODEL} on ONNX Runtime; median of "
-                       f"{len(result['runs']['default'])} repetitions\n\n"
-                       + table(["server", "query latency p50 ms", "p99",
-                                "query wait p50 ms", "bulk request p50 ms", "documents/s",
-                                "latency p50 / default", "latency p99 / default",
-                                "documents/s / default"], rows))
+            out.append(section(
+                f"over HTTP, {HTTP_MODEL} on ONNX Runtime", result, list(HTTP_SERVE_ARGS),
+                HTTP_METRICS, ["query_latency_p50_ms", "query_latency_p99_ms",
+                               "documents_per_s"],
+                ["server", "query latency p50 ms", "p99", "query wait p50 ms",
+                 "bulk request p50 ms", "documents/s"]))
             continue
         cost = data["cost_models"][cost_name]
-        rows = [benchlib.summary_row(result["summary"][name], name, METRICS,
-                                     ["query_wait_p50_ms", "query_wait_p99_ms",
-                                      "documents_per_s"])
-                for name in VARIANTS]
-        out.append(f"### {cost_name}: {cost['overhead_ms']} ms + {cost['per_token_us']} us a "
-                   f"padded token; median of {len(result['runs']['default'])} repetitions\n\n"
-                   + table(["variant", "query wait p50 ms", "p99", "longest",
-                            "query latency p50 ms", "bulk request p50 ms", "documents/s",
-                            "padded/real", "forwards/s", "device idle",
-                            "wait p50 / default", "wait p99 / default",
-                            "documents/s / default"], rows))
+        out.append(section(
+            f"{cost_name}: {cost['overhead_ms']} ms + {cost['per_token_us']} us a padded token",
+            result, list(VARIANTS), METRICS,
+            ["query_wait_p50_ms", "query_wait_p99_ms", "documents_per_s"],
+            ["variant", "query wait p50 ms", "p99", "longest", "query latency p50 ms",
+             "bulk request p50 ms", "documents/s", "padded/real", "forwards/s",
+             "device idle"]))
     return "\n\n".join(out) + "\n"
 
 
