@@ -69,7 +69,7 @@ def parse_hub_id(text: str) -> HubRef | None:
     key, and "org/x " would load a second copy of org/x), nor is a name the Hub's own
     client refuses (`--`, a `.git` end)."""
     from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
+    from huggingface_hub.utils._validators import validate_repo_id
 
     match = HUB_ID.fullmatch(text)
     if match is None or ".." in text or text.startswith(("./", "/", "~")):

@@ -340,16 +340,15 @@ def test_small_requests_lead_in_order_of_size_then_arrival() -> None:
 
 
 def test_entries_of_served_requests_do_not_pile_up() -> None:
-    """One query always pending while bulk requests come and go: the served bulk
-    requests' entries sit deep in the smallest-first heap and must not accumulate."""
+    """The requests of each size are kept in arrival order; served ones leave from the
+    front, and also from behind one that waits long (here: never served)."""
     former = BatchFormer(max_batch_tokens=10**6, max_batch_items=64, max_padding=0.0)
-    for n in range(2000):
-        add(former, [3], seq_start=3 * n)
-        add(former, [50] * 8, seq_start=3 * n + 1)
-        while former.pending_items > 1:
-            former.form()
-    assert former.pending_requests <= 1
-    assert len(former._smallest) < 200 and len(former._largest) < 200
+    add(former, [3])  # stays queued throughout
+    for n in range(1, 2001):
+        for pending in add(former, [4], seq_start=n):
+            former.discard(pending)  # served, as far as the queue is concerned
+    assert former.pending_requests == 1
+    assert sum(map(len, former._by_size.values())) < 200
 
 
 def test_a_lead_ratio_of_zero_keeps_every_batch_the_sweeps() -> None:
@@ -361,18 +360,3 @@ def test_a_lead_ratio_of_zero_keeps_every_batch_the_sweeps() -> None:
     assert batch is not None and not batch.led and 5 not in costs(batch)
     with pytest.raises(ValueError, match="lead_ratio"):
         WorkerConfig(lead_ratio=0.5)
-
-
-def test_a_request_added_in_parts_leads_only_with_what_it_has_queued() -> None:
-    former = BatchFormer(max_batch_tokens=10**6, max_batch_items=1, max_padding=0.0)
-    bulk_and_sweep(former)
-    small = Owner()
-    part = PendingItem(PreparedItem(5, 5, 0), small, "q", 0.0, 20)
-    other = PendingItem(PreparedItem(7, 7, 1), small, "r", 0.0, 20)
-    former.add([part])
-    former.add([other])  # the same request's item in another group: a second entry
-    formed = [former.form() for _ in range(4)]
-    # Once `part` ran, its entry leads nothing: no empty batch from its emptied group.
-    assert [(b.group, costs(b)) for b in formed if b is not None and b.led] == [
-        ("q", [5]), ("r", [7])]
-    assert all(b is not None and b.items for b in formed)

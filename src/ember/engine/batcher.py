@@ -10,8 +10,6 @@ no item waits more than one sweep and neighbours in length drain together.
 from __future__ import annotations
 
 import bisect
-import heapq
-import itertools
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -190,11 +188,13 @@ class BatchFormer:
         self._arrivals: deque[PendingItem] = deque()
         self._per_owner: dict[Owner, int] = {}
         self._count = 0
-        # Pending requests by their size, smallest and largest first (entries of requests
-        # with nothing queued are dropped lazily): which may lead the next forward.
-        self._smallest: list[tuple[int, int, int, list[PendingItem]]] = []
-        self._largest: list[tuple[int, int, int, Owner]] = []
-        self._entries = itertools.count()  # ties in a heap never compare the payloads
+        # Pending requests by their size (items when queued), for the lead rule: each one's
+        # size, how many there are of each size, the sizes in order, and each size's
+        # requests in arrival order (served ones are dropped from the front lazily).
+        self._size_of: dict[Owner, int] = {}
+        self._of_size: dict[int, int] = {}
+        self._sizes: list[int] = []
+        self._by_size: dict[int, deque[list[PendingItem]]] = {}
         self._led_last = False  # the last batch formed was led: the sweep's turn
 
     @classmethod
@@ -241,9 +241,9 @@ class BatchFormer:
         held = owners.get(owner, 0)
         if not held:  # already in line when it has items queued here
             self._arrivals.append(first)
+            self._sized(items)
         owners[owner] = held + len(items)
         self._count += len(items)
-        self._sized(items)
         group = self._groups.get(first.group)
         if group is None:
             group = self._groups[first.group] = _Group()
@@ -321,37 +321,48 @@ class BatchFormer:
         return batch
 
     def _sized(self, items: list[PendingItem]) -> None:
-        """Enter one request's queued items by their count (what may lead, or be led)."""
-        first, entry = items[0], next(self._entries)
-        heapq.heappush(self._smallest, (len(items), first.seq, entry, items))
-        heapq.heappush(self._largest, (-len(items), first.seq, entry, first.owner))
-        if len(self._smallest) > 2 * len(self._per_owner) + 64:
-            # Entries of requests served deep in a heap never reach its top: drop them.
-            owners = self._per_owner
-            self._smallest = [e for e in self._smallest if e[3][0].owner in owners]
-            self._largest = [e for e in self._largest if e[3] in owners]
-            heapq.heapify(self._smallest)
-            heapq.heapify(self._largest)
+        """Enter a request new to the queue by its size (what may lead, or be led)."""
+        size, owners = len(items), self._per_owner
+        self._size_of[items[0].owner] = size
+        count = self._of_size.get(size, 0)
+        self._of_size[size] = count + 1
+        if not count:
+            bisect.insort(self._sizes, size)
+            line = self._by_size[size] = deque()
+        else:
+            line = self._by_size[size]
+            while line and line[0][0].owner not in owners:  # served: amortized O(1)
+                line.popleft()
+            if len(line) > 2 * count + 64:  # served ones behind one that waits long
+                line = self._by_size[size] = deque(
+                    entry for entry in line if entry[0].owner in owners)
+        line.append(items)
+
+    def _unsized(self, owner: Owner) -> None:
+        """A request left the queue (its last item taken or dropped)."""
+        size = self._size_of.pop(owner)
+        count = self._of_size[size] - 1
+        if count:
+            self._of_size[size] = count
+        else:
+            del self._of_size[size], self._by_size[size]
+            del self._sizes[bisect.bisect_left(self._sizes, size)]
 
     def _largest_size(self) -> int:
-        largest, owners = self._largest, self._per_owner
-        while largest and largest[0][3] not in owners:
-            heapq.heappop(largest)
-        return -largest[0][0] if largest else 0
+        return self._sizes[-1] if self._sizes else 0
 
     def _leader(self) -> list[PendingItem] | None:
-        """The smallest pending request's items when it holds at most 1/`lead_ratio` of
-        the items of the largest and the last batch was the sweep's (so the sweep keeps
-        every other forward, and its bound, at most doubled, holds)."""
-        if self._led_last or not self.lead_ratio:
-            return None
-        smallest, owners = self._smallest, self._per_owner
-        while smallest and (smallest[0][3][0].owner not in owners
-                            or not any(p.queued for p in smallest[0][3])):
-            heapq.heappop(smallest)  # served (a request added in parts has an entry a part)
-        if not smallest or smallest[0][0] * self.lead_ratio > self._largest_size():
-            return None
-        return smallest[0][3]
+        """The oldest of the smallest pending requests, when it holds at most
+        1/`lead_ratio` of the items of the largest and the last batch was the sweep's (so
+        the sweep keeps every other forward, and its bound, at most doubled, holds)."""
+        sizes = self._sizes
+        if self._led_last or not self.lead_ratio or len(sizes) < 2 or (
+                sizes[0] * self.lead_ratio > sizes[-1]):
+            return None  # requests of like sizes (one text each, say): the sweep alone
+        line, owners = self._by_size[sizes[0]], self._per_owner
+        while line and line[0][0].owner not in owners:
+            line.popleft()  # served
+        return line[0] if line else None
 
     def would_lead(self, batch: Batch, items: Sequence[PendingItem]) -> bool:
         """Whether one request's `items`, had they come before `batch` formed, would have
@@ -389,6 +400,8 @@ class BatchFormer:
             for items in rejoined.values():
                 self._arrivals.append(items[-1])
                 self._sized(items[::-1])
+                self._by_size[len(items)] = deque(sorted(self._by_size[len(items)],
+                                                         key=lambda line: line[0].seq))
             self._arrivals = deque(sorted(self._arrivals, key=_SEQ))
         self._count += len(batch.items)
         group.cursor = batch.cursor
@@ -409,6 +422,7 @@ class BatchFormer:
                 owners[pending.owner] = left
             else:
                 del owners[pending.owner]
+                self._unsized(pending.owner)
         self._count -= len(items)
 
     def _pack(self, batch: Batch, group: _Group, low: int, high: int,
