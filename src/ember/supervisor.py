@@ -143,7 +143,9 @@ class Supervisor:
     def _engine_ready(self, engine: BaseProcess, ready: multiprocessing.connection.Connection
                       ) -> bool:
         deadline = time.monotonic() + ENGINE_START_S
-        while time.monotonic() < deadline and not self.signals:
+        # A drain waits for it too: the API processes send it what they hold (a second
+        # signal ends everything at once, in _on_signal).
+        while time.monotonic() < deadline:
             if ready.poll(0.2) and ready.recv() == "ready":
                 return True
             if not engine.is_alive():
@@ -174,8 +176,9 @@ class Supervisor:
         """A new engine for one that died, after a pause that grows while each dies soon
         after its start. None only for a crash loop at load: ENGINE_QUICK_DEATHS deaths in
         a row, each as the engine loaded (a model, or before it finished the default model
-        and --preload) within ENGINE_QUICK_DEATH_S of its start; or once a signal came."""
-        while not self.signals:
+        and --preload) within ENGINE_QUICK_DEATH_S of its start. A drain that began meanwhile
+        still gets its engine (at once, with no pause): the API processes finish with it."""
+        while True:
             self._read_engine_notes()
             up_s = time.monotonic() - self.engine_started
             quick = up_s < ENGINE_QUICK_DEATH_S
@@ -207,15 +210,12 @@ class Supervisor:
             log.error("the engine process died (%s); starting another in %.0f s; the API "
                       "processes send it the requests it left unanswered, each at most "
                       "once (%s)", reason, pause, why)
-            if pause:
+            if pause and not self.signals:
                 wait([self._wake_read], timeout=pause)
-                if self.signals:
-                    break
             engine, ready = self._start_engine()
             if ready:
                 log.info("a new engine process serves (pid %s)", engine.pid)
                 return engine
-        return None
 
     def _start_api(self, sock: socket.socket, index: int | None = None) -> None:
         index = next(self._api_index) if index is None else index
@@ -237,8 +237,6 @@ class Supervisor:
             if not engine.is_alive():
                 replacement = self._replace_engine(engine)
                 if replacement is None:
-                    if self.signals:
-                        break  # a drain came while the engine was down: drain what is left
                     self._stop_apis(ENGINE_GONE_GRACE_S)  # what they hold cannot finish
                     return 1
                 engine = replacement
@@ -247,6 +245,13 @@ class Supervisor:
                     self._stop_apis()
                     self._stop_engine(engine)
                     return 1
+        self._read_engine_notes()
+        if not engine.is_alive():  # it died as the drain began: what is accepted needs one
+            replacement = self._replace_engine(engine)
+            if replacement is None:
+                self._stop_apis(ENGINE_GONE_GRACE_S)
+                return 1
+            engine = replacement
         log.info("draining %d API processes, then the engine", len(self.apis))
         sock.close()  # no process will be started again; the last API process closes it
         codes = self._stop_apis()
