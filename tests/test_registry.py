@@ -59,12 +59,21 @@ async def test_least_recently_used_idle_model_is_evicted_after_draining() -> Non
     await registry.close()
 
 
-async def test_a_model_in_use_is_not_evicted() -> None:
+async def test_a_model_in_use_is_not_evicted_and_the_limit_holds_again_once_idle() -> None:
     registry = Registry(catalog(synthetic("a"), synthetic("b")),
                         limits=RegistryLimits(max_loaded_models=1))
+    evicted: list[str] = []
+    registry.on_evict.append(evicted.append)
     async with registry.use("a"):
-        await registry.get("b")  # a is busy: both stay, over the limit, rather than fail
-        assert sorted(registry.loaded) == ["a", "b"]
+        async with registry.use("b"):  # a is busy: both stay, over the limit, rather than fail
+            assert sorted(registry.loaded) == ["a", "b"]
+        assert sorted(registry.loaded) == ["a", "b"]  # b is idle, a still busy: b goes
+        for _ in range(100):
+            if len(registry.loaded) == 1:
+                break
+            await asyncio.sleep(0.01)
+    # Found by a black-box review: once over, a registry stayed over for good.
+    assert sorted(registry.loaded) == ["a"] and evicted == ["b"]
     await registry.close()
 
 

@@ -120,6 +120,7 @@ class ModelInUse:
     async def __aexit__(self, *exc: object) -> None:
         if self._model is not None:
             self._model.in_use -= 1
+            self._registry.released(self._model)
             self._model = None
 
 
@@ -195,6 +196,7 @@ class Registry(CatalogLookup):
         self.on_worker: list[Callable[[LoadedModel], None]] = []
         self.closing = False
         self._idle_collection: asyncio.Task[None] | None = None
+        self._shrinking: asyncio.Task[None] | None = None
 
     @property
     def loaded(self) -> dict[str, LoadedModel]:
@@ -299,25 +301,43 @@ class Registry(CatalogLookup):
             heap.freeze_new()  # what the load made leaves the collector's generations
             self._collect_when_idle()  # its garbage, and any evicted model's cycles
 
+    def _over(self, incoming: int = 0, incoming_bytes: int = 0) -> bool:
+        """Whether the loaded models and `incoming` more would pass the limits."""
+        limits = self.limits
+        if len(self._loaded) + incoming > limits.max_loaded_models:
+            return True
+        budget = limits.memory_budget_bytes
+        return budget is not None and (
+            sum(m.memory_bytes for m in self._loaded.values()) + incoming_bytes > budget)
+
     async def _make_room(self, incoming_bytes: int) -> None:
         """Evict least recently used idle models until the new one fits the limits."""
-        limits = self.limits
-
-        def over() -> bool:
-            if len(self._loaded) + 1 > limits.max_loaded_models:
-                return True
-            used = sum(m.memory_bytes for m in self._loaded.values())
-            budget = limits.memory_budget_bytes
-            return budget is not None and used + incoming_bytes > budget
-
-        while over():
-            idle = [m for m in self._loaded.values()
-                    if m.in_use == 0 and m.spec.name not in limits.pinned]
-            if not idle:
+        while self._over(1, incoming_bytes):
+            if not await self._evict_idle():
                 log.warning("over the model limits but every loaded model is busy or "
-                            "pinned (the default model); loading anyway")
+                            "pinned (the default model); loading anyway, and evicting "
+                            "down to the limits once they are idle")
                 return
-            await self._evict(min(idle, key=lambda m: m.last_used).spec.name)
+
+    async def _evict_idle(self) -> bool:
+        """Evict the least recently used idle model that is not pinned; False if none."""
+        idle = [m for m in self._loaded.values()
+                if m.in_use == 0 and m.spec.name not in self.limits.pinned]
+        if not idle:
+            return False
+        await self._evict(min(idle, key=lambda m: m.last_used).spec.name)
+        return True
+
+    def released(self, model: LoadedModel) -> None:
+        """A request let go of `model`: once it is idle, a registry that loaded past its
+        limits (every model was busy then) evicts back down to them."""
+        if model.in_use == 0 and self._over() and (
+                self._shrinking is None or self._shrinking.done()):
+            self._shrinking = asyncio.get_running_loop().create_task(self._shrink())
+
+    async def _shrink(self) -> None:
+        while self._over() and not self.closing and await self._evict_idle():
+            pass
 
     async def _evict(self, name: str) -> None:
         model = self._loaded.pop(name)

@@ -251,6 +251,7 @@ class EngineServer(RegistryCalls):
     def _submitted(self, call: Call, model: LoadedModel,
                    future: asyncio.Future[RequestResult]) -> None:
         model.in_use -= 1
+        self.registry.released(model)
         self._calls.pop(call, None)
         if future.cancelled():
             return  # the caller is gone or asked to drop it: nobody waits for an answer
