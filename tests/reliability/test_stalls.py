@@ -126,3 +126,24 @@ def test_readyz_answers_503_in_time_when_the_engine_is_wedged(
         while client.get("/readyz").status_code != 200:
             assert time.monotonic() < deadline, "/readyz did not recover"
             time.sleep(0.1)
+
+
+@pytest.mark.own_mode
+def test_metrics_and_models_answer_in_time_when_the_engine_is_wedged(
+        multi_process: tuple[str, psutil.Process]) -> None:
+    """Found by a black-box review: /metrics waited 30 s on a stopped engine, then
+    answered 503 without even the API processes' own counters."""
+    url, engine = multi_process
+    with httpx.Client(base_url=url, timeout=10) as client:
+        assert client.get("/v1/models").status_code == 200
+        os.kill(engine.pid, signal.SIGSTOP)
+        try:
+            for path in ("/metrics", "/v1/models", "/info"):
+                started = time.monotonic()
+                response = client.get(path)
+                took = time.monotonic() - started
+                assert response.status_code == 200, (path, response.text)
+                assert took < 3.0, f"{path} took {took:.1f} s with the engine wedged"
+            assert "ember_requests_total" in client.get("/metrics").text
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)

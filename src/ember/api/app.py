@@ -64,7 +64,6 @@ def create_app(settings: ServerSettings, registry: Models) -> EmberAPI:
     elif isinstance(registry, ReportedDepths):
         metrics.pending = registry.pending
         metrics.dispatch = registry.dispatches
-        state.on_metrics.append(registry.refresh)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -94,8 +94,9 @@ for _path, _probe in (("/healthz", healthz), ("/readyz", readyz), ("/health", re
 @router.get("/v1/models", summary="The catalog: every model, its tasks, outputs and state "
             "(OpenAI's list under `data`, SIE's under `models`)")
 async def models(request: Request) -> dict[str, Any]:
-    registry = server_state(request).registry
-    await registry.refresh()
+    state = server_state(request)
+    registry = state.registry
+    await state.fresh_status()  # a silent engine: its last known states, within 1 s
     entries = [model_entry(registry, name) for name in registry.names]
     return {"object": "list", "data": entries,
             "models": [sie_shape(e) for e in entries]}
@@ -104,11 +105,12 @@ async def models(request: Request) -> dict[str, Any]:
 @router.get("/v1/models/{model:path}", summary="One model (OpenAI's model object and SIE's "
             "ModelInfo in one)")
 async def model(model: str, request: Request) -> JSONResponse:
-    registry = server_state(request).registry
+    state = server_state(request)
+    registry = state.registry
     if model not in registry.catalog:
         error = as_api_error(ModelNotFound(model, registry.names))
         return error_response(error.status, error.kind, error.message, error.param)
-    await registry.refresh()
+    await state.fresh_status()
     return JSONResponse(sie_shape(model_entry(registry, model)))
 
 
@@ -118,8 +120,9 @@ async def metrics(request: Request) -> Response:
     # The engine writes a forward's metrics one turn after its answers (stats.defer):
     # that turn first, so a scrape counts every forward answered before it.
     await asyncio.sleep(0)
-    for gather in state.on_metrics:  # figures that live in another process
-        await gather()
+    # The engine's live figures (another process's, with --workers), read within 1 s;
+    # a silent engine's stay as last read and this process's counters still answer.
+    await state.fresh_status()
     return Response(generate_latest(state.metrics.exposition()),
                     media_type=CONTENT_TYPE_LATEST)
 
@@ -128,7 +131,7 @@ async def metrics(request: Request) -> Response:
 async def info(request: Request) -> dict[str, Any]:
     state = server_state(request)
     settings, name = state.settings, state.settings.default_model
-    await state.registry.refresh()
+    await state.fresh_status()
     spec, loaded = state.registry.catalog[name], state.registry.info(name)
     kind = "embedding" if "encode" in spec.tasks else "reranker"
     return {

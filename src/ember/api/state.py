@@ -5,7 +5,7 @@ process's models through `ember.ipc.client.RemoteModels`."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Hashable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -15,6 +15,7 @@ from fastapi import Request
 from ember.adapters.base import ModelInfo, TaskModel
 from ember.config import ModelSpec, ServerSettings
 from ember.engine import PreparedItem, RequestResult
+from ember.engine.errors import WorkerFailed
 from ember.metrics import Metrics
 
 
@@ -81,7 +82,6 @@ class ServerState:
     draining: bool = False
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
-    on_metrics: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     status_at: float = float("-inf")  # when the registry's status was last brought up to date
     _refreshing: asyncio.Task[None] | None = None
 
@@ -105,6 +105,16 @@ class ServerState:
             self._refreshing = loop.create_task(self._refresh())
         done, _ = await asyncio.wait([self._refreshing], timeout=STATUS_TIMEOUT_S)
         return bool(done) and self._refreshing.exception() is None
+
+    async def fresh_status(self) -> bool:
+        """The registry's status read now, awaited at most STATUS_TIMEOUT_S; False: the
+        engine did not answer in time, and the last status read stands (so a wedged
+        engine leaves /v1/models and /metrics a second late, not 30 s and a 503)."""
+        try:
+            await asyncio.wait_for(self._refresh(), STATUS_TIMEOUT_S)
+        except (TimeoutError, WorkerFailed):
+            return False
+        return True
 
     async def _refresh(self) -> None:
         await self.registry.refresh()
