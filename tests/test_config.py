@@ -21,6 +21,7 @@ def test_builtin_catalog_has_the_default_models_resolving_offline() -> None:
 
 
 def test_a_yaml_file_in_a_model_dir_adds_a_model(tmp_path: Path) -> None:
+    (tmp_path / "weights").mkdir()
     (tmp_path / "mine.yaml").write_text(
         "name: me/mine\nadapter: transformer\nsource: {path: ./weights}\n"
         "tasks: [encode]\nbatching: {max_batch_items: 8}\n")
@@ -43,6 +44,77 @@ def test_bad_yaml_names_the_file_and_the_field(tmp_path: Path, text: str, messag
     with pytest.raises(CatalogError, match=r"bad\.yaml") as caught:
         load_catalog([tmp_path])
     assert message in str(caught.value)
+
+
+# Found by a black-box review: each of these started, then was ignored (a misspelt field)
+# or failed every request with a 502 (a bad value), instead of stopping the start.
+HUB = "source: {hub: org/tiny}\n"
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    (f"{HUB}pooling_mode: mean\n", "unknown field pooling_mode (did you mean pooling?)"),
+    (f"{HUB}normalise: false\n", "unknown field normalise (did you mean normalize?)"),
+    (f"{HUB}prompt: {{query: 'q: '}}\n", "unknown field prompt (did you mean prompts?)"),
+    (f"{HUB}colour: blue\n", "unknown field colour; a model YAML accepts name, "),
+    ("source: {hub: org/tiny, revison: abc}\n",
+     "unknown field source.revison (did you mean source.revision?)"),
+    (f"{HUB}batching: {{max_batch_tokens: -1}}\n",
+     "batching.max_batch_tokens must be >= 1, got -1"),
+    (f"{HUB}batching: {{max_batch_items: many}}\n",
+     "batching.max_batch_items must be an integer, got 'many'"),
+    (f"{HUB}batching: {{max_padding: 0.5}}\n", "batching.max_padding must be 0 (off) or >= 1"),
+    (f"{HUB}pooling: avg\n", "pooling 'avg' is unknown; use one of mean, cls, max, lasttoken"),
+    (f"{HUB}max_seq_length: 0\n", "max_seq_length must be a positive integer"),
+    (f"{HUB}max_seq_length: '512'\n", "max_seq_length must be a positive integer"),
+    (f"{HUB}allow_pickle: 'false'\n", "allow_pickle must be true or false, got 'false'"),
+    ("source: {path: ., hub: org/tiny}\n", "'source' names path and hub; give exactly one"),
+    ("source: {path: ./absent}\n", "absent does not exist"),
+], ids=["pooling_mode", "normalise", "prompt", "no-match", "source-key", "batching-value",
+        "batching-type", "batching-padding", "pooling", "max_seq_length", "max_seq_length-str",
+        "bool-str", "path-and-hub", "missing-path"])
+def test_a_field_that_would_be_ignored_or_fail_every_request_is_refused_at_read(
+        tmp_path: Path, body: str, message: str) -> None:
+    (tmp_path / "bad.yaml").write_text(f"name: me/x\nadapter: transformer\ntasks: [encode]\n"
+                                       f"{body}")
+    with pytest.raises(CatalogError) as caught:
+        load_catalog([tmp_path])
+    said = str(caught.value)
+    assert said.startswith(f"{tmp_path / 'bad.yaml'}: ") and "\n" not in said
+    assert message in said, said
+
+
+def test_every_field_the_shipped_catalog_uses_is_accepted() -> None:
+    import yaml
+
+    from ember.config import BUILTIN_CATALOG, SPEC_FIELDS
+
+    used = {key for path in BUILTIN_CATALOG.glob("*.yaml")
+            for key in yaml.safe_load(path.read_text(encoding="utf-8"))}
+    assert used <= set(SPEC_FIELDS)
+    assert len(load_catalog()) == len(list(BUILTIN_CATALOG.glob("*.yaml")))
+
+
+def test_a_gliner_threshold_out_of_range_fails_its_load_naming_the_yaml_field(
+        tmp_path: Path) -> None:
+    """Not a 422 blaming each request's params.threshold, which the client never sent."""
+    from ember.adapters.base import Runtime
+    from ember.adapters.gliner import load_front
+    from ember.errors import ModelLoadError
+    from tests.adapters.test_gliner import build_gliner
+
+    build_gliner(tmp_path / "model")
+    for threshold in ("2", "-0.1", "high", "true"):
+        (tmp_path / "gliner.yaml").write_text(
+            "name: me/gliner\nadapter: gliner\nsource: {path: model}\ntasks: [extract]\n"
+            f"options: {{threshold: {threshold}}}\n")
+        spec = load_catalog([tmp_path])["me/gliner"]
+        with pytest.raises(ModelLoadError, match=r"options\.threshold .* between 0 and 1"):
+            load_front(spec, Runtime(backend="torch"))
+    (tmp_path / "gliner.yaml").write_text(
+        "name: me/gliner\nadapter: gliner\nsource: {path: model}\ntasks: [extract]\n"
+        "options: {threshold: 0.3}\n")
+    front = load_front(load_catalog([tmp_path])["me/gliner"], Runtime(backend="torch"))
+    assert front.threshold == 0.3
 
 
 def test_a_missing_model_dir_is_an_error(tmp_path: Path) -> None:

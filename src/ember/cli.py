@@ -60,8 +60,13 @@ def env_default(flag: str, kind: type, default: object) -> object:
     if raw is None:
         return default
     if kind is bool:
-        return raw.lower() in ("1", "true", "yes", "on")
+        if raw.strip().lower() not in TRUE + FALSE:  # "maybe" is neither: say so
+            raise ValueError(raw)
+        return raw.strip().lower() in TRUE
     return kind(raw)
+
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 class AppendOverEnv(argparse.Action):
@@ -91,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             value = env_default(name, kind, default)
         except ValueError:
-            parser.error(f"{env_name(name)}={os.environ[env_name(name)]!r} is not a valid "
-                         f"{kind.__name__}")
+            wanted = (f"one of {', '.join(repr(v) for v in TRUE + FALSE if v)}"
+                      if kind is bool else f"a valid {kind.__name__}")
+            parser.error(f"{env_name(name)}={os.environ[env_name(name)]!r} is not {wanted}")
         if kind is bool:
             serve.add_argument(f"--{name}", action="store_true", default=value,
                                help=f"{text} [{env_name(name)}]")
@@ -216,8 +222,21 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         memory_budget_mb=args.memory_budget_mb, api_key=args.api_key or None,
         token_ids=args.token_ids,
         log_level=args.log_level.lower(), log_format=args.log_format.lower(),
-        ray=ray_settings_from(args) if args.ray else None,
+        ray=ray_settings_from(args) if args.ray else refuse_ray_flags(args),
     )
+
+
+def refuse_ray_flags(args: argparse.Namespace) -> RaySettings | None:
+    """None, as there is no --ray; its flags set would be ignored: a ValueError instead."""
+    given = ray_settings_from(args)
+    if given != RaySettings():
+        flags = {"address": "ray-address", "num_cpus": "ray-cpus"}  # the rest: by name
+        names = [flags.get(name, name.replace("_", "-"))
+                 for name in RaySettings.__dataclass_fields__
+                 if getattr(given, name) != getattr(RaySettings(), name)]
+        raise ValueError(f"--{', --'.join(names)} take effect with --ray only; add --ray "
+                         "or leave them out")
+    return None
 
 
 def ray_settings_from(args: argparse.Namespace) -> RaySettings:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import logging
 import re
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,6 +36,16 @@ DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 Backend = Literal["torch", "onnx"]
 BACKENDS: tuple[Backend, ...] = ("torch", "onnx")
 QUANTIZE = ("int8",)  # dynamic quantization, onnx backend only
+# The transformer family's poolings; here, not in the adapter, so the catalog checks a
+# YAML's `pooling` at start without importing torch.
+POOLING_MODES = ("mean", "cls", "max", "lasttoken")
+# Every top-level field a model YAML may hold; any other is refused, since a misspelt one
+# (`normalise:`) would otherwise be ignored and silently change what the model serves.
+SPEC_FIELDS = ("name", "description", "adapter", "source", "tasks", "max_seq_length",
+               "pooling", "normalize", "prompts", "loras", "batching", "options",
+               "backend", "quantize", "trust_remote_code", "allow_pickle")
+SOURCE_FIELDS = ("package", "subdir", "path", "hub", "revision")
+WEIGHTS_FROM = ("package", "path", "hub")  # a source names exactly one of these
 # When ONNX Runtime's threads spin-wait: never, within a forward only, or also between
 # forwards (ONNX Runtime's own default).
 Spinning = Literal["off", "forward", "on"]
@@ -121,6 +133,7 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
     """Build a ModelSpec from a YAML mapping; relative paths are taken from `base_dir`."""
     if not isinstance(data, Mapping):
         raise CatalogError(f"{where}: expected a mapping at the top level")
+    _refuse_unknown(data, SPEC_FIELDS, where)
     name = _require(data, "name", str, where)
     adapter = _require(data, "adapter", str, where)
     if adapter not in ADAPTERS:
@@ -133,6 +146,7 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
     raw_source = data.get("source") or {}
     if not isinstance(raw_source, Mapping):
         raise CatalogError(f"{where}: 'source' must be a mapping (package, path or hub)")
+    _refuse_unknown(raw_source, SOURCE_FIELDS, where, "source.")
 
     def local(value: object) -> Path:
         path = Path(str(value)).expanduser()
@@ -145,8 +159,15 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
         hub=raw_source.get("hub"),
         revision=raw_source.get("revision"),
     )
-    if adapter != "synthetic" and not (source.package or source.path or source.hub):
+    named = [key for key in WEIGHTS_FROM if raw_source.get(key)]
+    if adapter != "synthetic" and not named:
         raise CatalogError(f"{where}: 'source' needs one of package, path or hub")
+    if len(named) > 1:  # which one would win is not what the file says: refuse
+        raise CatalogError(f"{where}: 'source' names {' and '.join(named)}; give exactly "
+                           "one of package, path or hub")
+    for key, needs in (("subdir", "package"), ("revision", "hub")):
+        if raw_source.get(key) is not None and not raw_source.get(needs):
+            raise CatalogError(f"{where}: source.{key} applies to source.{needs} only")
     loras = data.get("loras") or {}
     if not isinstance(loras, Mapping):
         raise CatalogError(f"{where}: 'loras' must map adapter names to directories")
@@ -158,6 +179,7 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
         log.warning("%s: batching.%s is accepted but no longer used by the engine; "
                     "remove it (docs/architecture.md, settings)", where, unread)
     batching = {key: value for key, value in batching.items() if key in allowed}
+    _check_batching(batching, where)
     backend = data.get("backend")
     if backend is not None and backend not in BACKENDS:
         raise CatalogError(f"{where}: backend {backend!r} is unknown; use one of "
@@ -166,13 +188,28 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
     if quantize is not None and quantize not in QUANTIZE:
         raise CatalogError(f"{where}: quantize {quantize!r} is unknown; use one of "
                            f"{', '.join(QUANTIZE)} (or leave it out for float32)")
+    max_seq_length = data.get("max_seq_length")
+    if max_seq_length is not None and not _positive_int(max_seq_length):
+        raise CatalogError(f"{where}: max_seq_length must be a positive integer (tokens), "
+                           f"got {max_seq_length!r}")
+    pooling = data.get("pooling")
+    if pooling is not None and pooling not in POOLING_MODES:
+        raise CatalogError(f"{where}: pooling {pooling!r} is unknown; use one of "
+                           f"{', '.join(POOLING_MODES)} (or leave it out for the folder's own)")
+    for flag in ("normalize", "trust_remote_code", "allow_pickle"):
+        # bool("false") is True: a quoted word must not turn a safety switch on.
+        if data.get(flag) is not None and not isinstance(data[flag], bool):
+            raise CatalogError(f"{where}: {flag} must be true or false, got {data[flag]!r}")
+    for table in ("options", "prompts"):
+        if not isinstance(data.get(table) or {}, Mapping):
+            raise CatalogError(f"{where}: {table!r} must be a mapping")
     return ModelSpec(
         name=name,
         adapter=adapter,
         source=source,
         tasks=tasks,
-        max_seq_length=data.get("max_seq_length"),
-        pooling=data.get("pooling"),
+        max_seq_length=max_seq_length,
+        pooling=pooling,
         normalize=data.get("normalize"),
         loras={str(k): local(v) for k, v in loras.items()},
         batching=dict(batching),
@@ -192,7 +229,61 @@ def load_spec_file(path: Path) -> ModelSpec:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise CatalogError(f"{path}: not valid YAML ({exc})") from None
-    return parse_spec(data, str(path), path.parent)
+    spec = parse_spec(data, str(path), path.parent)
+    # Checked for files only: a spec built in code may name a folder that comes later.
+    if spec.source.path is not None and not spec.source.path.exists():
+        raise CatalogError(f"{path}: source.path {spec.source.path} does not exist")
+    return spec
+
+
+def _refuse_unknown(data: Mapping[Any, Any], accepted: tuple[str, ...], where: str,
+                    prefix: str = "") -> None:
+    """A field the parser would not read is an error, with the closest accepted name."""
+    unknown = [str(key) for key in data if key not in accepted]
+    if not unknown:
+        return
+    named = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, accepted, n=1)
+        hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+        named.append(f"{prefix}{key}{hint}")
+    raise CatalogError(f"{where}: unknown field{'s' if len(named) > 1 else ''} "
+                       f"{', '.join(named)}; {prefix.rstrip('.') or 'a model YAML'} accepts "
+                       f"{', '.join(accepted)}")
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+# WorkerConfig's field types, to check a YAML's batching values before the engine uses them.
+_BATCHING_TYPES = typing.get_type_hints(WorkerConfig)
+
+
+def _check_batching(batching: Mapping[str, Any], where: str) -> None:
+    """Each override through WorkerConfig's own checks, so a bad value stops the start
+    as the same flag does, instead of failing every request once the model loads."""
+    for key, value in batching.items():
+        wanted = _BATCHING_TYPES[key]
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        wants_number = wanted is float or float in typing.get_args(wanted)  # float | None
+        if wanted is int and not (numeric and isinstance(value, int)):
+            problem = f"must be an integer, got {value!r}"
+        elif wanted is bool and not isinstance(value, bool):
+            problem = f"must be true or false, got {value!r}"
+        elif wants_number and value is not None and not numeric:
+            problem = f"must be a number, got {value!r}"
+        else:
+            try:
+                WorkerConfig(**{key: value})
+                continue
+            except (TypeError, ValueError) as exc:  # its message: "<field> must be ..."
+                problem = str(exc).removeprefix(f"{key} ")
+        raise CatalogError(f"{where}: batching.{key} {problem}")
+    try:
+        WorkerConfig(**batching)  # the values together, should a check span fields
+    except (TypeError, ValueError) as exc:
+        raise CatalogError(f"{where}: batching: {exc}") from None
 
 
 def load_catalog(extra_dirs: Iterable[Path] = (),

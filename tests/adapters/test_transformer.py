@@ -401,7 +401,7 @@ def test_an_oversized_config_json_is_refused_before_transformers_reads_it(
     config = json.loads((directory / "config.json").read_text())
     config["padding"] = "x" * (MAX_MODEL_JSON_BYTES + 1024)
     (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises((ModelFileError, ModelLoadError), match="config.json is .* bytes"):
+    with pytest.raises((ModelFileError, ModelLoadError), match=r"config\.json is .* bytes"):
         transformer.load(spec_for(directory, "transformer", ("encode",)), ONNX)
 
 

@@ -36,8 +36,9 @@ MINILM = DEFAULT_MODEL
 SPACY = "spacy/en_core_web_sm"
 SLOW = "test/slow-synthetic"  # 300 ms forwards, one item each: for drain tests
 BUSY = "test/busy-synthetic"  # 50 ms forwards: concurrent requests pile up behind one
-BROKEN = "test/broken"  # a transformer whose weights directory does not exist
-BROKEN_DIR = "/nonexistent/secret-weights/minilm"
+BROKEN = "test/broken"  # a transformer whose weights directory holds no model
+# Beside the YAML files, made by whoever writes them (a missing one is refused at start).
+BROKEN_DIR = "secret-weights/minilm"
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
@@ -60,7 +61,7 @@ options: {{dims: 16, overhead_ms: 50, per_token_us: 0}}
 """,
     "broken.yaml": f"""
 name: {BROKEN}
-description: a model whose files are missing
+description: a model whose folder holds no model files
 adapter: transformer
 source: {{path: {BROKEN_DIR}}}
 tasks: [encode]
@@ -208,6 +209,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("models")
     for name, text in MODEL_YAMLS.items():
         (folder / name).write_text(text, encoding="utf-8")
+    (folder / BROKEN_DIR).mkdir(parents=True)
     return folder
 
 

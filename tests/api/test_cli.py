@@ -113,6 +113,27 @@ def test_a_bad_variable_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
     assert "EMBER_MAX_BATCH_ITEMS" in capsys.readouterr().err
 
 
+def test_a_boolean_variable_is_one_of_its_words(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a black-box review: any other word, "maybe", read as off."""
+    monkeypatch.setenv("EMBER_ALLOW_HUB_MODELS", "maybe")
+    with pytest.raises(SystemExit) as exit_:
+        build_parser()
+    assert exit_.value.code == 2
+    assert "EMBER_ALLOW_HUB_MODELS='maybe' is not one of" in capsys.readouterr().err
+    for word, value in (("Yes", True), ("on", True), ("0", False), ("off", False), ("", False)):
+        monkeypatch.setenv("EMBER_ALLOW_HUB_MODELS", word)
+        assert parse().allow_hub_models is value
+
+
+def test_ray_flags_without_ray_are_refused_not_ignored(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--replicas", "3", "--ray-cpus", "2"]) == 2
+    assert ("--replicas, --ray-cpus take effect with --ray only"
+            in capsys.readouterr().err)
+    assert parse("--ray", "--replicas", "3").ray is not None
+
+
 def test_a_bad_flag_value_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         parse("--port", "eighty")
@@ -344,3 +365,22 @@ def test_dispatch_is_auto_unless_fixed_and_unset_windows_stay_unset(
     assert parse().worker.dispatch == "fixed"
     with pytest.raises(SystemExit):
         parse("--dispatch", "sometimes")
+
+
+@pytest.mark.parametrize(("field", "says"), [
+    ("normalise: false", "unknown field normalise (did you mean normalize?)"),
+    ("batching: {max_batch_tokens: 0}", "batching.max_batch_tokens must be >= 1, got 0"),
+    ("source: {path: /nonexistent/weights}", "source.path /nonexistent/weights does not exist"),
+])
+def test_a_model_yaml_that_would_fail_every_request_is_refused_at_start(
+        tmp_path: Path, field: str, says: str) -> None:
+    """Found by a black-box review: a misspelt field was ignored, a bad value passed the
+    start and then failed every request (the same value as a flag stops the start)."""
+    source = "" if field.startswith("source:") else "source: {hub: org/tiny}\n"
+    (tmp_path / "mine.yaml").write_text(
+        f"name: me/mine\nadapter: transformer\ntasks: [encode]\n{source}{field}\n")
+    result = run_ember("serve", "--model-dir", str(tmp_path), "--default-model", SYNTH,
+                       "--port", "1")
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{tmp_path / 'mine.yaml'}: {says}" in lines[0], lines

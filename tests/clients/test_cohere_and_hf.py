@@ -52,7 +52,8 @@ def test_cohere_int8_dot_products_rank_as_the_floats(co: cohere.ClientV2) -> Non
     documents otherwise than the floats: 8 of the top 10 in common."""
     from scipy.stats import spearmanr
 
-    words = "cats dogs cars stocks rain love hate sell watch fish music money snow".split()
+    words = ["cats", "dogs", "cars", "stocks", "rain", "love", "hate", "sell", "watch", "fish",
+             "music", "money", "snow"]
     docs = [f"{words[i % 4]} {words[4 + i % 4]} {words[8 + (i // 4) % 5]}" for i in range(80)]
     query = "animals that like to eat fish"
     doc_types = co.embed(model=MINILM, texts=docs, input_type="search_document",

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("ray.serve", reason="the ray extra is not installed")
 
-from tests.api.conftest import BUSY, MODEL_YAMLS, SYNTH
+from tests.api.conftest import BROKEN_DIR, BUSY, MODEL_YAMLS, SYNTH
 from tests.live_server import ServerProcess, start_server
 
 ENGINE_TITLE = "ray::ServeReplica:ember-engine:EmberEngine"
@@ -48,6 +48,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("cluster-models")
     for name, text in CLUSTER_YAMLS.items():
         (folder / name).write_text(text, encoding="utf-8")
+    (folder / BROKEN_DIR).mkdir(parents=True)
     return folder
 
 

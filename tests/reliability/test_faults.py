@@ -52,6 +52,7 @@ def fault_server(module_servers: ServerPool, tmp_path_factory: pytest.TempPathFa
                  ) -> ServerProcess:
     empty = tmp_path_factory.mktemp("empty-model")
     missing = tmp_path_factory.mktemp("missing") / SECRET / "minilm"
+    missing.mkdir(parents=True)  # a missing folder is refused at start: it goes after
     models = {
         "fault.yaml": synthetic_model(FAULT, overhead_ms=100, max_batch_items=4),
         "slow.yaml": synthetic_model(SLOW, overhead_ms=800, max_batch_items=1),
@@ -61,6 +62,7 @@ def fault_server(module_servers: ServerPool, tmp_path_factory: pytest.TempPathFa
                        "source": {"path": str(empty)}},
     }
     server = module_servers.start("--default-model", SYNTH, models=models, name="faults")
+    missing.rmdir()
     server.notes["tmp_roots"] = [str(empty), str(missing.parent)]
     return server
 

@@ -172,7 +172,13 @@ class GlinerFront:
             raise ModelLoadError(spec.name, f"gliner_config.json's max_len is "
                                             f"{self.max_words}; it must be at least 1")
         self.overlap = window_overlap(self.max_words, int(config.max_width))
-        self.threshold = float(spec.options.get("threshold", DEFAULT_THRESHOLD))
+        threshold = spec.options.get("threshold", DEFAULT_THRESHOLD)
+        # The YAML's fault, not a request's: refuse the load rather than blame each client.
+        if (isinstance(threshold, bool) or not isinstance(threshold, int | float)
+                or not 0.0 <= threshold <= 1.0):
+            raise ModelLoadError(spec.name, f"options.threshold in the model's YAML must be "
+                                            f"a number between 0 and 1, got {threshold!r}")
+        self.threshold = float(threshold)
         self.default_labels = tuple(str(x) for x in spec.options.get("labels", ()))
         self.flat_ner = bool(spec.options.get("flat_ner", True))
         self.multi_label = bool(spec.options.get("multi_label", False))

@@ -34,12 +34,11 @@ from ember.adapters._dense_layers import DenseLayer, read_dense
 from ember.adapters._encoder import BiEncoder
 from ember.adapters._tokenize import TextTokenizer
 from ember.adapters.base import Encoded, EncodeOptions, Runtime
-from ember.config import ModelSpec, resolve_source
+from ember.config import POOLING_MODES, ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
 from ember.errors import ModelLoadError
 from ember.model_files import read_model_file
 
-POOLING_MODES = ("mean", "cls", "max", "lasttoken")
 # sentence-transformers' similarity functions by the name its config gives (and an alias).
 SIMILARITIES = {"cosine": "cosine", "dot": "dot", "dot_product": "dot",
                 "euclidean": "euclidean", "manhattan": "manhattan"}
