@@ -138,6 +138,23 @@ def test_a_named_model_directory_is_served_with_its_family_detected(tmp_path: Pa
     assert catalog["local/enc"].source.path == encoder.resolve()
 
 
+def test_two_models_named_alike_are_refused_before_anything_downloads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a black-box review: one repository at two revisions, or two folders of
+    one name, gave one catalog entry, the other silently dropped."""
+    from tests.adapters.tiny_models import build_bi_encoder
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing may be fetched on the way
+    with pytest.raises(CatalogError, match="--model org/tiny@v2 and --model org/tiny both "
+                       "name the model 'org/tiny'; keep one"):
+        load_catalog(model_paths=["org/tiny@v2", "org/tiny"])
+    first = build_bi_encoder(tmp_path / "a" / "model")
+    second = build_bi_encoder(tmp_path / "b" / "model", seed=5)
+    with pytest.raises(CatalogError, match="both name the model 'local/model'"):
+        load_catalog(model_paths=[first, second])
+    assert "local/model" in load_catalog(model_paths=[first, first])  # the same, twice: fine
+
+
 def test_a_directory_without_a_model_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(CatalogError, match="holds no model Ember recognises"):
         load_catalog(model_paths=[tmp_path])

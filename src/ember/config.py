@@ -300,10 +300,26 @@ def load_catalog(extra_dirs: Iterable[Path] = (),
         for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
             spec = load_spec_file(path)
             catalog[spec.name] = spec
+    model_paths = list(model_paths)
+    named_by: dict[str, Path | str] = {}  # a catalog name -> the --model that gave it
+    for named in model_paths:  # the Hub ids first, before anything downloads
+        ref = None if Path(named).expanduser().is_dir() else parse_hub_id(str(named))
+        if ref is not None:
+            _named_once(ref.repo, named, named_by)
     for named in model_paths:
         spec = spec_for_model(named, catalog)
+        _named_once(spec.name, named, named_by)
         catalog[spec.name] = spec
     return catalog
+
+
+def _named_once(name: str, named: Path | str, named_by: dict[str, Path | str]) -> None:
+    """Two --model values for one catalog name (one repository at two revisions, two
+    folders of one name): which one would serve is not what the flags say; refuse."""
+    first = named_by.setdefault(name, named)
+    if first != named:
+        raise CatalogError(f"--model {first} and --model {named} both name the model "
+                           f"{name!r}; keep one")
 
 
 def spec_for_model(named: Path | str, catalog: Mapping[str, ModelSpec]) -> ModelSpec:

@@ -23,6 +23,12 @@ def test_ray_flags_and_their_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ray == RaySettings(address="10.0.0.1:6379", min_replicas=2, max_replicas=4,
                               target_ongoing_requests=8.0, max_ongoing_requests=12)
     assert ray.autoscaling
+    # Without --ray its settings would be ignored: refused, flags and variables alike.
+    with pytest.raises(ValueError, match="--ray-address, --max-replicas take effect with "
+                       "--ray only"):
+        settings_from(build_parser().parse_args(["serve"]))
+    monkeypatch.delenv("EMBER_MAX_REPLICAS")
+    monkeypatch.delenv("EMBER_RAY_ADDRESS")
     assert settings_from(build_parser().parse_args(["serve"])).ray is None  # no --ray
 
 

@@ -198,9 +198,11 @@ class GlinerFront:
             raise InvalidInput(f"{len(labels)} labels exceeds the limit of {MAX_LABELS}; "
                                "split the request", "params.labels")
         for i, label in enumerate(labels):
-            if not label.strip() or len(label) > MAX_LABEL_CHARS:
-                raise InvalidInput(f"a label must be 1 to {MAX_LABEL_CHARS} characters",
-                                   f"params.labels[{i}]")
+            if not label.strip():
+                raise InvalidInput("a label must not be blank", f"params.labels[{i}]")
+            if len(label) > MAX_LABEL_CHARS:
+                raise InvalidInput(f"a label must be 1 to {MAX_LABEL_CHARS} characters, not "
+                                   f"{len(label)}", f"params.labels[{i}]")
         threshold = getattr(options, "threshold", None)
         threshold = self.threshold if threshold is None else float(threshold)
         if not 0.0 <= threshold <= 1.0:
