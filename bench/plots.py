@@ -48,7 +48,7 @@ def headline(http: Json, out: Path) -> None:
 # Every recorded run of bench/cpu_limit.py: (label of its sitting, the files that hold it).
 CPU_LIMIT_SITTINGS = (("Xeon", ("cpu_limit.json", "cpu_limit_other_run.json")),
                       ("EPYC", ("cpu_limit_epyc.json", "cpu_limit_series.json",
-                                "cpu_limit_series2.json")))
+                                "cpu_limit_series2.json", "cpu_limit_series3.json")))
 CPU_LIMIT_TARGETS = (("sequential_p50_over_single", "one text at a time:\nlatency / limit's",
                       1.5), ("c8_over_b8", "8 in flight:\nreq/s / batch-8 limit", 0.8),
                      ("c32_over_b32", "32 in flight:\nreq/s / batch-32 limit", 0.85))

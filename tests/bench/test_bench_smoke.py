@@ -268,7 +268,7 @@ def test_the_plots_are_drawn_from_the_json_beside_the_page(tmp_path: Path) -> No
         plots.peers(strict_json(docs / "peers.json"), tmp_path / "peers.png")
     finally:
         sys.path.remove(str(ROOT / "bench"))
-    assert len(runs) == 13 and {host for host, _ in runs} == {"Xeon", "EPYC"}
+    assert len(runs) == 16 and {host for host, _ in runs} == {"Xeon", "EPYC"}
     for name in ("headline.png", "cpu_limit.png", "idle.png", "frontend.png", "peers.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
