@@ -180,22 +180,14 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
                     "remove it (docs/architecture.md, settings)", where, unread)
     batching = {key: value for key, value in batching.items() if key in allowed}
     _check_batching(batching, where)
-    backend = data.get("backend")
-    if backend is not None and backend not in BACKENDS:
-        raise CatalogError(f"{where}: backend {backend!r} is unknown; use one of "
-                           f"{', '.join(BACKENDS)}")
-    quantize = data.get("quantize")
-    if quantize is not None and quantize not in QUANTIZE:
-        raise CatalogError(f"{where}: quantize {quantize!r} is unknown; use one of "
-                           f"{', '.join(QUANTIZE)} (or leave it out for float32)")
+    backend = _choice(data, "backend", BACKENDS, where)
+    quantize = _choice(data, "quantize", QUANTIZE, where, " (or leave it out for float32)")
     max_seq_length = data.get("max_seq_length")
     if max_seq_length is not None and not _positive_int(max_seq_length):
         raise CatalogError(f"{where}: max_seq_length must be a positive integer (tokens), "
                            f"got {max_seq_length!r}")
-    pooling = data.get("pooling")
-    if pooling is not None and pooling not in POOLING_MODES:
-        raise CatalogError(f"{where}: pooling {pooling!r} is unknown; use one of "
-                           f"{', '.join(POOLING_MODES)} (or leave it out for the folder's own)")
+    pooling = _choice(data, "pooling", POOLING_MODES, where,
+                      " (or leave it out for the folder's own)")
     for flag in ("normalize", "trust_remote_code", "allow_pickle"):
         # bool("false") is True: a quoted word must not turn a safety switch on.
         if data.get(flag) is not None and not isinstance(data[flag], bool):
@@ -250,6 +242,16 @@ def _refuse_unknown(data: Mapping[Any, Any], accepted: tuple[str, ...], where: s
     raise CatalogError(f"{where}: unknown field{'s' if len(named) > 1 else ''} "
                        f"{', '.join(named)}; {prefix.rstrip('.') or 'a model YAML'} accepts "
                        f"{', '.join(accepted)}")
+
+
+def _choice(data: Mapping[str, Any], key: str, allowed: tuple[str, ...], where: str,
+            otherwise: str = "") -> Any:
+    """The field's value, None or one of `allowed`."""
+    value = data.get(key)
+    if value is not None and value not in allowed:
+        raise CatalogError(f"{where}: {key} {value!r} is unknown; use one of "
+                           f"{', '.join(allowed)}{otherwise}")
+    return value
 
 
 def _positive_int(value: object) -> bool:
