@@ -77,10 +77,18 @@ def test_a_field_that_would_be_ignored_or_fail_every_request_is_refused_at_read(
     (tmp_path / "bad.yaml").write_text(f"name: me/x\nadapter: transformer\ntasks: [encode]\n"
                                        f"{body}")
     with pytest.raises(CatalogError) as caught:
-        load_catalog([tmp_path])
+        load_catalog([tmp_path], check_paths=True)  # as the server's start reads it
     said = str(caught.value)
     assert said.startswith(f"{tmp_path / 'bad.yaml'}: ") and "\n" not in said
     assert message in said, said
+
+
+def test_a_path_gone_since_the_start_fails_its_model_not_the_catalog(tmp_path: Path) -> None:
+    """A new engine process reads the catalog again: a model folder removed since the
+    start must fail that model's load, not the engine's start (every model with it)."""
+    (tmp_path / "gone.yaml").write_text("name: me/gone\nadapter: transformer\n"
+                                        "tasks: [encode]\nsource: {path: ./absent}\n")
+    assert "me/gone" in load_catalog([tmp_path])
 
 
 def test_every_field_the_shipped_catalog_uses_is_accepted() -> None:

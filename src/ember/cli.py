@@ -269,7 +269,7 @@ def serve(settings: ServerSettings) -> int:
 
     configure_logging(settings)
     try:
-        known = load_catalog(settings.model_dirs)
+        known = load_catalog(settings.model_dirs, check_paths=True)
     except CatalogError as exc:
         log.error("%s", exc)
         return 2
@@ -386,7 +386,7 @@ def list_models(model_dirs: Sequence[str] | None, url: str | None = None,
     """A table of the catalog: name, tasks, whether its files are here (cached), their
     size, state and dims; state and dims live from a server with `url`. Nothing is
     downloaded."""
-    catalog = load_catalog(Path(p) for p in _list(model_dirs, ":"))
+    catalog = load_catalog((Path(p) for p in _list(model_dirs, ":")), check_paths=True)
     rows = [(name, ",".join(spec.tasks), *local_files(spec), "-",
              str(spec.options.get("dims", "-"))) for name, spec in sorted(catalog.items())]
     if url is not None:

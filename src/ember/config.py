@@ -216,14 +216,16 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
     )
 
 
-def load_spec_file(path: Path) -> ModelSpec:
+def load_spec_file(path: Path, check_paths: bool = False) -> ModelSpec:
+    """One YAML file's entry; with `check_paths` (the server's start), a `source.path`
+    that does not exist is refused too. Not in every process that reads the catalog: a
+    folder gone since the start fails its model's load (502), not a new engine's start."""
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise CatalogError(f"{path}: not valid YAML ({exc})") from None
     spec = parse_spec(data, str(path), path.parent)
-    # Checked for files only: a spec built in code may name a folder that comes later.
-    if spec.source.path is not None and not spec.source.path.exists():
+    if check_paths and spec.source.path is not None and not spec.source.path.exists():
         raise CatalogError(f"{path}: source.path {spec.source.path} does not exist")
     return spec
 
@@ -288,8 +290,8 @@ def _check_batching(batching: Mapping[str, Any], where: str) -> None:
         raise CatalogError(f"{where}: batching: {exc}") from None
 
 
-def load_catalog(extra_dirs: Iterable[Path] = (),
-                 model_paths: Iterable[Path | str] = ()) -> dict[str, ModelSpec]:
+def load_catalog(extra_dirs: Iterable[Path] = (), model_paths: Iterable[Path | str] = (),
+                 check_paths: bool = False) -> dict[str, ModelSpec]:
     """The built-in catalog, then each extra folder's *.yaml, then each model named
     directly: a local directory, or a Hub id `org/name[@revision]` (a later entry of the
     same name replaces an earlier one, so a user can override a default). A Hub id the
@@ -300,7 +302,7 @@ def load_catalog(extra_dirs: Iterable[Path] = (),
         if not folder.is_dir():
             raise CatalogError(f"model directory {folder} does not exist")
         for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
-            spec = load_spec_file(path)
+            spec = load_spec_file(path, check_paths)
             catalog[spec.name] = spec
     model_paths = list(model_paths)
     named_by: dict[str, Path | str] = {}  # a catalog name -> the --model that gave it

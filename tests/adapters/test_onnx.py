@@ -222,6 +222,18 @@ def test_export_is_cached_and_redone_when_the_weights_change(
     assert not list((cache / "onnx").glob("*/.staging-*"))  # nothing half-written left
 
 
+def test_truncated_weights_are_called_corrupt_not_an_export_for_torch(
+        tmp_path: Path) -> None:
+    """Found by a black-box review: the refusal advised backend: torch, which cannot
+    read a cut file either."""
+    folder = build_bi_encoder(tmp_path / "bi", seed=0)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="incomplete or corrupt") as caught:
+        load_bi(folder, tmp_path / "cache")
+    assert "backend: torch" not in str(caught.value)
+
+
 def test_a_shipped_onnx_file_is_used(tmp_path: Path, tiny: dict[str, Path]) -> None:
     folder = tmp_path / "shipped"
     shutil.copytree(tiny["bi"], folder)

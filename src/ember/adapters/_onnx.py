@@ -202,6 +202,9 @@ def _fp32(spec: ModelSpec, model_dir: Path, plan: ExportPlan,
     except ModelLoadError:
         raise
     except Exception as exc:  # the exporter's failures come in many types
+        if type(exc).__name__ == "SafetensorError":  # torch could not read it either
+            raise ModelLoadError(spec.name, f"its weights file is incomplete or corrupt "
+                                            f"({exc}); fetch the model again") from exc
         raise ModelLoadError(spec.name, f"cannot export to ONNX ({type(exc).__name__}: "
                                         f"{exc}); serve it with backend: torch") from exc
     return target, "exported"
