@@ -265,6 +265,39 @@ def test_a_drain_that_begins_while_the_engine_is_replaced_loses_nothing(
     assert "a new engine process serves" in server.log_text(), server.log_tail()
 
 
+def test_an_engine_that_dies_during_the_drain_is_replaced_to_finish_it(
+        tmp_path: Path) -> None:
+    """The API processes, draining, hold requests that only an engine can answer: one that
+    dies then is replaced too, and they are answered, not left to the 30 s silence."""
+    catalog = tmp_path / "catalog"
+    catalog.mkdir()
+    (catalog / "slow.yaml").write_text(yaml.safe_dump({
+        "name": "test/slow", "adapter": "synthetic", "tasks": ["encode"],
+        "description": "synthetic TEST model with an 800 ms forward (not a real model)",
+        "options": {"dims": 8, "overhead_ms": 800.0}}))
+    server = start_server(tmp_path / "server.log", ["--default-model", "test/slow",
+                                                    "--workers", "2", "--model-dir",
+                                                    str(catalog)])
+    try:
+        [engine] = children_titled(server, "ember: engine")
+
+        def one(i: int) -> int:
+            return encode(server.url, f"in flight {i}", "test/slow").status_code
+
+        with ThreadPoolExecutor(4) as pool:
+            answers = [pool.submit(one, i) for i in range(4)]
+            time.sleep(0.3)  # in the forward
+            server.process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)  # the API processes drain, holding the four
+            engine.kill()
+            codes = [answer.result(timeout=60) for answer in answers]
+        assert codes == [200] * 4, server.log_tail()
+        assert server.process.wait(60) == 0, server.log_tail()
+        assert "a new engine process serves" in server.log_text()
+    finally:
+        server.stop()
+
+
 def replaced_and_serving(server: ServerProcess, dead: psutil.Process,
                          model: str = SYNTH) -> psutil.Process:
     """Wait (bounded) for the engine that replaced `dead`, /readyz 200 and a request

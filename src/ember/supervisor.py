@@ -254,7 +254,7 @@ class Supervisor:
             engine = replacement
         log.info("draining %d API processes, then the engine", len(self.apis))
         sock.close()  # no process will be started again; the last API process closes it
-        codes = self._stop_apis()
+        codes, engine = self._drain_apis(engine)
         codes.append(self._stop_engine(engine))
         names = [api.process.name for api in self.apis] + [engine.name]
         for name, code in zip(names, codes, strict=True):
@@ -276,6 +276,24 @@ class Supervisor:
             self._tell_engine({"op": "forget", "peer": peer_name(pid)})
         self._start_api(sock, api.index)
         return True
+
+    def _drain_apis(self, engine: BaseProcess) -> tuple[list[int], BaseProcess]:
+        """SIGTERM each API process and wait for all, replacing an engine that dies
+        meanwhile: what the API processes accepted needs one to finish (they resend it).
+        Their exit codes, and the engine that is left."""
+        for api in self.apis:
+            if api.process.is_alive() and api.process.pid is not None:
+                os.kill(api.process.pid, signal.SIGTERM)
+        while draining := [api.process.sentinel for api in self.apis
+                           if api.process.is_alive()]:
+            wait([*draining, engine.sentinel])
+            if not engine.is_alive() and any(api.process.is_alive() for api in self.apis):
+                self._read_engine_notes()
+                replacement = self._replace_engine(engine)
+                if replacement is None:  # a crash loop at load: nothing left to finish with
+                    return self._stop_apis(ENGINE_GONE_GRACE_S), engine
+                engine = replacement
+        return [api.process.exitcode or 0 for api in self.apis], engine
 
     def _stop_apis(self, grace_s: float | None = None) -> list[int]:
         """SIGTERM each API process (it drains what it accepted) and wait for all; after
