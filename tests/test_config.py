@@ -67,11 +67,12 @@ HUB = "source: {hub: org/tiny}\n"
     (f"{HUB}max_seq_length: 0\n", "max_seq_length must be a positive integer"),
     (f"{HUB}max_seq_length: '512'\n", "max_seq_length must be a positive integer"),
     (f"{HUB}allow_pickle: 'false'\n", "allow_pickle must be true or false, got 'false'"),
+    (f"{HUB}trust_remote_code: 'no'\n", "trust_remote_code must be true or false, got 'no'"),
     ("source: {path: ., hub: org/tiny}\n", "'source' names path and hub; give exactly one"),
     ("source: {path: ./absent}\n", "absent does not exist"),
 ], ids=["pooling_mode", "normalise", "prompt", "no-match", "source-key", "batching-value",
         "batching-type", "batching-padding", "pooling", "max_seq_length", "max_seq_length-str",
-        "bool-str", "path-and-hub", "missing-path"])
+        "bool-str", "remote-code-str", "path-and-hub", "missing-path"])
 def test_a_field_that_would_be_ignored_or_fail_every_request_is_refused_at_read(
         tmp_path: Path, body: str, message: str) -> None:
     (tmp_path / "bad.yaml").write_text(f"name: me/x\nadapter: transformer\ntasks: [encode]\n"

@@ -204,6 +204,8 @@ def _list(values: Sequence[str] | str | None, sep: str) -> tuple[str, ...]:
 
 
 def settings_from(args: argparse.Namespace) -> ServerSettings:
+    if not args.ray:
+        refuse_ray_flags(args)
     worker = WorkerConfig(**{name.replace("-", "_"): getattr(args, name.replace("-", "_"))
                              for name, *_ in WORKER_FLAGS})
     return ServerSettings(
@@ -222,12 +224,12 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         memory_budget_mb=args.memory_budget_mb, api_key=args.api_key or None,
         token_ids=args.token_ids,
         log_level=args.log_level.lower(), log_format=args.log_format.lower(),
-        ray=ray_settings_from(args) if args.ray else refuse_ray_flags(args),
+        ray=ray_settings_from(args) if args.ray else None,
     )
 
 
-def refuse_ray_flags(args: argparse.Namespace) -> RaySettings | None:
-    """None, as there is no --ray; its flags set would be ignored: a ValueError instead."""
+def refuse_ray_flags(args: argparse.Namespace) -> None:
+    """Without --ray its flags would be ignored: a ValueError instead."""
     given = ray_settings_from(args)
     if given != RaySettings():
         flags = {"address": "ray-address", "num_cpus": "ray-cpus"}  # the rest: by name
@@ -236,7 +238,6 @@ def refuse_ray_flags(args: argparse.Namespace) -> RaySettings | None:
                  if getattr(given, name) != getattr(RaySettings(), name)]
         raise ValueError(f"--{', --'.join(names)} take effect with --ray only; add --ray "
                          "or leave them out")
-    return None
 
 
 def ray_settings_from(args: argparse.Namespace) -> RaySettings:

@@ -282,3 +282,16 @@ async def test_undecodable_bodies_are_422_naming_the_body_or_item(
     response = await shared.client.post(f"/v1/encode/{SYNTH}", content=content,
                                         headers={"content-type": "application/json"})
     assert_error(response, 422, "invalid_request", param=param)
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/v1/embeddings", {"model": SYNTH, "input": "x", "dimensions": 5}, "dimensions"),
+    ("/v2/embed", {"model": SYNTH, "texts": ["x"], "input_type": "search_document",
+                   "output_dimension": 5}, "output_dimension"),
+    ("/embed", {"inputs": "x", "dimensions": 5}, "dimensions"),
+])
+async def test_a_vector_size_the_model_does_not_make_is_refused_on_every_route(
+        shared: Served, route: str, body: dict[str, Any], param: str) -> None:
+    error = assert_error(await shared.client.post(route, json=body), 422, "invalid_request",
+                         param)
+    assert f"{param}=5 is not supported" in error["message"]

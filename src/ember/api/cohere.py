@@ -103,12 +103,7 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
                             truncate=body.truncate != "NONE")
 
     async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
-        require_dense(m, "/v2/embed")
-        dims = m.adapter.info.dims
-        if body.output_dimension is not None and body.output_dimension != dims:
-            raise ApiError(422, "invalid_request", f"output_dimension={body.output_dimension}"
-                           f" is not supported; {body.model} returns {dims}",
-                           "output_dimension")
+        require_dense(m, "/v2/embed", body.output_dimension, "output_dimension")
         return await adapter.encode(m.submit, texts, options)
 
     try:

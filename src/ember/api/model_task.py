@@ -186,11 +186,17 @@ async def run_task(request: Request, model_name: str, task: str,
         request.state.model = model_name if model_name in state.registry.catalog else "unknown"
 
 
-def require_dense(model: ServedModel, route: str) -> None:
-    """Routes that answer with plain vectors serve only models that make dense ones."""
+def require_dense(model: ServedModel, route: str, dims: int | None = None,
+                  param: str = "dimensions") -> None:
+    """Routes that answer with plain vectors serve only models that make dense ones, and
+    of the size a request names in `param` (`dims`), if it names one: Ember cuts none."""
     outputs = model.adapter.info.output_types
+    name = model.spec.name
     if "dense" not in outputs:
-        name = model.spec.name
         raise ApiError(422, "unsupported_output", f"{route} returns dense vectors, and model "
                        f"{name!r} makes {', '.join(outputs) or 'no vectors'}; use POST "
                        f"/v1/encode/{name} with params.output_types {list(outputs)}", "model")
+    made = model.adapter.info.dims
+    if dims is not None and made is not None and dims != made:
+        raise ApiError(422, "invalid_request", f"{param}={dims} is not supported; {name} "
+                       f"returns {made}", param)

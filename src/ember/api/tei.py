@@ -107,11 +107,7 @@ async def dense_vectors(request: Request, texts: list[str], options: EncodeOptio
     model = server_state(request).settings.default_model
 
     async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
-        require_dense(m, request.url.path)
-        dims = adapter.info.dims
-        if dimensions is not None and dims is not None and dimensions != dims:
-            raise ApiError(422, "invalid_request", f"dimensions={dimensions} is not "
-                           f"supported; {model} returns {dims}", "dimensions")
+        require_dense(m, request.url.path, dimensions)
         return await adapter.encode(m.submit, texts, options)
 
     return await run_task(request, model, "encode", encode, len(texts), field)

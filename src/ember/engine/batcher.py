@@ -330,9 +330,7 @@ class BatchFormer:
             bisect.insort(self._sizes, size)
             line = self._by_size[size] = deque()
         else:
-            line = self._by_size[size]
-            while line and line[0][0].owner not in owners:  # served: amortized O(1)
-                line.popleft()
+            line = self._waiting(size)
             if len(line) > 2 * count + 64:  # served ones behind one that waits long
                 line = self._by_size[size] = deque(
                     entry for entry in line if entry[0].owner in owners)
@@ -348,9 +346,6 @@ class BatchFormer:
             del self._of_size[size], self._by_size[size]
             del self._sizes[bisect.bisect_left(self._sizes, size)]
 
-    def _largest_size(self) -> int:
-        return self._sizes[-1] if self._sizes else 0
-
     def _leader(self) -> list[PendingItem] | None:
         """The oldest of the smallest pending requests, when it holds at most
         1/`lead_ratio` of the items of the largest and the last batch was the sweep's (so
@@ -359,10 +354,16 @@ class BatchFormer:
         if self._led_last or not self.lead_ratio or len(sizes) < 2 or (
                 sizes[0] * self.lead_ratio > sizes[-1]):
             return None  # requests of like sizes (one text each, say): the sweep alone
-        line, owners = self._by_size[sizes[0]], self._per_owner
-        while line and line[0][0].owner not in owners:
-            line.popleft()  # served
+        line = self._waiting(sizes[0])
         return line[0] if line else None
+
+    def _waiting(self, size: int) -> deque[list[PendingItem]]:
+        """The requests of `size` in arrival order, the served ones at its front dropped
+        (amortized O(1): each leaves once)."""
+        line, owners = self._by_size[size], self._per_owner
+        while line and line[0][0].owner not in owners:
+            line.popleft()
+        return line
 
     def would_lead(self, batch: Batch, items: Sequence[PendingItem]) -> bool:
         """Whether one request's `items`, had they come before `batch` formed, would have
@@ -374,7 +375,7 @@ class BatchFormer:
                 min(map(_COST, items))) < batch.start:
             return True
         return (bool(self.lead_ratio) and not batch.led and not batch.after_led
-                and len(items) * self.lead_ratio <= self._largest_size())
+                and bool(self._sizes) and len(items) * self.lead_ratio <= self._sizes[-1])
 
     def put_back(self, batch: Batch) -> None:
         """Queue a formed batch's items again, each at the head of its bucket and in its
