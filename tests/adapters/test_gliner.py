@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from ember.adapters._tokenize import OFFLOAD_CHARS, in_pool
 from ember.adapters.base import Entity, ExtractOptions, Runtime
 from ember.adapters.gliner import GlinerParams, load, load_front
 from ember.config import ModelSpec, Source, spec_from_directory
@@ -123,6 +126,53 @@ def test_an_items_cost_is_its_tokens(gliner_dir: Path) -> None:
     assert long.cost > short.cost
     assert params == GlinerParams(("city",), 0.5)
     assert front.info.tasks == ("extract",) and front.info.extra["zero_shot"] is True
+
+
+def test_the_front_tokenizes_beside_the_forward(gliner_dir: Path) -> None:
+    """One process: the event loop tokenizes the next requests while the worker's thread
+    collates a forward. A shared transformers wrapper had its truncation and padding
+    re-set under the collator, and one in four forwards failed."""
+    adapter = load(spec_for(gliner_dir), Runtime(backend="torch"))
+    params = adapter.params(ExtractOptions(labels=tuple(LABELS), threshold=0.0))
+    items = adapter.prepare([long_text(SIZE), "the cat sat"], params)
+    want = adapter.forward(items, params)
+    stop = threading.Event()
+
+    def front() -> None:
+        rows = [FILLER * 6, FILLER[:3]]
+        while not stop.is_set():
+            adapter.token_counts(rows)
+            adapter.prompt_tokens(LABELS)
+
+    with ThreadPoolExecutor(2) as threads:
+        fronts = [threads.submit(front) for _ in range(2)]
+        try:
+            got = [adapter.forward(items, params) for _ in range(60)]
+        finally:
+            stop.set()
+        for done in fronts:
+            done.result()  # the fronts' own calls did not fail either
+    assert all(g == want for g in got)
+
+
+async def test_a_large_request_is_split_and_tokenized_off_the_loop(
+        serve: ServeFactory, gliner_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    adapter = load(spec_for(gliner_dir), Runtime(backend="torch"))
+    where: list[bool] = []
+    real = adapter.prepare_windows
+
+    def prepare_windows(texts: Any, params: GlinerParams) -> Any:
+        where.append(in_pool())
+        return real(texts, params)
+
+    monkeypatch.setattr(adapter, "prepare_windows", prepare_windows)
+    options = ExtractOptions(labels=tuple(LABELS), threshold=THRESHOLD)
+    large = long_text(OFFLOAD_CHARS // 4)  # words of 4+ characters: past the limit
+    assert len(large) >= OFFLOAD_CHARS
+    async with serve(adapter) as served:
+        await adapter.extract(served.submit, ["the cat sat"], options)
+        await adapter.extract(served.submit, [large], options)
+    assert where == [False, True]
 
 
 @pytest.mark.parametrize(("labels", "param"), [

@@ -22,8 +22,10 @@ its `gliner_config.json` names (`model_name`), through the Hub's cache.
 
 from __future__ import annotations
 
+import copy
 import json
 import tempfile
+import threading
 from bisect import bisect_left
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from ember.adapters import _torch as common
+from ember.adapters._tokenize import off_loop
 from ember.adapters.base import (
     Encoded,
     EncodeOptions,
@@ -165,7 +168,11 @@ class GlinerFront:
                                             f"lists {list(spec.tasks)}")
         common.refuse_loras(spec, "gliner")
         self.spec = spec
-        self.tokenizer = tokenizer
+        # The front's own copy: each call of a transformers wrapper re-sets its backend's
+        # truncation and padding, so sharing it with the forward's collator (truncating,
+        # padding) broke one in four of the collator's batches under concurrent requests.
+        self.tokenizer = copy.deepcopy(tokenizer)
+        self._tokenizing = threading.Lock()  # the loop's thread and the pool's call it
         self.splitter = splitter
         self.max_words = int(config.max_len)
         if self.max_words < 1:  # a window must hold a word
@@ -220,7 +227,8 @@ class GlinerFront:
 
     def prompt_tokens(self, labels: Sequence[str]) -> int:
         """The label prompt's tokens: a marker and the label's tokens each, a separator."""
-        return 1 + sum(1 + len(self.tokenizer.tokenize(label)) for label in labels)
+        with self._tokenizing:
+            return 1 + sum(1 + len(self.tokenizer.tokenize(label)) for label in labels)
 
     def windows(self, words: Words) -> Iterator[tuple[int, Words]]:
         """A text's windows of at most `max_words` words, each with its character offset
@@ -256,8 +264,9 @@ class GlinerFront:
         """Each row of words' tokens with the special ones, one tokenizer call (a row of
         no words has none)."""
         full = [list(row) for row in rows if row]
-        ids = self.tokenizer(full, is_split_into_words=True,
-                             add_special_tokens=True)["input_ids"] if full else []
+        with self._tokenizing:
+            ids = self.tokenizer(full, is_split_into_words=True,
+                                 add_special_tokens=True)["input_ids"] if full else []
         lengths = iter(ids)
         return [len(next(lengths)) if row else 0 for row in rows]
 
@@ -298,7 +307,8 @@ class GlinerFront:
                       options: ExtractOptions) -> TaskOutput[list[list[Entity]]]:
         common.require_items(len(texts))
         params = self.params(options)
-        items, places, split = self.prepare_windows(texts, params)
+        items, places, split = await off_loop(sum(map(len, texts)),
+                                              lambda: self.prepare_windows(texts, params))
         try:
             result = await submit(items, params, None)
         except RequestTooLarge as refused:
