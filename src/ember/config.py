@@ -575,3 +575,8 @@ class ServerSettings:
                              f"timeout), got {self.request_timeout_s:g}")
         if self.memory_budget_mb is not None and self.memory_budget_mb < 1:
             raise ValueError(f"--memory-budget-mb must be 1 or more, got {self.memory_budget_mb}")
+        for flag, threads in (("--torch-threads", self.torch_threads),
+                              ("--onnx-threads", self.onnx_threads)):
+            if threads is not None and threads < 1:
+                raise ValueError(f"{flag} must be 1 or more (leave it out for the default), "
+                                 f"got {threads}")

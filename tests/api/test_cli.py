@@ -318,6 +318,8 @@ def test_a_bad_log_level_is_one_line() -> None:
     (("--max-loaded-models", "0"), "--max-loaded-models must be 1 or more, got 0"),
     (("--request-timeout-s", "-1"), "--request-timeout-s must be over 0"),
     (("--max-text-chars", "0"), "--max-text-chars must be 1 or more, got 0"),
+    (("--torch-threads", "-3"), "--torch-threads must be 1 or more"),
+    (("--onnx-threads", "0"), "--onnx-threads must be 1 or more"),
 ])
 def test_a_setting_that_would_fail_every_request_is_refused_at_start(
         flags: tuple[str, str], says: str) -> None:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +21,7 @@ from tests.api.conftest import (
     Served,
     assert_error,
     encode_body,
+    gated_loader,
     vectors,
     wait_for,
 )
@@ -86,6 +89,17 @@ async def test_unknown_lora(shared: Served, model: str) -> None:
     response = await shared.client.post(f"/v1/encode/{model}", json=body)
     error = assert_error(response, 422, "invalid_request", "params.options.lora")
     assert "legal" in error["message"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"options": {"lora": "legal"}}, "options.lora"),  # where sie-sdk puts a score's options
+    ({"params": {"options": {"lora": "legal"}}}, "params.options.lora"),
+])
+async def test_a_scores_unknown_lora_is_named_where_it_was_sent(
+        shared: Served, body: dict[str, Any], param: str) -> None:
+    sent = {"query": {"text": "q"}, "items": [{"text": "x"}], **body}
+    response = await shared.client.post(f"/v1/score/{MINILM}", json=sent)
+    assert "legal" in assert_error(response, 422, "invalid_request", param)["message"]
 
 
 # -- 404 ----------------------------------------------------------------------------------------
@@ -167,6 +181,45 @@ async def test_too_many_items(apps: AppFactory, route: str, body: dict[str, Any]
                              "payload_too_large", param)
         assert "5" in error["message"] and "4" in error["message"]
         assert served.worker().stats.batches == 0  # refused before any work
+
+
+async def test_similarity_takes_the_sentence_limit_and_names_its_fields(
+        apps: AppFactory) -> None:
+    """The source sentence is not one of the request's items: 4 sentences pass a limit of 4
+    (a black-box review found 4 refused as "5 items"), and its errors name it."""
+    async with apps.serve(max_items_per_request=4) as served:
+        def body(source: str, sentences: int) -> dict[str, Any]:
+            return {"inputs": {"source_sentence": source, "sentences": ["b"] * sentences}}
+
+        ok = await served.client.post("/similarity", json=body("a", 4))
+        assert ok.status_code == 200, ok.text
+        assert len(ok.json()) == 4
+        over = assert_error(await served.client.post("/similarity", json=body("a", 5)), 413,
+                            "payload_too_large", "inputs.sentences")
+        assert "5" in over["message"] and "4" in over["message"]
+        assert_error(await served.client.post("/similarity", json=body("  ", 1)), 422,
+                     param="inputs.source_sentence")
+
+
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/v1/score/ember/synthetic", {"query": {"text": "q"}, "items": [{"text": "x"}] * 5},
+     "items"),
+    ("/v1/rerank", {"query": "q", "documents": ["x"] * 5}, "documents"),
+    ("/v2/rerank", {"model": SYNTH, "query": "q", "documents": ["x"] * 5}, "documents"),
+    ("/rerank", {"query": "q", "texts": ["x"] * 5}, "texts"),
+])
+async def test_a_score_over_the_queue_counts_the_query_in_the_clients_terms(
+        apps: AppFactory, route: str, body: dict[str, Any], param: str) -> None:
+    """5 documents and the query take 6 places; the advice is 4 documents a request (it
+    had said "6 items", and "at most 5", which is still refused)."""
+    async with apps.serve(worker=WorkerConfig(max_queue_items=5)) as served:
+        error = assert_error(await served.client.post(route, json=body), 413,
+                             "payload_too_large", param)
+        assert error["message"] == (
+            f"request too large: 5 {param} and the query take 6 places in the model's queue, "
+            f"over max_queue_items=5; split it into requests of at most 4 {param}")
+        fewer = {**body, param: body[param][:4]}
+        assert (await served.client.post(route, json=fewer)).status_code == 200
 
 
 # -- 429 ----------------------------------------------------------------------------------------
@@ -269,6 +322,23 @@ async def test_request_timeout_is_504_and_drops_the_queued_work(apps: AppFactory
         assert worker.stats.items == 1  # the timed-out items never reached a forward
         assert worker.stats.dropped_items == 2
         assert 'ember_rejections_total{reason="timeout"} 1.0' in await served.metrics()
+
+
+async def test_the_timeout_covers_a_requests_wait_for_its_models_load(
+        apps: AppFactory) -> None:
+    """Found by a black-box review: a request that waited for its model's load (an ONNX
+    export, a download) outlived --request-timeout-s. The load goes on for the next."""
+    gate = threading.Event()
+    async with apps.serve(wait=False, loader=gated_loader(gate),
+                          request_timeout_s=0.2) as served:
+        started = time.monotonic()
+        response = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("a"))
+        assert_error(response, 504, "timeout")
+        assert time.monotonic() - started < 5  # the gate holds the load for 30 s
+        gate.set()
+        await wait_for(lambda: served.registry.ready(SYNTH) is not None)
+        ok = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("a"))
+        assert ok.status_code == 200, ok.text
 
 
 @pytest.mark.parametrize(("content", "param"), [

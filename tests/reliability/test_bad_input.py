@@ -8,6 +8,7 @@ all-MiniLM-L6-v2 and spaCy models answer the cases that need a tokenizer, LoRAs 
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -330,6 +331,33 @@ def test_undecodable_body_is_a_422_naming_the_body(raw: bytes, client: httpx.Cli
     response = client.post(ENC, content=raw, headers={"content-type": JSON})
     error = assert_error(response, 422, "invalid_request", "body")
     assert "[" not in error["message"].split(":")[0]
+
+
+@pytest.mark.parametrize(("raw", "says"), [
+    (b'{"items": [{"text": "\xff"}]}', "body: invalid JSON (not UTF-8)"),
+    (b'{"items": [{"text": "x", "id": ' + b"9" * 5000 + b"}]}",
+     "body: invalid JSON (a number of over 4300 digits)"),
+], ids=["not-utf8", "huge-number"])
+def test_an_undecodable_body_says_why(raw: bytes, says: str, client: httpx.Client) -> None:
+    """Found by a black-box review: a 5,000-digit number was called "not UTF-8"."""
+    response = client.post(ENC, content=raw, headers={"content-type": JSON})
+    assert assert_error(response, 422, "invalid_request", "body")["message"] == says
+
+
+@pytest.mark.parametrize(("route", "sent"), [(ENC, encode_body("hello")),
+                                             ("/v1/embeddings", {"input": "hello"})])
+def test_a_compressed_body_is_a_415_naming_its_encoding(route: str, sent: dict[str, Any],
+                                                         client: httpx.Client) -> None:
+    """Found by a black-box review: a gzip body was read as it came and called invalid
+    JSON (not UTF-8); Ember takes bodies uncompressed and says so."""
+    body = gzip.compress(json.dumps(sent).encode())
+    response = client.post(route, content=body,
+                           headers={"content-type": JSON, "content-encoding": "gzip"})
+    error = assert_error(response, 415, "unsupported_media_type", "body")
+    assert "gzip" in error["message"] and "uncompressed" in error["message"]
+    plain = client.post(ENC, json=encode_body("hello"),
+                        headers={"content-encoding": "identity"})
+    assert plain.status_code == 200, plain.text
 
 
 @pytest.mark.parametrize("model", [SYNTH, MINILM])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 import msgpack
@@ -93,6 +94,10 @@ def decode(raw: bytes, headers: Headers) -> Any:
     naming the body."""
     if not raw:
         return None
+    coding = headers.get("content-encoding", "identity").strip().lower()
+    if coding != "identity":  # read as sent, it would be called invalid JSON or msgpack
+        raise ApiError(415, "unsupported_media_type", f"Content-Encoding {coding!r} is not "
+                       "supported: send the body uncompressed", "body")
     if is_msgpack(headers):
         return decode_msgpack(raw)
     try:
@@ -106,15 +111,24 @@ def decode(raw: bytes, headers: Headers) -> Any:
     except RecursionError:
         raise ApiError(422, "invalid_request", "body: invalid JSON (nested too deep)",
                        "body") from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
-        raise ApiError(422, "invalid_request", f"body: invalid JSON ({reason})",
+    except ValueError as exc:
+        raise ApiError(422, "invalid_request", f"body: invalid JSON ({json_failure(exc)})",
                        "body") from None
     where = lone_surrogate(value)
     if where is not None:  # in any field (an id, a label): no answer could carry it back
         raise ApiError(422, "invalid_request", f"{where or 'body'} is not valid Unicode (it "
                        "holds a lone surrogate)", where or "body")
     return value
+
+
+def json_failure(exc: ValueError) -> str:
+    """Why the standard reader refused a body, in the client's terms."""
+    if isinstance(exc, json.JSONDecodeError):
+        return exc.msg
+    if isinstance(exc, UnicodeDecodeError):
+        return "not UTF-8"
+    # Python's guard against slow big-integer parsing: the only other ValueError it raises.
+    return f"a number of over {sys.get_int_max_str_digits()} digits"
 
 
 def lone_surrogate(value: Any) -> str | None:

@@ -164,7 +164,7 @@ async def rerank(body: CohereRerankRequest, request: Request) -> Response:
     output = await run_task(request, body.model, "score",
                             lambda m, a: a.score(m.submit, body.query, body.documents,
                                                  ScoreOptions()),
-                            len(body.documents) + 1, "documents")
+                            len(body.documents), "documents", query=True)
     results = [{"index": index, "relevance_score": output.values[index]}
                for index in ranked(output.values, body.top_n)]
     return render(request.headers, {"id": os.urandom(16).hex(), "results": results,

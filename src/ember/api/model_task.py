@@ -15,6 +15,7 @@ from starlette.types import Message
 from ember.adapters.base import TaskModel, TaskOutput
 from ember.api.errors import ApiError, ClientGone, as_api_error
 from ember.api.state import ServedModel, server_state
+from ember.engine import RequestTooLarge
 from ember.errors import UnsupportedTask
 from ember.metrics import labelled
 
@@ -150,13 +151,13 @@ def route_param(param: str | None, field: str) -> str | None:
     return field + (match.group(1) or "") if match else param
 
 
-async def run_task(request: Request, model_name: str, task: str,
-                   call: TaskCall[T], items: int, field: str = "items") -> TaskOutput[T]:
+async def run_task(request: Request, model_name: str, task: str, call: TaskCall[T],
+                   items: int, field: str = "items", query: bool = False) -> TaskOutput[T]:
     """Run `call` on the named model under the server's timeout; record timing and metrics.
-    `items` is about how many items it will queue; `field` is the request's name for its
-    list of inputs, for the errors' `param`."""
+    `items` is how many inputs the request sent under `field` (its name for them, for the
+    errors' `param`); `query`: a query is queued beside them (score, rerank)."""
     state = server_state(request)
-    request.state.items = items  # for the access log
+    request.state.items = queued = items + query  # for the access log
     if not model_name:
         raise unnamed_model(request, task)
     try:
@@ -164,10 +165,15 @@ async def run_task(request: Request, model_name: str, task: str,
         # Refused from the catalog, before a load that could evict a model in use.
         if spec is not None and task not in spec.tasks:
             raise UnsupportedTask(model_name, task, spec.tasks)
-        async with state.registry.use(model_name) as model:
-            model.check_room(items)
-            output = await until_disconnect(request, call(model, model.adapter),
-                                            state.settings.request_timeout_s)
+
+        async def served() -> TaskOutput[T]:
+            async with state.registry.use(model_name) as model:
+                model.check_room(queued)
+                return await call(model, model.adapter)
+
+        # The timeout and the client's leaving cover a load the request waits for too (it
+        # goes on for the next requests: the registry shields it from its waiters).
+        output = await until_disconnect(request, served(), state.settings.request_timeout_s)
         request.state.timing = (output.queue_ms, output.inference_ms)
         labelled(state.metrics.input_tokens, request.state.route, model_name).observe(
             output.tokens)
@@ -178,6 +184,10 @@ async def run_task(request: Request, model_name: str, task: str,
     except Exception as exc:
         error = as_api_error(exc)
         error.param = route_param(error.param, field)
+        if query and isinstance(exc, RequestTooLarge):  # in the client's terms
+            error.message = (f"request too large: {items} {field} and the query take {queued} "
+                             f"places in the model's queue, over max_queue_items={exc.limit}; "
+                             f"split it into requests of at most {exc.limit - 1} {field}")
         if error.status in (413, 429, 503, 504):
             state.metrics.rejected(error.kind)
         raise error from None

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
-from ember.adapters.base import Encoded, EncodeOptions, ExtractOptions, ScoreOptions
+from ember.adapters.base import Encoded, EncodeOptions, ExtractOptions, ScoreOptions, TaskOutput
 from ember.api.codec import render
 from ember.api.errors import ApiError
 from ember.api.images import (
@@ -214,6 +214,23 @@ async def encode(model: str, body: EncodeRequest, request: Request) -> Response:
 
 @router.post("/v1/score/{model:path}", summary="Score items against a query")
 async def score(model: str, body: ScoreRequest, request: Request) -> Response:
+    try:
+        output = await score_output(model, body, request)
+    except ApiError as error:  # options sent at the top level (sie-sdk) are named there
+        if body.options is not None and error.param and error.param.startswith(
+                "params.options."):
+            error.param = error.param.removeprefix("params.")
+        raise
+    count = len(body.items)
+    order = sorted(range(count), key=lambda i: -output.values[i])
+    scores = [{"item_id": body.items[i].id if body.items[i].id is not None else str(i),
+               "score": output.values[i], "rank": rank} for rank, i in enumerate(order)]
+    return render(request.headers, {"model": model, "scores": scores})
+
+
+async def score_output(model: str, body: ScoreRequest,
+                       request: Request) -> TaskOutput[list[float]]:
+    """The scores of a text or image score request, in the items' order."""
     count = len(body.items)
     if has_images([body.query, *body.items]):
         inputs = item_inputs(request, body.items, others=len(body.query.images or ()))
@@ -222,20 +239,16 @@ async def score(model: str, body: ScoreRequest, request: Request) -> Response:
             first_images(body.items)
         takes_images(request, model, where)
         options = score_options_of(body)
-        output = await run_task(request, model, "score", lambda m, a: image_model(
-            a, model, where).score_items(m.submit, query, inputs, options), count + 1)
+        return await run_task(request, model, "score", lambda m, a: image_model(
+            a, model, where).score_items(m.submit, query, inputs, options), count, query=True)
     else:
         texts, query_text = texts_of(body.items), texts_of([body.query], "query")[0]
         check_inputs(request, texts, suffix=".text")
         check_query(request, query_text, "query.text")
         options = score_options_of(body)
-        output = await run_task(request, model, "score",
-                                lambda m, a: a.score(m.submit, query_text, texts, options),
-                                count + 1)
-    order = sorted(range(count), key=lambda i: -output.values[i])
-    scores = [{"item_id": body.items[i].id if body.items[i].id is not None else str(i),
-               "score": output.values[i], "rank": rank} for rank, i in enumerate(order)]
-    return render(request.headers, {"model": model, "scores": scores})
+        return await run_task(request, model, "score",
+                              lambda m, a: a.score(m.submit, query_text, texts, options),
+                              count, query=True)
 
 
 @router.post("/v1/extract/{model:path}", summary="Extract entities from items")

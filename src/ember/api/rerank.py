@@ -51,7 +51,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     check_query(request, body.query)
     output = await run_task(request, model, "score",
                             lambda m, a: a.score(m.submit, body.query, texts, ScoreOptions()),
-                            len(texts) + 1, "documents")
+                            len(texts), "documents", query=True)
     results = []
     for index in ranked(output.values, body.top_n):
         result: dict[str, object] = {"index": index, "relevance_score": output.values[index]}

@@ -4,6 +4,7 @@ and /similarity, and POST / which, like TEI's, reads whichever of those bodies i
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import numpy as np
@@ -100,17 +101,19 @@ def encode_options(truncate: bool, direction: str | None, prompt_name: str | Non
 
 
 async def dense_vectors(request: Request, texts: list[str], options: EncodeOptions,
-                        field: str, dimensions: int | None = None
+                        field: str, dimensions: int | None = None, query: bool = False
                         ) -> TaskOutput[list[Encoded]]:
-    """The default model's dense vectors for `texts`; a model without them is a 422, and
-    so is a `dimensions` other than the model's (Ember does not cut vectors)."""
+    """The default model's dense vectors for `texts` (`query`: the first is a query beside
+    the request's inputs); a model without them is a 422, and so is a `dimensions` other
+    than the model's (Ember does not cut vectors)."""
     model = server_state(request).settings.default_model
 
     async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
         require_dense(m, request.url.path, dimensions)
         return await adapter.encode(m.submit, texts, options)
 
-    return await run_task(request, model, "encode", encode, len(texts), field)
+    return await run_task(request, model, "encode", encode, len(texts) - query, field,
+                          query=query)
 
 
 @router.post("/embed", summary="TEI-compatible embeddings on the default model")
@@ -123,14 +126,30 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     return render(request.headers, [encoded.dense for encoded in output.values])
 
 
+def similarity_param(param: str | None) -> str | None:
+    """`inputs[i]` of the texts encoded for /similarity, as the body names it: the source
+    sentence first, then `inputs.sentences`."""
+    match = re.fullmatch(r"inputs\[(\d+)\](.*)", param or "")
+    if match is None:
+        return param
+    index, rest = int(match.group(1)), match.group(2)
+    return f"inputs.source_sentence{rest}" if index == 0 else \
+        f"inputs.sentences[{index - 1}]{rest}"
+
+
 @router.post("/similarity", summary="TEI-compatible sentence similarity on the default "
              "model: the cosine of each sentence to the source sentence")
 async def similarity(body: SimilarityRequest, request: Request) -> Response:
-    texts = [body.inputs.source_sentence, *body.inputs.sentences]
-    check_inputs(request, body.inputs.sentences, "inputs.sentences")
-    check_inputs(request, texts, "inputs")
+    source, sentences = body.inputs.source_sentence, body.inputs.sentences
+    check_inputs(request, sentences, "inputs.sentences")
+    check_query(request, source, "inputs.source_sentence")
     options = encode_options(body.truncate, body.truncation_direction, body.prompt_name)
-    output = await dense_vectors(request, texts, options, "inputs")
+    try:
+        output = await dense_vectors(request, [source, *sentences], options, "inputs",
+                                     query=True)
+    except ApiError as error:
+        error.param = similarity_param(error.param)
+        raise
     vectors = np.stack([e.dense for e in output.values if e.dense is not None]).astype(float)
     vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     return render(request.headers, (vectors[1:] @ vectors[0]).tolist())
@@ -148,7 +167,7 @@ async def tei_rerank(body: TeiRerankRequest, request: Request) -> Response:
     options = ScoreOptions(truncate=body.truncate)
     output = await run_task(request, model, "score",
                             lambda m, a: a.score(m.submit, body.query, body.texts, options),
-                            len(body.texts) + 1, "texts")
+                            len(body.texts), "texts", query=True)
     results = []
     for index in ranked(output.values, None):
         result: dict[str, object] = {"index": index, "score": output.values[index]}
