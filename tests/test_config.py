@@ -70,9 +70,16 @@ HUB = "source: {hub: org/tiny}\n"
     (f"{HUB}trust_remote_code: 'no'\n", "trust_remote_code must be true or false, got 'no'"),
     ("source: {path: ., hub: org/tiny}\n", "'source' names path and hub; give exactly one"),
     ("source: {path: ./absent}\n", "absent does not exist"),
+    (f"{HUB}loras: {{legal: ./absent}}\n",
+     "loras.legal " + "{tmp}/absent is not a PEFT adapter folder (no adapter_config.json)"),
+    (f"{HUB}loras: {{legal: .}}\n", "is not a PEFT adapter folder"),
+    (f"{HUB}backend: onnx\nloras: {{legal: .}}\n", "loras need backend: torch"),
+    (f"{HUB}quantize: int8\nloras: {{legal: .}}\n", "loras need backend: torch"),
+    (f"{HUB}backend: torch\nquantize: int8\n", "quantize applies to the onnx backend"),
 ], ids=["pooling_mode", "normalise", "prompt", "no-match", "source-key", "batching-value",
         "batching-type", "batching-padding", "pooling", "max_seq_length", "max_seq_length-str",
-        "bool-str", "remote-code-str", "path-and-hub", "missing-path"])
+        "bool-str", "remote-code-str", "path-and-hub", "missing-path", "missing-lora",
+        "lora-without-adapter", "onnx-lora", "int8-lora", "torch-int8"])
 def test_a_field_that_would_be_ignored_or_fail_every_request_is_refused_at_read(
         tmp_path: Path, body: str, message: str) -> None:
     (tmp_path / "bad.yaml").write_text(f"name: me/x\nadapter: transformer\ntasks: [encode]\n"
@@ -81,7 +88,7 @@ def test_a_field_that_would_be_ignored_or_fail_every_request_is_refused_at_read(
         load_catalog([tmp_path], check_paths=True)  # as the server's start reads it
     said = str(caught.value)
     assert said.startswith(f"{tmp_path / 'bad.yaml'}: ") and "\n" not in said
-    assert message in said, said
+    assert message.format(tmp=tmp_path) in said, said
 
 
 def test_a_path_gone_since_the_start_fails_its_model_not_the_catalog(tmp_path: Path) -> None:

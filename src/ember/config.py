@@ -182,6 +182,12 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
     _check_batching(batching, where)
     backend = _choice(data, "backend", BACKENDS, where)
     quantize = _choice(data, "quantize", QUANTIZE, where, " (or leave it out for float32)")
+    if backend == "torch" and quantize:
+        raise CatalogError(f"{where}: quantize applies to the onnx backend; remove it or set "
+                           "backend: onnx")
+    if loras and (backend == "onnx" or quantize):
+        raise CatalogError(f"{where}: loras need backend: torch (the onnx backend, which "
+                           "quantize implies, runs the base model only)")
     max_seq_length = data.get("max_seq_length")
     if max_seq_length is not None and not _positive_int(max_seq_length):
         raise CatalogError(f"{where}: max_seq_length must be a positive integer (tokens), "
@@ -218,8 +224,9 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
 
 def load_spec_file(path: Path, check_paths: bool = False) -> ModelSpec:
     """One YAML file's entry; with `check_paths` (the server's start), a `source.path`
-    that does not exist is refused too. Not in every process that reads the catalog: a
-    folder gone since the start fails its model's load (502), not a new engine's start."""
+    that does not exist, or a LoRA folder without its adapter, is refused too. Not in every
+    process that reads the catalog: a folder gone since the start fails its model's load
+    (502), not a new engine's start."""
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
@@ -227,6 +234,10 @@ def load_spec_file(path: Path, check_paths: bool = False) -> ModelSpec:
     spec = parse_spec(data, str(path), path.parent)
     if check_paths and spec.source.path is not None and not spec.source.path.exists():
         raise CatalogError(f"{path}: source.path {spec.source.path} does not exist")
+    for lora, folder in spec.loras.items() if check_paths else ():
+        if not (folder / "adapter_config.json").is_file():
+            raise CatalogError(f"{path}: loras.{lora} {folder} is not a PEFT adapter folder "
+                               "(no adapter_config.json)")
     return spec
 
 

@@ -247,6 +247,38 @@ def test_a_shipped_onnx_file_is_used(tmp_path: Path, tiny: dict[str, Path]) -> N
     np.testing.assert_allclose(embed(shipped, texts), embed(exported, texts), atol=1e-6)
 
 
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("damage", ["cut", "empty"])
+def test_a_damaged_cached_graph_is_made_again(tmp_path: Path, tiny: dict[str, Path],
+                                              quantize: str | None, damage: str) -> None:
+    """Found by a black-box review: a cached graph cut short (a full disk, an interrupted
+    copy) failed its model on every load, for good."""
+    cache, fields = tmp_path / "cache", {"quantize": quantize} if quantize else {}
+    first = load_bi(tiny["bi"], cache, **fields)
+    texts = ["the cat is big", "a slow river"]
+    want = embed(first, texts)
+    for graph in (cache / "onnx").glob("*/model.onnx"):  # the float graph and the int8 one
+        graph.write_bytes(graph.read_bytes()[: graph.stat().st_size // 3]
+                          if damage == "cut" else b"")
+    again = load_bi(tiny["bi"], cache, **fields)
+    assert again.model.origin == "exported"  # type: ignore[attr-defined]
+    np.testing.assert_allclose(embed(again, texts), want, atol=1e-6)
+    assert load_bi(tiny["bi"], cache, **fields).model.origin == "cached"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("content", [b"", b"not a graph at all"])
+def test_a_shipped_graph_onnx_runtime_cannot_read_is_exported_instead(
+        tmp_path: Path, tiny: dict[str, Path], content: bytes,
+        caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "shipped"
+    shutil.copytree(tiny["bi"], folder)
+    (folder / "onnx").mkdir()
+    (folder / "onnx" / "model.onnx").write_bytes(content)
+    adapter = load_bi(folder, tmp_path / "cache")
+    assert adapter.model.origin == "exported"  # type: ignore[attr-defined]
+    assert "ONNX Runtime cannot read it" in caplog.text
+
+
 def test_a_failed_export_is_refused_with_the_reason(
         tmp_path: Path, tiny: dict[str, Path]) -> None:
     cache = tmp_path / "cache"

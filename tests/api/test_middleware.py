@@ -106,6 +106,27 @@ async def test_timing_headers_report_the_forward(apps: AppFactory) -> None:
         assert float(health.headers["x-inference-time-ms"]) == 0.0
 
 
+async def test_a_request_cancelled_before_its_answer_is_a_499_not_a_500(
+        apps: AppFactory) -> None:
+    """Found by a black-box review: Ray Serve cancels the request of a client that left,
+    and the cancelled request was counted (and logged) as a server fault."""
+    async with apps.serve() as served:
+        worker = served.worker()
+        worker.pause()
+        left = asyncio.create_task(served.client.post(f"/v1/encode/{SYNTH}",
+                                                      json=encode_body("left")))
+        await wait_for(lambda: worker.pending_items == 1)
+        left.cancel()  # the ASGI app runs in this task: the cancel reaches it as Ray's does
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        worker.resume()
+        text = await served.metrics()
+        route = 'route="/v1/encode/{model:path}"'
+        assert f'ember_requests_total{{model="{SYNTH}",{route},status="499"}} 1.0' in text
+        assert 'status="500"' not in text
+        assert 'ember_rejections_total{reason="client_disconnected"} 1.0' in text
+
+
 async def test_refusals_carry_the_headers_too(apps: AppFactory) -> None:
     async with apps.serve(api_key="k", max_body_bytes=200,
                           worker=WorkerConfig(max_queue_items=1)) as served:

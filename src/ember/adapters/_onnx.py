@@ -45,6 +45,7 @@ SHIPPED = Path("onnx") / "model.onnx"
 FUSABLE = {"bert", "roberta", "xlm-roberta", "camembert", "electra"}
 CHECK_SHAPES = ((2, 16), (3, 37))  # (batch, sequence): the traced shape and another
 Origin = Literal["shipped", "cached", "exported"]
+CACHED_GRAPHS = 2  # the float graph and its int8 copy: a load may find each one damaged
 
 
 def cache_root(runtime: Runtime) -> Path:
@@ -165,10 +166,21 @@ def load(spec: ModelSpec, model_dir: Path, runtime: Runtime, plan: ExportPlan) -
         raise ModelLoadError(spec.name, f"the onnx backend runs on CPU only; set "
                                         f"backend: torch for device {runtime.device}")
     root = cache_root(runtime) / "onnx"
-    path, origin = _fp32(spec, model_dir, plan, root)
-    if spec.quantize == "int8":
-        path, origin = _int8(spec, path, root)
-    forward = OnnxForward(path, runtime, plan.inputs, plan.output, origin)
+    for tries_left in reversed(range(CACHED_GRAPHS + 1)):
+        path, origin = _fp32(spec, model_dir, plan, root)
+        try:
+            if spec.quantize == "int8":
+                path, origin = _int8(spec, path, root)
+            forward = OnnxForward(path, runtime, plan.inputs, plan.output, origin)
+            break
+        except Exception as exc:  # ONNX Runtime's own error types: a graph it cannot read
+            if origin != "cached" or not tries_left:
+                raise
+            # A cache entry cut short (a full disk, an interrupted copy) is a miss, not a
+            # model that fails for good: made again from the weights.
+            log.warning("%s: the cached graph at %s does not load (%s: %s); making it again",
+                        spec.name, path, type(exc).__name__, exc)
+            path.unlink(missing_ok=True)
     log.info("%s: onnx backend, %s graph (%s) at %s", spec.name, spec.quantize or "float32",
              origin, path)
     return forward
@@ -212,7 +224,10 @@ def _fp32(spec: ModelSpec, model_dir: Path, plan: ExportPlan,
 
 def _misfit(path: Path, plan: ExportPlan) -> str | None:
     """Why a shipped graph does not fit the family's forward, or None if it does."""
-    probe = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    try:
+        probe = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as exc:  # ONNX Runtime's own error types: empty, cut short, not ONNX
+        return f"ONNX Runtime cannot read it: {type(exc).__name__}: {exc}"
     outputs = [o.name for o in probe.get_outputs()]
     inputs = {i.name for i in probe.get_inputs()}
     if plan.output not in outputs:

@@ -34,6 +34,7 @@ from ember.errors import (
 from ember.ipc.wire import RemoteFault
 
 log = logging.getLogger("ember.api")
+CLIENT_CLOSED_REQUEST = 499  # the status nginx made for a client that left before its answer
 _PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*")
 
 
@@ -98,11 +99,11 @@ def as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ClientGone):
-        return ApiError(499, "client_closed_request", "the client disconnected; its queued "
-                        "work was dropped")
+        return ApiError(CLIENT_CLOSED_REQUEST, "client_closed_request",
+                        "the client disconnected; its queued work was dropped")
     if isinstance(exc, ClientDisconnect):  # before its body was whole: nothing ran
-        return ApiError(499, "client_closed_request", "the client disconnected before its "
-                        "request body was read")
+        return ApiError(CLIENT_CLOSED_REQUEST, "client_closed_request",
+                        "the client disconnected before its request body was read")
     if isinstance(exc, BodyTooLarge):
         return ApiError(413, "payload_too_large", f"{exc.detail}; send fewer or shorter items "
                         "per request", "body")

@@ -3,6 +3,7 @@ request context, draining, API key, body size."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import random
 import time
@@ -11,7 +12,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ember.api.errors import BodyTooLarge, error_response
+from ember.api.errors import CLIENT_CLOSED_REQUEST, BodyTooLarge, error_response
 from ember.api.state import ServerState
 from ember.logs import access_log
 from ember.metrics import labelled
@@ -58,7 +59,7 @@ class RequestContextMiddleware(HttpMiddleware):
         state["request_id"] = request_id
         started = time.perf_counter()
         server = self.state()
-        status = 500  # what the client sees if the app fails before it answers
+        status: int | None = None  # until the response starts
 
         async def send_with_headers(message: Message) -> None:
             nonlocal status
@@ -82,9 +83,15 @@ class RequestContextMiddleware(HttpMiddleware):
         server.enter()
         try:
             await self.app(scope, receive, send_with_headers)
+        except asyncio.CancelledError:
+            if status is None:  # not answered: Ray Serve cancels a request its client left
+                status = CLIENT_CLOSED_REQUEST
+                server.metrics.rejected("client_disconnected")
+            raise
         finally:
             server.leave()
-            self.account(scope, state, status, time.perf_counter() - started)
+            # 500: what the client sees if the app failed before it answered
+            self.account(scope, state, status or 500, time.perf_counter() - started)
 
     def account(self, scope: Scope, state: dict[str, Any], status: int,
                 seconds: float) -> None:
