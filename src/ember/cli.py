@@ -11,6 +11,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 from ember import __version__, hub
 from ember.config import (
@@ -92,13 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Serve the catalog over HTTP. Each flag can also "
                                 "be set by the EMBER_* variable named in its help.")
 
-    def flag(name: str, kind: type, default: object, text: str, **extra: object) -> None:
+    def flag(name: str, kind: type, default: object, text: str, env_choices: bool = True,
+             **extra: object) -> None:
         try:
             value = env_default(name, kind, default)
         except ValueError:
             wanted = (f"one of {', '.join(repr(v) for v in TRUE + FALSE if v)}"
                       if kind is bool else f"a valid {kind.__name__}")
             parser.error(f"{env_name(name)}={os.environ[env_name(name)]!r} is not {wanted}")
+        choices = cast("list[object] | None", extra.get("choices"))
+        if env_choices and choices is not None and value not in choices:  # argparse: flags
+            parser.error(f"{env_name(name)}={value!r} is not one of "
+                         f"{', '.join(map(repr, choices))}")
         if kind is bool:
             serve.add_argument(f"--{name}", action="store_true", default=value,
                                help=f"{text} [{env_name(name)}]")
@@ -135,10 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     flag("onnx-spinning", str, "forward", "when ONNX Runtime's threads spin-wait: 'forward' "
          "(within a forward, then they sleep), 'on' (also between forwards, which takes "
          "the cores the front end needs) or 'off' (never; each step of a forward wakes "
-         "them); the flag alone means 'on'", choices=list(SPINNING), nargs="?", const="on")
+         "them); the flag alone means 'on'", choices=list(SPINNING), nargs="?", const="on",
+         env_choices=False)  # its variable also takes yes/no words (spinning_mode reads it)
     for name, kind, default, text in WORKER_FLAGS:
-        flag(name, kind, default, text, **({"choices": list(DISPATCH_MODES)}
-                                            if name == "dispatch" else {}))
+        flag(name, kind, default, text,
+             choices=list(DISPATCH_MODES) if name == "dispatch" else None)
     flag("max-items-per-request", int, 2048, "items in one request before 413 (OpenAI's "
          "2,048; the engine splits a request into forwards of --max-batch-items)")
     flag("max-body-bytes", int, 16 * 1024 * 1024, "request body size before 413")

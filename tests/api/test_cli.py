@@ -108,6 +108,10 @@ def test_an_empty_api_key_means_none(monkeypatch: pytest.MonkeyPatch) -> None:
     ("EMBER_MAX_BATCH_ITEMS", "lots", "EMBER_MAX_BATCH_ITEMS='lots' is not a valid int"),
     # Found by a black-box review: any word but the true ones, "maybe", read as off.
     ("EMBER_ALLOW_HUB_MODELS", "maybe", "EMBER_ALLOW_HUB_MODELS='maybe' is not one of"),
+    # Found by a third review: argparse checks a flag's choices, not its variable's.
+    ("EMBER_BACKEND", "TORCH", "EMBER_BACKEND='TORCH' is not one of 'torch', 'onnx'"),
+    ("EMBER_TOKEN_IDS", "yes", "EMBER_TOKEN_IDS='yes' is not one of 'refuse', 'model'"),
+    ("EMBER_DISPATCH", "bogus", "EMBER_DISPATCH='bogus' is not one of"),
 ])
 def test_a_bad_variable_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str], variable: str,
