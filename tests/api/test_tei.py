@@ -74,6 +74,18 @@ async def test_rerank_truncate_false_names_the_long_field(real_default: Served, 
     assert_error(response, 400, "input_too_long", param)
 
 
+@pytest.mark.parametrize(("source", "sentences", "param"), [
+    ("word " * 600, ["fine"], "inputs.source_sentence"),
+    ("fine", ["fine", "word " * 600], "inputs.sentences[1]"),
+])
+async def test_similarity_truncate_false_names_the_long_field(
+        real_default: Served, source: str, sentences: list[str], param: str) -> None:
+    """Found by a black-box review: both were `inputs[i]` of the texts encoded together."""
+    response = await real_default.client.post("/similarity", json={
+        "inputs": {"source_sentence": source, "sentences": sentences}, "truncate": False})
+    assert_error(response, 400, "input_too_long", param)
+
+
 async def test_tei_rerank(shared: Served) -> None:
     texts = ["first", "second doc", "third one here"]
     response = await shared.client.post("/rerank", json={"query": "q", "texts": texts,
