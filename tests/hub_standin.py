@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -57,6 +58,10 @@ class HubStandIn:
         self.notes: dict[str, str] = {}  # what a fixture wants to remember (commit shas)
         # Names a repository lists beside its files and never serves (a hostile Hub).
         self.listed: dict[str, list[str]] = {}
+        # Repositories the Hub refuses to this client (gated, private): their status.
+        self.refused: dict[str, int] = {}
+        # Repositories whose weights come this many seconds late (a large download).
+        self.slow: dict[str, float] = {}
         self._lock = threading.Lock()
         self._etags: dict[Path, str] = {}
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -151,6 +156,9 @@ class HubStandIn:
                 return sha, entry.commits[sha]
 
             def _info(self, repo: str, revision: str) -> None:
+                if repo in hub.refused:  # as the Hub answers a token without access
+                    return self._json({"error": "Access to this repository is restricted"},
+                                      hub.refused[repo])
                 found = self._commit(repo, revision)
                 if found is None:
                     return self._missing(repo, revision)
@@ -191,6 +199,8 @@ class HubStandIn:
                 if not (found[1] / name).is_file() or ".." in name:
                     return self._json({"error": "Entry not found"}, 404, "EntryNotFound")
                 sha, folder = found
+                if body and name.endswith(".safetensors") and repo in hub.slow:
+                    time.sleep(hub.slow[repo])
                 data = (folder / name).read_bytes()
                 start, status = 0, 200
                 ranged = RANGE.fullmatch(self.headers.get("Range", "") or "")

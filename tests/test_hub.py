@@ -20,6 +20,7 @@ from tests.live_server import REPO, server_env, start_server
 
 PICKLED = "someone/pickled-only"
 TINY = "someone/tiny-encoder"
+SLOW = "someone/slow-encoder"  # its weights come late: a large download
 DENSE = "someone/tiny-encoder-dense"
 GLINER = "someone/gliner-tiny"
 COLBERTS = {"stanford": "someone/tiny-colbert-stanford", "pylate": "someone/tiny-colbert-pylate"}
@@ -39,6 +40,7 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubStandIn]:
     hub.notes = {"old": hub.add(MINILM, build_bi_encoder(root / "old", seed=3),
                                 branch=None, salt="old")}
     hub.add(TINY, build_bi_encoder(root / "tiny", seed=4))
+    hub.add(SLOW, build_bi_encoder(root / "slow", seed=6))
     # A sentence-transformers folder with a Dense module: its weights lie in a subfolder.
     dense = build_st_pipeline(root / "dense", build_bi_encoder(
         root / "dense-base", seed=5, normalize=False), dense=[(16, torch.nn.Tanh(), True)])
@@ -368,7 +370,8 @@ from ember.adapters.base import Runtime
 async def main():
     registry = Registry(load_catalog(), Runtime(backend="torch"))
     out = {{}}
-    for name in ("someone/not-there", {TINY + "@main"!r}, {TINY + " "!r}, {TINY + "  "!r}):
+    for name in ("someone/not-there", {TINY + "@main"!r}, {TINY + " "!r}, {TINY + "  "!r},
+                 "someone/gated", "someone/private"):
         try:
             await registry.get(name)
             out[name] = "loaded"
@@ -380,15 +383,85 @@ async def main():
 
 asyncio.run(main())
 """
-    answers = run(standin, tmp_path / "hf", code, extra={"EMBER_ALLOW_HUB_MODELS": "1"})
+    standin.refused.update({"someone/gated": 403, "someone/private": 401})
+    try:
+        answers = run(standin, tmp_path / "hf", code, extra={"EMBER_ALLOW_HUB_MODELS": "1"})
+    finally:
+        standin.refused.clear()
+    # Found by a black-box review: a 403 was "the Hub could not be reached; check the network".
+    for name, code_ in (("someone/gated", 403), ("someone/private", 401)):
+        status, kind, message = answers[name]  # type: ignore[misc]
+        assert (status, kind) == (404, "model_not_found")
+        assert f"refused access to it ({code_})" in message and "HF_TOKEN" in message
+        assert "could not be reached" not in message
     status, kind, message = answers["someone/not-there"]  # type: ignore[misc]
     assert (status, kind) == (404, "model_not_found") and "not on the Hub" in message
     status, kind, message = answers[TINY + "@main"]  # type: ignore[misc]
     assert (status, kind) == (404, "model_not_found")
-    assert f"--model {TINY}@main" in message and "without a revision" in message
+    assert f"--model {TINY}@main" in message and "may not name a Hub revision" in message
     # A space after the id is no Hub id (it had loaded a second copy under "org/x ").
     for alias in (TINY + " ", TINY + "  "):
         assert answers[alias][:2] == [404, "model_not_found"]  # type: ignore[index]
+
+
+def test_a_download_does_not_hold_up_the_loads_of_models_on_disk(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    """Found by a black-box review: a catalog model's download (its YAML names a Hub
+    source) ran under the process's one-load lock, so every other model's load waited
+    for the whole download."""
+    yaml = tmp_path / "yaml"
+    yaml.mkdir()
+    (yaml / "slow.yaml").write_text(f"name: {SLOW}\nadapter: transformer\n"
+                                    f"source: {{hub: {SLOW}}}\ntasks: [encode]\n")
+    code = f"""
+import asyncio, json, time
+from pathlib import Path
+from ember.config import load_catalog
+from ember.registry import Registry
+from ember.adapters.base import Runtime
+
+async def main():
+    registry = Registry(load_catalog([Path({str(yaml)!r})]), Runtime(backend="torch"))
+    started = time.monotonic()
+    downloading = asyncio.ensure_future(registry.get({SLOW!r}))
+    await asyncio.sleep(0.5)
+    await registry.get("ember/synthetic")
+    local_s = time.monotonic() - started
+    await downloading
+    print(json.dumps({{"local_s": local_s, "hub_s": time.monotonic() - started}}))
+    await registry.close()
+
+asyncio.run(main())
+"""
+    standin.slow[SLOW] = 4.0
+    try:
+        times = run(standin, tmp_path / "hf", code, extra={"EMBER_ALLOW_HUB_MODELS": "1"})
+    finally:
+        standin.slow.clear()
+    assert times["hub_s"] >= 4.0  # type: ignore[operator]
+    assert times["local_s"] < 3.0, times  # not after the download
+
+
+def test_every_api_process_lists_a_hub_model_that_another_one_had_loaded(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    """Found by a black-box review: under --workers 2, /v1/models listed a Hub model a
+    request had loaded, and /v1/models/{id} found it, only when the API process that took
+    that request answered."""
+    env = {**hub_env(standin, tmp_path / "hf"), "EMBER_ALLOW_HUB_MODELS": "1"}
+    server = start_server(tmp_path / "workers.log", ["--workers", "2", "--backend", "torch"],
+                          env=env)
+    try:
+        loaded = httpx.post(f"{server.url}/v1/encode/{TINY}", timeout=60,
+                            json={"items": [{"text": "the cat"}]})
+        assert loaded.status_code == 200, loaded.text
+        for _ in range(8):
+            with httpx.Client(base_url=server.url, timeout=30) as fresh:  # either process
+                listed = fresh.get("/v1/models").json()
+                assert TINY in [entry["id"] for entry in listed["data"]]
+                one = fresh.get(f"/v1/models/{TINY}")
+                assert one.status_code == 200 and one.json()["state"] == "loaded", one.text
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("text", ["org/tiny ", " org/tiny", "org/tiny\n", "org/tiny.git",

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from ember.adapters.base import EncodeOptions, Runtime, usable_cores
+from ember.adapters.base import EncodeOptions, ModelAdapter, Runtime, usable_cores
 from ember.config import ModelSpec, ServerSettings, load_catalog, parse_spec, spec_from_directory
 from ember.errors import ModelLoadError, ModelNotFound
 from ember.ipc.models import front_loader
-from ember.registry import Registry, RegistryLimits, adapter_loader
+from ember.registry import (
+    LoadedModel,
+    LoadFunction,
+    Registry,
+    RegistryLimits,
+    adapter_loader,
+)
 from tests.engine.helpers import PausableWorker
 
 
@@ -77,6 +84,62 @@ async def test_a_model_in_use_is_not_evicted_and_the_limit_holds_again_once_idle
     await registry.close()
 
 
+async def test_a_model_just_loaded_is_held_by_its_waiters_before_any_eviction() -> None:
+    """Found by a black-box review: another load's eviction ran between a load's end and
+    its waiting requests taking hold of the model; they got a 503 "shutting down"."""
+    registry = Registry(catalog(synthetic("b"), synthetic("c")),
+                        limits=RegistryLimits(max_loaded_models=1))
+    others: list[asyncio.Task[LoadedModel]] = []
+
+    def start_another(model: LoadedModel) -> None:  # in the same turn as b's load ends
+        if model.spec.name == "b":
+            others.append(asyncio.get_running_loop().create_task(registry.get("c")))
+
+    registry.on_load.append(start_another)
+    async with registry.use("b") as b:
+        future = await b.worker.submit(b.adapter.prepare(["x"]), "p")  # type: ignore[attr-defined]
+        assert len((await future).values) == 1
+    await others[0]
+    for _ in range(100):  # both were loaded at once; b goes once idle
+        if list(registry.loaded) == ["c"]:
+            break
+        await asyncio.sleep(0.01)
+    assert list(registry.loaded) == ["c"]
+    await registry.close()
+
+
+async def test_models_asked_for_at_once_count_against_the_limit_before_they_load() -> None:
+    """Found by a black-box review: loads that started together each saw room for itself
+    alone, and the registry went past --max-loaded-models (or the memory budget)."""
+    def slow_loader(family: str) -> LoadFunction:  # loads that overlap, as real ones do
+        load = adapter_loader(family)
+
+        def slowly(spec: ModelSpec, runtime: Runtime) -> ModelAdapter:
+            time.sleep(0.05)
+            return load(spec, runtime)
+
+        return slowly
+
+    registry = Registry(catalog(*(synthetic(name) for name in "axybc")),
+                        limits=RegistryLimits(max_loaded_models=3, pinned=frozenset("a")),
+                        loader=slow_loader)
+    most = 0
+
+    def count(_: LoadedModel) -> None:
+        nonlocal most
+        most = max(most, len(registry.loaded))  # the new one included
+
+    for name in "axy":
+        await registry.get(name)
+    registry.on_load.append(count)
+    evicted: list[str] = []
+    registry.on_evict.append(evicted.append)
+    await asyncio.gather(registry.get("b"), registry.get("c"))
+    assert sorted(evicted) == ["x", "y"] and sorted(registry.loaded) == ["a", "b", "c"]
+    assert most == 3
+    await registry.close()
+
+
 async def test_the_default_model_is_never_evicted() -> None:
     """Found by a black-box review: with --max-loaded-models 1, one request for another
     model evicted the default model and /readyz turned 503 until someone used it again."""
@@ -105,6 +168,34 @@ async def test_load_failure_is_clear_and_other_models_still_serve(tmp_path: Path
     model = await registry.get("ok")
     output = await model.adapter.encode(model.submit, ["fine"], EncodeOptions())
     assert output.values[0].dense is not None
+    await registry.close()
+
+
+async def test_a_failed_load_says_when_it_is_tried_again_and_then_is() -> None:
+    """Found by a black-box review: nothing said that a failed model is tried again."""
+    attempts: list[str] = []
+
+    def flaky_loader(family: str) -> LoadFunction:
+        load = adapter_loader(family)
+
+        def flaky(spec: ModelSpec, runtime: Runtime) -> ModelAdapter:
+            attempts.append(spec.name)
+            if len(attempts) == 1:
+                raise OSError("the disk was busy")
+            return load(spec, runtime)
+
+        return flaky
+
+    registry = Registry(catalog(synthetic("a")), limits=RegistryLimits(failure_retry_s=0.2),
+                        loader=flaky_loader)
+    said = r"OSError: the disk was busy \(a request tries the load again 0.2 s after it failed\)"
+    with pytest.raises(ModelLoadError, match=said):
+        await registry.get("a")
+    with pytest.raises(ModelLoadError, match=said):  # within the window: remembered
+        await registry.get("a")
+    assert attempts == ["a"]
+    await asyncio.sleep(0.25)
+    assert (await registry.get("a")).spec.name == "a" and attempts == ["a", "a"]
     await registry.close()
 
 

@@ -301,6 +301,10 @@ def serve(settings: ServerSettings) -> int:
     if settings.workers < 0:
         log.error("--workers must be 0 (one process) or more, got %d", settings.workers)
         return 2
+    if settings.max_loaded_models == 1 and len(catalog) > 1:
+        log.warning("--max-loaded-models 1 holds the default model alone: any other model "
+                    "is loaded for each request and evicted after it; raise it to keep "
+                    "another model loaded")
     if settings.ray is not None:
         return serve_ray(settings)  # the replicas' machines hold the devices
     if (problem := device_problem(settings.device)) is not None:

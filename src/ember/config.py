@@ -410,7 +410,7 @@ def resolve_source(spec: ModelSpec, download: bool | None = None) -> Path:
     if source.path is not None:
         path = source.path.resolve()
         if not path.exists():
-            raise FileNotFoundError(f"model directory {path} does not exist")
+            raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
         return path
     if source.package is not None:
         found = importlib.util.find_spec(source.package)
@@ -586,6 +586,11 @@ class ServerSettings:
                              f"timeout), got {self.request_timeout_s:g}")
         if self.memory_budget_mb is not None and self.memory_budget_mb < 1:
             raise ValueError(f"--memory-budget-mb must be 1 or more, got {self.memory_budget_mb}")
+        kept = dict.fromkeys((self.default_model, *self.preload))
+        if len(kept) > self.max_loaded_models:  # the first preloads would be evicted at once
+            raise ValueError(f"--preload and the default model name {len(kept)} models, and "
+                             f"--max-loaded-models keeps {self.max_loaded_models}; raise it "
+                             "or preload fewer")
         for flag, threads in (("--torch-threads", self.torch_threads),
                               ("--onnx-threads", self.onnx_threads)):
             if threads is not None and threads < 1:

@@ -204,6 +204,11 @@ def _download(ref: HubRef, wanted: Wanted) -> Path:
         raise NotOnHub(f"model {ref} is not on the Hub (or needs a token: set HF_TOKEN)"
                        ) from None
     except (HfHubHTTPError, OSError) as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        if status in (401, 403):  # reached, and refused: the repository is gated or private
+            raise NotOnHub(f"model {ref}: the Hub refused access to it ({status}); it may be "
+                           "gated or private: set HF_TOKEN to a token allowed to read it"
+                           ) from None
         raise HubError(f"model {ref}: the Hub could not be reached ({type(exc).__name__}: "
                        f"{str(exc).splitlines()[0] if str(exc) else ''}); check HF_ENDPOINT "
                        "and the network, or set HF_HUB_OFFLINE=1 to use the cache") from None

@@ -6,6 +6,7 @@ import asyncio
 import importlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
@@ -158,9 +159,9 @@ class CatalogLookup:
         if found is None:
             ref = parse_hub_id(name)
             if ref is not None and ref.revision is not None and requests_may_download():
-                raise ModelNotFound(name, self.names, f"model {name!r}: a request names a "
-                                    "Hub model without a revision; pin one when the server "
-                                    f"starts (--model {name}), or name {ref.repo}") from None
+                raise ModelNotFound(name, self.names, f"model {name!r}: a request may not "
+                                    "name a Hub revision; pin it when the server starts "
+                                    f"(--model {name}), or name {ref.repo}") from None
             raise ModelNotFound(name, self.names) from None
         cast(dict[str, ModelSpec], self.catalog)[name] = found
         return found
@@ -190,6 +191,11 @@ class Registry(CatalogLookup):
         self._new_worker = worker  # how each loaded model's worker is made
         self._loaded: dict[str, LoadedModel] = {}
         self._loading: dict[str, asyncio.Future[LoadedModel]] = {}
+        # Loads under way, by their estimated bytes: counted against the limits, so that
+        # models asked for at once do not all pass the check before any is loaded.
+        self._incoming: dict[str, int] = {}
+        # Requests awaiting a model's load: it is not idle for eviction until they hold it.
+        self._awaited: Counter[str] = Counter()
         self._failures: dict[str, tuple[float, ModelLoadError]] = {}
         self.on_load: list[Callable[[LoadedModel], None]] = []
         self.on_evict: list[Callable[[str], None]] = []
@@ -252,7 +258,13 @@ class Registry(CatalogLookup):
             pending = asyncio.get_running_loop().create_future()
             self._loading[name] = pending
             asyncio.get_running_loop().create_task(self._load(spec, pending))
-        return await asyncio.shield(pending)
+        self._awaited[name] += 1
+        try:
+            return await asyncio.shield(pending)
+        finally:  # the caller takes hold of it before the loop runs anything else
+            self._awaited[name] -= 1
+            if not self._awaited[name]:
+                del self._awaited[name]
 
     async def preload(self, names: Sequence[str]) -> None:
         for name in names:
@@ -268,8 +280,9 @@ class Registry(CatalogLookup):
         heap.settle()
 
     async def _load(self, spec: ModelSpec, done: asyncio.Future[LoadedModel]) -> None:
+        self._incoming[spec.name] = estimate_bytes(spec)
         try:
-            await self._make_room(estimate_bytes(spec))
+            await self._make_room()
             log.info("loading model %s (%s adapter) ...", spec.name, spec.adapter)
             started = time.monotonic()
             load = self._loader(spec.adapter)
@@ -290,29 +303,32 @@ class Registry(CatalogLookup):
                 hook(model)
             done.set_result(model)
         except Exception as exc:
-            error = exc if isinstance(exc, ModelLoadError) else ModelLoadError(
-                spec.name, f"{type(exc).__name__}: {exc}")
+            cause = exc.cause if isinstance(exc, ModelLoadError) else \
+                f"{type(exc).__name__}: {exc}"
+            error = ModelLoadError(spec.name, f"{cause} (a request tries the load again "
+                                              f"{self.limits.failure_retry_s:g} s after it failed)")
             log.error("%s", error)
             self._failures[spec.name] = (time.monotonic(), error)
             done.set_exception(error)
             done.exception()  # mark retrieved: a load nobody awaits any more is not an error
         finally:
             self._loading.pop(spec.name, None)
+            self._incoming.pop(spec.name, None)
             heap.freeze_new()  # what the load made leaves the collector's generations
             self._collect_when_idle()  # its garbage, and any evicted model's cycles
 
-    def _over(self, incoming: int = 0, incoming_bytes: int = 0) -> bool:
-        """Whether the loaded models and `incoming` more would pass the limits."""
+    def _over(self) -> bool:
+        """Whether the loaded models and those loading pass the limits."""
         limits = self.limits
-        if len(self._loaded) + incoming > limits.max_loaded_models:
+        if len(self._loaded) + len(self._incoming) > limits.max_loaded_models:
             return True
         budget = limits.memory_budget_bytes
-        return budget is not None and (
-            sum(m.memory_bytes for m in self._loaded.values()) + incoming_bytes > budget)
+        return budget is not None and (sum(m.memory_bytes for m in self._loaded.values())
+                                       + sum(self._incoming.values()) > budget)
 
-    async def _make_room(self, incoming_bytes: int) -> None:
-        """Evict least recently used idle models until the new one fits the limits."""
-        while self._over(1, incoming_bytes):
+    async def _make_room(self) -> None:
+        """Evict least recently used idle models until the loading ones fit the limits."""
+        while self._over():
             if not await self._evict_idle():
                 log.warning("over the model limits but every loaded model is busy or "
                             "pinned (the default model); loading anyway, and evicting "
@@ -321,8 +337,8 @@ class Registry(CatalogLookup):
 
     async def _evict_idle(self) -> bool:
         """Evict the least recently used idle model that is not pinned; False if none."""
-        idle = [m for m in self._loaded.values()
-                if m.in_use == 0 and m.spec.name not in self.limits.pinned]
+        idle = [m for m in self._loaded.values() if m.in_use == 0 and m.spec.name not in
+                self.limits.pinned and m.spec.name not in self._awaited]
         if not idle:
             return False
         await self._evict(min(idle, key=lambda m: m.last_used).spec.name)

@@ -51,7 +51,7 @@ def test_every_flag() -> None:
         "--device", "cuda:1", "--torch-threads", "3", "--max-batch-tokens", "4096",
         "--max-batch-items", "16", "--max-batch-wait-ms", "7.5", "--max-padding", "1.5",
         "--idle-coalesce-ms", "0", "--max-queue-items", "99", "--max-items-per-request", "8",
-        "--max-body-bytes", "1000", "--request-timeout-s", "2.5", "--max-loaded-models", "2",
+        "--max-body-bytes", "1000", "--request-timeout-s", "2.5", "--max-loaded-models", "3",
         "--memory-budget-mb", "512", "--api-key", "k", "--log-level", "warning",
         "--max-text-chars", "500")
     assert settings.host == "0.0.0.0" and settings.port == 9001
@@ -64,7 +64,7 @@ def test_every_flag() -> None:
                                            idle_coalesce_ms=0.0, max_queue_items=99)
     assert settings.max_items_per_request == 8 and settings.max_body_bytes == 1000
     assert settings.max_text_chars == 500
-    assert settings.request_timeout_s == 2.5 and settings.max_loaded_models == 2
+    assert settings.request_timeout_s == 2.5 and settings.max_loaded_models == 3
     assert settings.memory_budget_mb == 512
     assert settings.api_key == "k" and settings.log_level == "warning"
 
@@ -324,9 +324,11 @@ def test_a_bad_log_level_is_one_line() -> None:
     (("--max-text-chars", "0"), "--max-text-chars must be 1 or more, got 0"),
     (("--torch-threads", "-3"), "--torch-threads must be 1 or more"),
     (("--onnx-threads", "0"), "--onnx-threads must be 1 or more"),
+    (("--max-loaded-models", "2", "--preload", f"{BUSY},{SLOW}"),
+     "--preload and the default model name 3 models, and --max-loaded-models keeps 2"),
 ])
 def test_a_setting_that_would_fail_every_request_is_refused_at_start(
-        flags: tuple[str, str], says: str) -> None:
+        flags: tuple[str, ...], says: str) -> None:
     """Found by a black-box review: these started, answered /readyz 200, then refused
     every request (a bad deploy that looks alive)."""
     result = run_ember("serve", "--default-model", SYNTH, *flags)
@@ -354,6 +356,19 @@ def test_a_taken_port_is_one_line_and_exit_1() -> None:
     errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0]
     assert "Traceback" not in result.stderr and "listening" not in result.stderr
+
+
+def test_a_limit_of_one_loaded_model_is_a_warning_at_start() -> None:
+    """Found by a black-box review: with --max-loaded-models 1 every other model loaded
+    and left again on each request, with nothing said at start."""
+    port = free_port()
+    with socket.socket() as taken:  # the start stops at the port, after its checks
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        result = run_ember("serve", "--port", str(port), "--default-model", SYNTH,
+                           "--max-loaded-models", "1")
+    assert result.returncode == 1, result
+    assert "--max-loaded-models 1 holds the default model alone" in result.stderr
 
 
 def test_listening_is_said_once_the_port_is_bound(live_server: ServerProcess) -> None:

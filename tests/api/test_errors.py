@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ember.api.errors import scrub
 from ember.engine import WorkerConfig
 from tests.api.conftest import (
     MINILM,
@@ -100,6 +101,18 @@ async def test_a_scores_unknown_lora_is_named_where_it_was_sent(
     sent = {"query": {"text": "q"}, "items": [{"text": "x"}], **body}
     response = await shared.client.post(f"/v1/score/{MINILM}", json=sent)
     assert "legal" in assert_error(response, 422, "invalid_request", param)["message"]
+
+
+@pytest.mark.parametrize(("message", "scrubbed"), [
+    # Found by a black-box review: a space in a folder's name left the rest of its path.
+    ("model directory '/srv/my models/secret-emb' does not exist",
+     "model directory <path> does not exist"),
+    ('no weights in "/srv/a b/c d"; fetch it', "no weights in <path>; fetch it"),
+    ("no file named model.safetensors found in directory /srv/models/emb; fetch it",
+     "no file named model.safetensors found in directory <path>; fetch it"),
+])
+def test_a_file_path_never_reaches_a_client(message: str, scrubbed: str) -> None:
+    assert scrub(message) == scrubbed
 
 
 # -- 404 ----------------------------------------------------------------------------------------

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ember.adapters.base import ModelAdapter, Runtime
+from ember.config import ModelSpec
+from ember.registry import LoadFunction, adapter_loader
 from tests.api.conftest import (
     BROKEN,
     BROKEN_DIR,
@@ -60,6 +65,36 @@ async def test_readyz_is_503_when_the_default_model_failed_to_load(apps: AppFact
         error = assert_error(await served.client.get("/readyz"), 503, "not_ready")
         assert "failed" in error["message"]
         assert (await served.client.get("/healthz")).status_code == 200
+
+
+async def test_readyz_recovers_by_itself_once_the_default_model_can_load(
+        apps: AppFactory) -> None:
+    """Found by a black-box review: after one failed load of the default model (a volume
+    mounted late), /readyz stayed 503 until an inference request tried the load again,
+    and no load balancer sends one to a server that is not ready."""
+    failures = [OSError("the volume was not mounted yet")]
+
+    def loader(family: str) -> LoadFunction:
+        load = adapter_loader(family)
+
+        def once_failing(spec: ModelSpec, runtime: Runtime) -> ModelAdapter:
+            if failures:
+                raise failures.pop()
+            return load(spec, runtime)
+
+        return once_failing
+
+    async with apps.serve(wait=False, loader=loader) as served:
+        served.registry.limits = replace(served.registry.limits, failure_retry_s=0.2)
+        await wait_for(lambda: served.registry.state(SYNTH) == "failed")
+        error = assert_error(await served.client.get("/readyz"), 503, "not_ready")
+        assert "failed" in error["message"]
+        for _ in range(100):  # probes alone, as a load balancer sends
+            if (await served.client.get("/readyz")).status_code == 200:
+                break
+            await asyncio.sleep(0.05)
+        assert (await served.client.get("/readyz")).status_code == 200
+        assert not failures
 
 
 async def test_readyz_is_503_while_draining(synthetic_app: Served) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ember.config import Backend, Spinning
+from ember.config import Backend, ModelSpec, Spinning, resolve_source
 from ember.engine.types import PreparedItem, RequestResult
 
 if TYPE_CHECKING:
@@ -200,13 +200,18 @@ _LOAD_LOCK = threading.Lock()
 LoadT = TypeVar("LoadT")
 
 
-def one_load_at_a_time(load: Callable[..., LoadT]) -> Callable[..., LoadT]:
+def one_load_at_a_time(load: Callable[[ModelSpec, Runtime], LoadT]
+                       ) -> Callable[[ModelSpec, Runtime], LoadT]:
     """`load` (a family's load or load_front) made to wait for any other load running in
-    this process; the event loop keeps serving while a load waits in its thread."""
+    this process; the event loop keeps serving while a load waits in its thread. A Hub
+    model's files are fetched first, outside the lock: a download of minutes must not hold
+    up the loads of models already on disk."""
     @functools.wraps(load)
-    def serialized(*args: object, **kwargs: object) -> LoadT:
+    def serialized(spec: ModelSpec, runtime: Runtime) -> LoadT:
+        if spec.source.hub is not None:
+            resolve_source(spec)  # downloads when this process may; cached, it only looks
         with _LOAD_LOCK:
-            return load(*args, **kwargs)
+            return load(spec, runtime)
     return serialized
 
 

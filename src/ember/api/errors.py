@@ -36,6 +36,7 @@ from ember.ipc.wire import RemoteFault
 log = logging.getLogger("ember.api")
 CLIENT_CLOSED_REQUEST = 499  # the status nginx made for a client that left before its answer
 _PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*")
+_QUOTED_PATH = re.compile(r"'/[^'\n]*'|\"/[^\"\n]*\"")  # whole, spaces and all
 
 
 class ApiError(Exception):
@@ -65,7 +66,7 @@ class ClientGone(Exception):
 
 def scrub(message: str) -> str:
     """Internal file paths never reach a client."""
-    return _PATH.sub("<path>", message)
+    return _PATH.sub("<path>", _QUOTED_PATH.sub("<path>", message))
 
 
 def error_code(kind: str) -> str:
@@ -118,7 +119,7 @@ def as_api_error(exc: Exception) -> ApiError:
         return ApiError(404, "model_not_found", str(exc), "model")
     if isinstance(exc, ModelLoadError):
         # 502 MODEL_LOAD_FAILED without Retry-After: sie-sdk fails at once instead of
-        # retrying for minutes (a load that failed stays failed until the server restarts).
+        # retrying for minutes (a failed load is tried again only a while later, if ever).
         return ApiError(502, "model_load_failed", scrub(str(exc)), "model")
     if isinstance(exc, QueueFull):
         return ApiError(429, "queue_full", str(exc), headers={"Retry-After": "1"})

@@ -37,6 +37,8 @@ async def readyz(request: Request) -> JSONResponse:
         return error_response(503, "not_ready", "the engine did not answer within "
                               f"{STATUS_TIMEOUT_S:g} s")
     if (now := state.registry.state(default)) != "loaded":
+        if now == "failed":
+            state.reload_in_background(default)
         return error_response(503, "not_ready", f"default model {default!r} is not loaded "
                               f"(state: {now})")
     return JSONResponse({"status": "ready", "default_model": default})
@@ -107,10 +109,10 @@ async def models(request: Request) -> dict[str, Any]:
 async def model(model: str, request: Request) -> JSONResponse:
     state = server_state(request)
     registry = state.registry
+    await state.fresh_status()  # first: the engine may hold a model another process added
     if model not in registry.catalog:
         error = as_api_error(ModelNotFound(model, registry.names))
         return error_response(error.status, error.kind, error.message, error.param)
-    await state.fresh_status()
     return JSONResponse(sie_shape(model_entry(registry, model)))
 
 

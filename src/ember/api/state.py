@@ -5,6 +5,7 @@ process's models through `ember.ipc.client.RemoteModels`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Hashable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -84,6 +85,18 @@ class ServerState:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     status_at: float = float("-inf")  # when the registry's status was last brought up to date
     _refreshing: asyncio.Task[None] | None = None
+    _reloading: asyncio.Task[None] | None = None
+
+    def reload_in_background(self, name: str) -> None:
+        """Try a failed model's load again (at most one try at a time; within the failure
+        window the registry answers with the remembered failure at once): the readiness
+        probe's way back, since no request reaches a server that is not ready."""
+        if self._reloading is None or self._reloading.done():
+            self._reloading = asyncio.get_running_loop().create_task(self._reload(name))
+
+    async def _reload(self, name: str) -> None:
+        with contextlib.suppress(Exception):  # the load's own failure is logged there
+            await self.registry.get(name)
 
     def enter(self) -> None:
         self.in_flight += 1

@@ -22,9 +22,10 @@ from ember.adapters.base import (
     one_load_at_a_time,
     single_threaded_blas,
 )
-from ember.config import ADAPTERS, ModelSpec
+from ember.config import ADAPTERS, CatalogError, ModelSpec, spec_from_hub
 from ember.engine import PreparedItem, QueueFull, RequestResult, RequestTooLarge
 from ember.errors import ModelLoadError
+from ember.hub import parse_hub_id
 from ember.registry import CatalogLookup, check_room
 
 FrontLoader = Callable[[ModelSpec, Runtime], TaskModel]
@@ -120,9 +121,25 @@ class RemoteModels(CatalogLookup):
     async def refresh(self) -> None:
         status = await self.client.call("status")
         self._states = dict(status["states"])
+        for name in self._states.keys() - self.catalog.keys():
+            self._adopt(name)
         self._info = dict(status["info"])
         self._pending = dict(status["pending"])
         self._dispatch = dict(status.get("dispatch") or {})
+
+    def _adopt(self, name: str) -> None:
+        """A Hub model the engine took on at another API process's request: into this
+        process's catalog too, from the cache they share, so that every process lists the
+        same models (where the cache lacks it, as on another Ray node, its first request
+        here adds it)."""
+        ref = parse_hub_id(name)
+        if ref is None or ref.revision is not None:
+            return
+        try:
+            found = spec_from_hub(ref, download=False)
+        except (FileNotFoundError, CatalogError):
+            return
+        cast(dict[str, ModelSpec], self.catalog)[name] = found
 
     async def get(self, name: str) -> RemoteModel:
         """The model's front half, loaded here once (concurrent first requests share the
