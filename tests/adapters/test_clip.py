@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from PIL import Image
 from transformers import AutoModel, AutoProcessor
 
 from ember.adapters._images import ImageInput, ItemInput
+from ember.adapters._tokenize import OFFLOAD_CHARS
 from ember.adapters.base import EncodeOptions, Runtime, ScoreOptions
 from ember.adapters.clip import ClipAdapter, ClipParams
 from ember.config import load_catalog
@@ -149,6 +151,31 @@ async def test_mixed_batches_equal_the_reference(tiny: Tiny,
     assert sorted(batches[0]) == ["image"] * 3 + ["text"] * 3  # one forward, both towers
     assert np.all(cosines(dense(one), want) >= 0.9999)
     assert np.all(cosines(np.concatenate([dense(o) for o in many]), want) >= 0.9999)
+
+
+async def test_a_request_of_many_images_takes_turns_in_the_pool(
+        tiny: Tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a black-box review: a request's images were decoded as one task in the
+    tokenizing pool, and a long text sent meanwhile waited for all of them (2 s for 30)."""
+    real = tiny.adapter.prepare_image
+    decoded: list[float] = []
+
+    def slow_decode(item: ItemInput, index: int, where: str) -> Any:
+        time.sleep(0.02)  # what a large JPEG takes
+        decoded.append(time.monotonic())
+        return real(item, index, where)
+
+    monkeypatch.setattr(tiny.adapter, "prepare_image", slow_decode)
+    long_text = " ".join(["word"] * (OFFLOAD_CHARS // 4))  # tokenized in the pool too
+    async with serving(tiny.adapter) as served:
+        images = asyncio.ensure_future(tiny.adapter.encode_items(
+            served.submit, items(*[IMAGES[0]] * 20), EncodeOptions()))
+        while not decoded:
+            await asyncio.sleep(0.001)
+        await tiny.adapter.encode(served.submit, [long_text], EncodeOptions())
+        text_done = time.monotonic()
+        assert len((await images).values) == 20
+    assert text_done < decoded[-1]  # not after the last of the other request's images
 
 
 async def test_score_ranks_the_known_answer_first(tiny: Tiny) -> None:

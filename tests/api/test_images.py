@@ -261,6 +261,15 @@ async def test_models_and_routes_without_images_refuse_them(app: Served) -> None
     assert_error(await app.client.post("/embed", json={"inputs": [image]}), 422)
     assert_error(await app.client.post("/v1/embeddings", json={"model": CLIP,
                                                               "input": [image]}), 422)
+    # Found by a black-box review: an image's data URI as OpenAI input was embedded as the
+    # text it is, on a model that takes images.
+    uri = "data:image/png;base64," + b64(IMAGES[0])
+    for sent, param in ((uri, "input[0]"), (["a cat", uri], "input[1]")):
+        error = assert_error(await app.client.post("/v1/embeddings", json={
+            "model": CLIP, "input": sent}), 422, "invalid_request", param)
+        assert f"/v1/encode/{CLIP}" in error["message"] and "/v2/embed" in error["message"]
+    assert (await app.client.post("/v1/embeddings", json={"model": TEXT_MODEL, "input": uri})
+            ).status_code == 200  # a text model's text, whatever it says
     # Cohere's image route on a text model.
     assert_error(await app.client.post("/v2/embed", json={
         "model": TEXT_MODEL, "input_type": "image",

@@ -174,9 +174,13 @@ class ClipAdapter(common.TorchModel):
                 prepared[i] = PreparedItem(encoding.ids, cost, i)
         for i, item in enumerate(inputs):
             if item.images:
-                image = decode(item.images[0], f"{where[i]}.images[0]")
-                prepared[i] = PreparedItem(self.preprocess(image), self.image_cost, i)
+                prepared[i] = self.prepare_image(item, i, where[i])
         return [p for p in prepared if p is not None]
+
+    def prepare_image(self, item: ItemInput, index: int, where: str) -> PreparedItem:
+        """An item's image, decoded and preprocessed: pixels at the vision tower's cost."""
+        image = decode(item.images[0], f"{where}.images[0]")
+        return PreparedItem(self.preprocess(image), self.image_cost, index)
 
     def check(self, inputs: Sequence[ItemInput], where: Sequence[str]) -> None:
         """One vector an item: a text, or one image (never both)."""
@@ -197,9 +201,22 @@ class ClipAdapter(common.TorchModel):
         if not any(item.images for item in inputs):
             chars = sum(len(item.text or "") for item in inputs)
             return await off_loop(chars, lambda: self.prepare(inputs, truncate, where))
-        # Decoding an image never runs on the event loop.
+        # Decoding an image never runs on the event loop, and each image is its own turn in
+        # the pool: a request of 30 images held a text behind it for 2 s on one thread.
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(pool(), self.prepare, inputs, truncate, where)
+        texts = [i for i, item in enumerate(inputs) if not item.images]
+        prepared: dict[int, PreparedItem] = {}
+        if texts:
+            chars = sum(len(inputs[i].text or "") for i in texts)
+            encoded = await off_loop(chars, lambda: self.prepare(
+                [inputs[i] for i in texts], truncate, [where[i] for i in texts]))
+            prepared = {i: PreparedItem(p.payload, p.cost, i)  # its place in the request
+                        for i, p in zip(texts, encoded, strict=True)}
+        for i, item in enumerate(inputs):
+            if item.images:
+                prepared[i] = await loop.run_in_executor(pool(), self.prepare_image, item, i,
+                                                         where[i])
+        return [prepared[i] for i in range(len(inputs))]
 
     def _require(self, task: Task) -> None:
         if task not in self.info.tasks:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field, StrictInt
 from ember.adapters.base import Encoded, EncodeOptions, TaskModel, TaskOutput
 from ember.api.codec import render
 from ember.api.errors import ApiError
+from ember.api.images import IMAGE_FAMILIES
 from ember.api.model_task import (
     check_count,
     check_inputs,
@@ -110,6 +111,19 @@ def first_outside(row: TokenIds, vocabulary: int) -> int | None:
     return int(outside[0]) if outside.size else None
 
 
+def refuse_images(model: ServedModel, texts: list[str]) -> None:
+    """An image model would embed a data URI sent here as the text it is: say where images
+    go instead of answering with the vector of a string of base64."""
+    if model.spec.adapter not in IMAGE_FAMILIES:
+        return
+    for index, text in enumerate(texts):
+        if text.startswith("data:image/"):
+            raise ApiError(422, "invalid_request", "/v1/embeddings embeds text, and this is "
+                           f"an image's data URI; send images to POST /v1/encode/"
+                           f"{model.spec.name} (items[].images) or to /v2/embed (Cohere's "
+                           "images)", f"input[{index}]")
+
+
 @router.post("/v1/embeddings", summary="OpenAI-compatible embeddings")
 async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
     model = requested_model(request, body)
@@ -129,6 +143,7 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
     async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
         require_dense(m, "/v1/embeddings", body.dimensions)
         if rows is None:
+            refuse_images(m, texts)
             return await adapter.encode(m.submit, texts, embeddings_side(m))
         encode_ids = getattr(adapter, "encode_ids", None)
         if encode_ids is None:
