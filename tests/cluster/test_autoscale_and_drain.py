@@ -75,7 +75,8 @@ def test_sigterm_drains_every_accepted_request_then_exits_0(
     """Eight requests of 300 ms forwards, one item each, are in flight when the signal
     comes: the ingress finishes them on the engine replicas, which stop only after."""
     reference = SyntheticAdapter(dims=SLOW_DIMS)
-    assert engine_replicas(autoscaled)
+    # The autoscaling test before this one leaves it scaling down to its one replica.
+    wait_replicas(autoscaled, 1, timeout=60)
     since = autoscaled.log_size()
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(httpx.post, f"{autoscaled.url}/v1/encode/{SLOW}",
