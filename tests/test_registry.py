@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -105,6 +106,58 @@ async def test_a_model_just_loaded_is_held_by_its_waiters_before_any_eviction() 
             break
         await asyncio.sleep(0.01)
     assert list(registry.loaded) == ["c"]
+    await registry.close()
+
+
+async def test_a_worker_restarting_after_a_failure_is_not_evicted_meanwhile() -> None:
+    """Found by a code review: the restart awaited its old loop's end while the model
+    looked idle; another load evicted it (closing its adapter), and the restarted worker
+    served on released weights, its thread out of the registry's reach."""
+    registry = Registry(catalog(synthetic("a"), synthetic("b"), synthetic("c")),
+                        limits=RegistryLimits(max_loaded_models=2))
+    a = await registry.get("a")
+    await registry.get("b")  # b more recently used than a
+    a.worker._task.cancel()  # type: ignore[union-attr]  # its loop fails
+    for _ in range(100):
+        if a.worker.failure is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert a.worker.failure is not None
+    restarted, _ = await asyncio.gather(registry.get("a"), registry.get("c"))
+    assert restarted is a and registry.loaded.get("a") is a  # b went instead
+    future = await a.worker.submit(a.adapter.prepare(["x"]), "p")  # type: ignore[attr-defined]
+    assert len((await future).values) == 1
+    await registry.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("ember-forward-")]
+
+
+async def test_a_load_that_fails_after_its_worker_started_leaves_nothing_running() -> None:
+    """Found by a code review: the worker's task and forward thread, and the weights they
+    held, stayed after the load was reported failed (each retry added a copy)."""
+    closed: list[str] = []
+
+    def failing_loader(family: str) -> LoadFunction:
+        load = adapter_loader(family)
+
+        def load_then_fail(spec: ModelSpec, runtime: Runtime) -> ModelAdapter:
+            adapter = load(spec, runtime)
+            real_close = adapter.close
+
+            def close() -> None:
+                closed.append(spec.name)
+                real_close()
+
+            adapter.close = close  # type: ignore[method-assign]
+            return adapter
+
+        return load_then_fail
+
+    registry = Registry(catalog(synthetic("a")), loader=failing_loader)
+    registry.on_worker.append(lambda model: (_ for _ in ()).throw(OSError("a hook failed")))
+    with pytest.raises(ModelLoadError, match="a hook failed"):
+        await registry.get("a")
+    assert closed == ["a"] and registry.state("a") == "failed"
+    assert not [t for t in threading.enumerate() if t.name.startswith("ember-forward-")]
     await registry.close()
 
 

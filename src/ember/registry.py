@@ -7,7 +7,8 @@ import importlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
@@ -248,7 +249,8 @@ class Registry(CatalogLookup):
         if (model := self._loaded.get(name)) is not None:
             if model.worker.failure is not None:  # its loop failed: a fresh one serves on
                 log.warning("restarting the worker of %s: %s", name, model.worker.failure)
-                await model.worker.restart()
+                with self._awaiting(name):  # not evicted (its adapter closed) meanwhile
+                    await model.worker.restart()
             return model
         failure = self._failures.get(name)
         if failure and time.monotonic() - failure[0] < self.limits.failure_retry_s:
@@ -258,10 +260,16 @@ class Registry(CatalogLookup):
             pending = asyncio.get_running_loop().create_future()
             self._loading[name] = pending
             asyncio.get_running_loop().create_task(self._load(spec, pending))
+        with self._awaiting(name):  # the caller takes hold of it before any eviction
+            return await asyncio.shield(pending)
+
+    @contextmanager
+    def _awaiting(self, name: str) -> Iterator[None]:
+        """A request awaits the model (its load, its worker's restart): it is not idle."""
         self._awaited[name] += 1
         try:
-            return await asyncio.shield(pending)
-        finally:  # the caller takes hold of it before the loop runs anything else
+            yield
+        finally:
             self._awaited[name] -= 1
             if not self._awaited[name]:
                 del self._awaited[name]
@@ -281,6 +289,8 @@ class Registry(CatalogLookup):
 
     async def _load(self, spec: ModelSpec, done: asyncio.Future[LoadedModel]) -> None:
         self._incoming[spec.name] = estimate_bytes(spec)
+        adapter: ModelAdapter | None = None
+        worker: ModelWorker | None = None
         try:
             await self._make_room()
             log.info("loading model %s (%s adapter) ...", spec.name, spec.adapter)
@@ -288,11 +298,12 @@ class Registry(CatalogLookup):
             load = self._loader(spec.adapter)
             adapter = await asyncio.to_thread(load, spec, self.runtime)
             seconds = time.monotonic() - started
+            memory = adapter.memory_bytes()
             config = replace(spec.worker_config(self.worker_config),
                              forward_fills_cores=adapter.fills_host_cores)
             worker = self._new_worker(adapter, config, name=spec.name)
             await worker.start()
-            model = LoadedModel(spec, adapter, worker, adapter.memory_bytes(), seconds)
+            model = LoadedModel(spec, adapter, worker, memory, seconds)
             for hook in self.on_worker:
                 hook(model)
             self._loaded[spec.name] = model
@@ -303,6 +314,11 @@ class Registry(CatalogLookup):
                 hook(model)
             done.set_result(model)
         except Exception as exc:
+            if adapter is not None and spec.name not in self._loaded:
+                # Nothing of a load that failed stays running or in memory.
+                if worker is not None:
+                    await worker.stop()
+                adapter.close()
             cause = exc.cause if isinstance(exc, ModelLoadError) else \
                 f"{type(exc).__name__}: {exc}"
             error = ModelLoadError(spec.name, f"{cause} (a request tries the load again "

@@ -331,6 +331,12 @@ async def submit_sides(submit: Submit, items: Sequence[PreparedItem], query_para
         result = await submit(items, query_params, lora)
         return [result], list(result.values)
     docs = [PreparedItem(item.payload, item.cost, i) for i, item in enumerate(items[1:])]
-    q_result, d_result = await asyncio.gather(submit(items[:1], query_params, lora),
-                                              submit(docs, doc_params, lora))
+    sides = [asyncio.ensure_future(submit(items[:1], query_params, lora)),
+             asyncio.ensure_future(submit(docs, doc_params, lora))]
+    try:
+        q_result, d_result = await asyncio.gather(*sides)
+    except BaseException:
+        for side in sides:  # one side failed (or the request ended): the other's items go
+            side.cancel()   # too, not through forwards nobody awaits (R9)
+        raise
     return [q_result, d_result], [*q_result.values, *d_result.values]
