@@ -34,6 +34,12 @@ def catalog(*specs: ModelSpec) -> dict[str, ModelSpec]:
     return {spec.name: spec for spec in specs}
 
 
+def forward_threads(*models: str) -> list[threading.Thread]:
+    """The live forward threads of these models' workers (other tests' may run beside)."""
+    names = {f"ember-forward-{model}" for model in models}
+    return [thread for thread in threading.enumerate() if thread.name in names]
+
+
 async def test_concurrent_first_requests_load_once() -> None:
     registry = Registry(catalog(synthetic("a")))
     loads: list[str] = []
@@ -128,7 +134,7 @@ async def test_a_worker_restarting_after_a_failure_is_not_evicted_meanwhile() ->
     future = await a.worker.submit(a.adapter.prepare(["x"]), "p")  # type: ignore[attr-defined]
     assert len((await future).values) == 1
     await registry.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("ember-forward-")]
+    assert not forward_threads("a", "b", "c")
 
 
 async def test_a_load_that_fails_after_its_worker_started_leaves_nothing_running() -> None:
@@ -157,7 +163,7 @@ async def test_a_load_that_fails_after_its_worker_started_leaves_nothing_running
     with pytest.raises(ModelLoadError, match="a hook failed"):
         await registry.get("a")
     assert closed == ["a"] and registry.state("a") == "failed"
-    assert not [t for t in threading.enumerate() if t.name.startswith("ember-forward-")]
+    assert not forward_threads("a")
     await registry.close()
 
 
