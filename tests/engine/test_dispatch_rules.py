@@ -460,7 +460,9 @@ async def test_r10_queue_time_ends_when_the_device_frees_not_when_the_batch_is_f
         total_ms = (time.perf_counter() - sent) * 1000
         await first
         first_ended = worker.stats.recent_batches[0].ended
-        assert result.queue_ms >= (first_ended - sent) * 1000 - 0.1  # waited for the device
+        # Waited for the device (about 45 ms); the stamps are taken a call apart, and a
+        # loaded machine put 0.14 ms between them.
+        assert result.queue_ms >= (first_ended - sent) * 1000 - 1.0
         assert 55.0 <= result.inference_ms < 60.0 + WELL_UNDER_WINDOW_S * 1000
         assert result.queue_ms + result.inference_ms <= total_ms + 1.0
 
