@@ -133,3 +133,17 @@ async def test_an_input_of_no_accepted_form_names_the_field_and_the_forms(
     response = await shared.client.post("/v1/embeddings", json={"input": value})
     error = assert_error(response, 422, "invalid_request", "input")
     assert error["message"] == "input: expected one of str, list[str], list[int], list[list[int]]"
+
+
+@pytest.mark.parametrize(("value", "where", "advice"), [
+    ([{"text": "a"}, {"image": "data:image/png;base64,AAAA"}], "input[1]", "/v2/embed"),
+    ({"image": "https://example.com/cat.png"}, "input", "/v1/encode/"),
+    (["a", {"text": "b"}], "input[1]", "send each text as a string"),
+])
+async def test_jina_style_objects_are_told_what_to_send(shared: Served, value: object,
+                                                        where: str, advice: str) -> None:
+    """Found by a black-box review: Jina's `{"image": ...}` objects got the union's forms."""
+    response = await shared.client.post("/v1/embeddings", json={"model": SYNTH, "input": value})
+    error = assert_error(response, 422, "invalid_request", where)
+    assert error["message"].startswith(f"{where} is an object"), error
+    assert advice in error["message"], error

@@ -155,6 +155,10 @@ def validation_error(errors: Sequence[Any]) -> ApiError:
         context = first.get("ctx")
         reason = context.get("error", "malformed") if isinstance(context, dict) else "malformed"
         return ApiError(422, "invalid_request", f"body: invalid JSON ({reason})", "body")
+    context = first.get("ctx")
+    if isinstance(context, dict) and isinstance(context.get("param"), str):
+        # A validator of ours that names the place itself (`input[1]`) and says it whole.
+        return ApiError(422, "invalid_request", str(first.get("msg")), context["param"])
     loc = tuple(first.get("loc", ()))
     tag = next((i for i, part in enumerate(loc) if _is_union_member(part)), None)
     if tag is not None:  # a value no member of a union took: name the field and the forms

@@ -21,6 +21,8 @@ from ember.metrics import labelled
 
 T = TypeVar("T")
 TaskCall = Callable[[ServedModel, TaskModel], Awaitable[TaskOutput[T]]]
+# A route's own name for a field the adapters name as the native routes do.
+ParamNames = Callable[[str], str]
 
 
 def check_count(request: Request, count: int, field: str = "items") -> None:
@@ -152,10 +154,12 @@ def route_param(param: str | None, field: str) -> str | None:
 
 
 async def run_task(request: Request, model_name: str, task: str, call: TaskCall[T],
-                   items: int, field: str = "items", query: bool = False) -> TaskOutput[T]:
+                   items: int, field: str = "items", query: bool = False,
+                   names: ParamNames | None = None) -> TaskOutput[T]:
     """Run `call` on the named model under the server's timeout; record timing and metrics.
     `items` is how many inputs the request sent under `field` (its name for them, for the
-    errors' `param`); `query`: a query is queued beside them (score, rerank)."""
+    errors' `param`); `query`: a query is queued beside them (score, rerank); `names`: how
+    the route names the other fields an error may point at, where its body moves them."""
     state = server_state(request)
     request.state.items = queued = items + query  # for the access log
     if not model_name:
@@ -184,6 +188,8 @@ async def run_task(request: Request, model_name: str, task: str, call: TaskCall[
     except Exception as exc:
         error = as_api_error(exc)
         error.param = route_param(error.param, field)
+        if names is not None and error.param is not None:
+            error.param = names(error.param)
         if query and isinstance(exc, RequestTooLarge):  # in the client's terms
             error.message = (f"request too large: {items} {field} and the query take {queued} "
                              f"places in the model's queue, over max_queue_items={exc.limit}; "

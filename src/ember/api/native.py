@@ -26,7 +26,13 @@ from ember.api.images import (
     takes_images,
     texts_of,
 )
-from ember.api.model_task import check_inputs, check_query, run_task, unnamed_model
+from ember.api.model_task import (
+    ParamNames,
+    check_inputs,
+    check_query,
+    run_task,
+    unnamed_model,
+)
 from ember.api.routing import InferenceRoute
 from ember.outputs import PACKED_BITS, quantize
 
@@ -214,18 +220,20 @@ async def encode(model: str, body: EncodeRequest, request: Request) -> Response:
 
 @router.post("/v1/score/{model:path}", summary="Score items against a query")
 async def score(model: str, body: ScoreRequest, request: Request) -> Response:
-    try:
-        output = await score_output(model, body, request)
-    except ApiError as error:  # options sent at the top level (sie-sdk) are named there
-        if body.options is not None and error.param and error.param.startswith(
-                "params.options."):
-            error.param = error.param.removeprefix("params.")
-        raise
+    output = await score_output(model, body, request)
     count = len(body.items)
     order = sorted(range(count), key=lambda i: -output.values[i])
     scores = [{"item_id": body.items[i].id if body.items[i].id is not None else str(i),
                "score": output.values[i], "rank": rank} for rank, i in enumerate(order)]
     return render(request.headers, {"model": model, "scores": scores})
+
+
+def options_names(body: ScoreRequest) -> ParamNames | None:
+    """Options sent at the top level (sie-sdk's placement) are named there."""
+    if body.options is None:
+        return None
+    return lambda param: param.removeprefix("params.") if param.startswith(
+        "params.options.") else param
 
 
 async def score_output(model: str, body: ScoreRequest,
@@ -240,7 +248,8 @@ async def score_output(model: str, body: ScoreRequest,
         takes_images(request, model, where)
         options = score_options_of(body)
         return await run_task(request, model, "score", lambda m, a: image_model(
-            a, model, where).score_items(m.submit, query, inputs, options), count, query=True)
+            a, model, where).score_items(m.submit, query, inputs, options), count, query=True,
+            names=options_names(body))
     else:
         texts, query_text = texts_of(body.items), texts_of([body.query], "query")[0]
         check_inputs(request, texts, suffix=".text")
@@ -248,7 +257,7 @@ async def score_output(model: str, body: ScoreRequest,
         options = score_options_of(body)
         return await run_task(request, model, "score",
                               lambda m, a: a.score(m.submit, query_text, texts, options),
-                              count, query=True)
+                              count, query=True, names=options_names(body))
 
 
 @router.post("/v1/extract/{model:path}", summary="Extract entities from items")

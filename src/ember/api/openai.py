@@ -16,12 +16,13 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field, StrictInt
+from pydantic import BaseModel, Field, StrictInt, field_validator
+from pydantic_core import PydanticCustomError
 
 from ember.adapters.base import Encoded, EncodeOptions, TaskModel, TaskOutput
 from ember.api.codec import render
 from ember.api.errors import ApiError
-from ember.api.images import IMAGE_FAMILIES
+from ember.api.images import IMAGE_FAMILIES, is_image_data_uri
 from ember.api.model_task import (
     check_count,
     check_inputs,
@@ -46,6 +47,26 @@ class EmbeddingsRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, description="must equal the model's dims if given")
     user: str | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def no_objects(cls, value: object) -> object:
+        """Jina's API takes `{"text": ...}` and `{"image": ...}` objects here: say what to
+        send instead of listing the union's forms."""
+        if isinstance(value, dict):
+            index, image = None, "image" in value
+        elif isinstance(value, list) and any(isinstance(item, dict) for item in value):
+            places = [i for i, item in enumerate(value) if isinstance(item, dict)]
+            index = next((i for i in places if "image" in value[i]), places[0])
+            image = "image" in value[index]
+        else:
+            return value
+        raise PydanticCustomError(
+            "object_input", "{param} is an object ({kind}, Jina's form); /v1/embeddings takes "
+            "a string, a list of strings or token ids: {fix}",
+            {"param": "input" if index is None else f"input[{index}]",
+             "kind": '{"image": ...}' if image else "{...}",
+             "fix": images_elsewhere("<model>") if image else "send each text as a string"})
 
 
 def embeddings_side(model: ServedModel) -> EncodeOptions:
@@ -111,17 +132,21 @@ def first_outside(row: TokenIds, vocabulary: int) -> int | None:
     return int(outside[0]) if outside.size else None
 
 
+def images_elsewhere(model: str) -> str:
+    return f"send images to POST /v1/encode/{model} (items[].images) or to /v2/embed " \
+        "(Cohere's images)"
+
+
 def refuse_images(model: ServedModel, texts: list[str]) -> None:
     """An image model would embed a data URI sent here as the text it is: say where images
     go instead of answering with the vector of a string of base64."""
     if model.spec.adapter not in IMAGE_FAMILIES:
         return
     for index, text in enumerate(texts):
-        if text.startswith("data:image/"):
-            raise ApiError(422, "invalid_request", "/v1/embeddings embeds text, and this is "
-                           f"an image's data URI; send images to POST /v1/encode/"
-                           f"{model.spec.name} (items[].images) or to /v2/embed (Cohere's "
-                           "images)", f"input[{index}]")
+        if is_image_data_uri(text):
+            raise ApiError(422, "invalid_request", "/v1/embeddings embeds text, and this is an "
+                           f"image's data URI; {images_elsewhere(model.spec.name)}",
+                           f"input[{index}]")
 
 
 @router.post("/v1/embeddings", summary="OpenAI-compatible embeddings")

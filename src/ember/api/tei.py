@@ -22,7 +22,13 @@ from ember.adapters.base import (
 )
 from ember.api.codec import render
 from ember.api.errors import ApiError, validation_error
-from ember.api.model_task import check_inputs, check_query, require_dense, run_task
+from ember.api.model_task import (
+    ParamNames,
+    check_inputs,
+    check_query,
+    require_dense,
+    run_task,
+)
 from ember.api.rerank import ranked
 from ember.api.routing import InferenceRoute
 from ember.api.state import ServedModel, server_state
@@ -101,8 +107,8 @@ def encode_options(truncate: bool, direction: str | None, prompt_name: str | Non
 
 
 async def dense_vectors(request: Request, texts: list[str], options: EncodeOptions,
-                        field: str, dimensions: int | None = None, query: bool = False
-                        ) -> TaskOutput[list[Encoded]]:
+                        field: str, dimensions: int | None = None, query: bool = False,
+                        names: ParamNames | None = None) -> TaskOutput[list[Encoded]]:
     """The default model's dense vectors for `texts` (`query`: the first is a query beside
     the request's inputs); a model without them is a 422, and so is a `dimensions` other
     than the model's (Ember does not cut vectors)."""
@@ -113,7 +119,7 @@ async def dense_vectors(request: Request, texts: list[str], options: EncodeOptio
         return await adapter.encode(m.submit, texts, options)
 
     return await run_task(request, model, "encode", encode, len(texts) - query, field,
-                          query=query)
+                          query=query, names=names)
 
 
 @router.post("/embed", summary="TEI-compatible embeddings on the default model")
@@ -126,10 +132,10 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     return render(request.headers, [encoded.dense for encoded in output.values])
 
 
-def similarity_param(param: str | None) -> str | None:
+def similarity_param(param: str) -> str:
     """`inputs[i]` of the texts encoded for /similarity, as the body names it: the source
     sentence first, then `inputs.sentences`."""
-    match = re.fullmatch(r"inputs\[(\d+)\](.*)", param or "")
+    match = re.fullmatch(r"inputs\[(\d+)\](.*)", param)
     if match is None:
         return param
     index, rest = int(match.group(1)), match.group(2)
@@ -144,12 +150,8 @@ async def similarity(body: SimilarityRequest, request: Request) -> Response:
     check_inputs(request, sentences, "inputs.sentences")
     check_query(request, source, "inputs.source_sentence")
     options = encode_options(body.truncate, body.truncation_direction, body.prompt_name)
-    try:
-        output = await dense_vectors(request, [source, *sentences], options, "inputs",
-                                     query=True)
-    except ApiError as error:
-        error.param = similarity_param(error.param)
-        raise
+    output = await dense_vectors(request, [source, *sentences], options, "inputs",
+                                 query=True, names=similarity_param)
     vectors = np.stack([e.dense for e in output.values if e.dense is not None]).astype(float)
     vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     return render(request.headers, (vectors[1:] @ vectors[0]).tolist())
