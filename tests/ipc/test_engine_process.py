@@ -371,6 +371,42 @@ async def test_a_request_in_flight_when_the_engine_dies_is_answered_by_the_next(
         stop(first)
 
 
+LONG = "test/ipc-long"  # 1.5 s forwards: an engine can be killed with one in flight
+LONG_MODEL = MODEL.replace(SLOW, LONG).replace("overhead_ms: 300", "overhead_ms: 1500")
+
+
+async def test_a_request_sent_while_no_engine_runs_goes_to_a_third_if_the_second_dies(
+        tmp_path: Path) -> None:
+    """It waited in the socket and reached the second engine itself, so the second's death
+    is the first it was lost to: it goes to a third engine, not a 503 "died twice"."""
+    address, first = start_engine(tmp_path, LONG_MODEL)
+    client = EngineClient(address, "api-test-waited", heartbeat_s=0.1)
+    second = third = None
+    try:
+        await client.call("load", model=LONG)
+        first_engine = client.engine
+        first.kill()
+        await asyncio.to_thread(first.join, 10)
+        waited = asyncio.ensure_future(client.call(
+            "submit", model=LONG, params=PARAMS, lora=None, items=[["sent meanwhile", 1, 0]]))
+        _, second = await asyncio.to_thread(start_engine, tmp_path, LONG_MODEL)
+        deadline = time.monotonic() + 10
+        while client.engine == first_engine:  # the second answers: the request is in its
+            assert time.monotonic() < deadline  # forward (or its model's load) by then
+            await asyncio.sleep(0.02)
+        assert not waited.done()
+        second.kill()
+        await asyncio.to_thread(second.join, 10)
+        _, third = await asyncio.to_thread(start_engine, tmp_path, LONG_MODEL)
+        result = await asyncio.wait_for(waited, 30)
+        assert len(result["values"]) == 1  # type: ignore[arg-type]
+    finally:
+        client.close()
+        for process in (first, second, third):
+            if process is not None:
+                stop(process)
+
+
 DEEP = "test/ipc-deep"  # one item a forward, 100 ms each: a queue that drains slowly
 DEEP_MODEL = f"""
 name: {DEEP}
@@ -508,6 +544,46 @@ async def test_a_call_goes_to_a_new_engine_once_and_a_second_death_fails_it_with
         assert len((await asyncio.wait_for(other, 10))["values"]) == 1  # type: ignore[arg-type]
         with pytest.raises(TimeoutError):  # and nothing else was sent to the third
             await calls_of(router, "fake-3", 1, timeout=0.5)
+    finally:
+        client.close()
+
+
+async def test_a_new_engine_is_sent_only_the_calls_the_dead_one_took(
+        fake_engine: tuple[str, zmq.asyncio.Socket]) -> None:
+    """A call the new engine holds, or one sent behind the ping it answers, reached it
+    through the socket: it is neither sent again nor counted as lost, so a later death
+    sends it to a third engine instead of failing it as if it had been lost twice."""
+    address, router = fake_engine
+    client = EngineClient(address, "api-test-precise", heartbeat_s=0.05)
+    try:
+        taken = submit(client, "taken by the engine that dies")
+        [(taken_id, _)] = await calls_of(router, "fake", 1)
+        held = asyncio.ensure_future(client.call("status"))
+        [(held_id, _)] = await calls_of(router, "fake", 1)  # the new engine will hold it
+        while True:  # a ping the new engine answers, once a call is sent behind it
+            peer, frame = await asyncio.wait_for(router.recv_multipart(), 10)
+            ping = unpack(frame)
+            if ping["op"] == "ping":
+                break
+        behind = submit(client, "sent behind the ping")
+        [(behind_id, _)] = await calls_of(router, "fake", 1)
+        await router.send_multipart([peer, pack({"op": "pong", "engine": "fake-2",
+                                                 "seq": ping.get("seq"), "held": [held_id]})])
+        assert await calls_of(router, "fake-2", 1) == [(taken_id, "batch")]
+        with pytest.raises(TimeoutError):  # the other two are not sent again
+            await calls_of(router, "fake-2", 1, timeout=0.5)
+        # The second engine dies too: the first call was lost twice, the others once.
+        assert await calls_of(router, "fake-3", 2) == sorted(
+            [(held_id, "status"), (behind_id, "batch")])
+        with pytest.raises(EngineDiedTwice):
+            await asyncio.wait_for(taken, 10)
+        await router.send_multipart([peer, pack({"op": "result", "id": held_id,
+                                                 "states": {}})])
+        await router.send_multipart([peer, pack({
+            "op": "results", "errors": [], "ok": [[behind_id, 1.0, 2.0, 1, 0, 1]],
+            "values": values_to_wire([np.ones(3, np.float32)])})])
+        assert (await asyncio.wait_for(held, 10))["states"] == {}
+        assert len((await asyncio.wait_for(behind, 10))["values"]) == 1  # type: ignore[arg-type]
     finally:
         client.close()
 

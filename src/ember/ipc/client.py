@@ -2,8 +2,11 @@
 
 Nothing it sends is lost to one engine's death: the engine answers a heartbeat with its
 boot id; when a new engine process answers (the supervisor replaced a dead one), every
-call still unanswered is sent to it again (encode, score and extract are idempotent, and
-the engine ignores a copy of a call it already runs). Once only: a call whose second
+call still unanswered that the dead one took is sent to it again (encode, score and
+extract are idempotent, and the engine ignores a copy of a call it already runs). A call
+sent while no engine ran waits in the socket and reaches the new engine itself: the new
+engine's first pong names the calls it holds, and the ping it answers tells which calls
+were sent behind it, so neither is counted as lost. Once only: a call whose second
 engine dies before answering too fails with `EngineDiedTwice` (503), so a request that
 crashes the engine (a poison request) ends after two engines, not with every new one, as
 the Ray mode's calls are sent once more to another replica. A call waits for a new engine
@@ -71,6 +74,7 @@ class _Call:
     submit: _Submit | None = None  # a submit: packed with the others of its turn
     tries: int = 0  # times a submit was sent again for its parameter group
     lost: int = 0  # engines that died before answering it (ENGINE_SENDS bounds the resends)
+    after_ping: int = 0  # the last ping sent before it: a pong to a later one saw it arrive
 
 
 @dataclass(eq=False, slots=True)
@@ -107,6 +111,8 @@ class EngineClient:
         self._params: OrderedDict[Hashable, int] = OrderedDict()  # interned groups, by value
         self._param_ids = itertools.count()
         self._sent_params: set[int] = set()  # the groups the engine `self.engine` was sent
+        self._pings = itertools.count(1)
+        self._last_ping = 0  # the number of the last ping sent
 
     @property
     def silent_s(self) -> float:
@@ -139,6 +145,7 @@ class EngineClient:
             if call.submit is not None:
                 self._post(call)
             else:
+                call.after_ping = self._last_ping
                 await self._socket.send(call.message, copy=False)
             return await call.reply
         except asyncio.CancelledError:
@@ -184,7 +191,7 @@ class EngineClient:
                 groups[pid] = submit.params
             entries.append((call.id, submit.model, pid, submit.lora, len(submit.items)))
             items.extend(submit.items)
-            call.engine = engine
+            call.engine, call.after_ping = engine, self._last_ping
         message = pack({"op": "batch", "params": groups, "items": items_to_wire(items),
                         "calls": entries})
         self._sent_params.update(groups)
@@ -240,7 +247,7 @@ class EngineClient:
             raise ValueError(f"a message is a map, not {type(message).__name__}")
         op = message.get("op")
         if op == "pong":
-            self._heard(str(message["engine"]))
+            self._heard(str(message["engine"]), message.get("seq"), message.get("held"))
             return
         self.heard_at = time.monotonic()
         if op == "results":
@@ -288,7 +295,7 @@ class EngineClient:
             self._sent_params.discard(pid)
         self._post(call)
 
-    def _heard(self, engine: str) -> None:
+    def _heard(self, engine: str, seq: Any = None, held: Any = None) -> None:
         self.heard_at = time.monotonic()
         if engine == self.engine:
             return
@@ -299,10 +306,17 @@ class EngineClient:
         self._sent_params.clear()  # a new engine holds no parameter group yet
         stale = [c for c in self._waiting.values()
                  if c.engine is not None and c.engine != engine and not c.reply.done()]
+        # What the new engine took itself: the calls it names, and those sent behind the
+        # ping it answers (one socket keeps their order). The rest died with the last one.
+        arrived = {i for i in held if isinstance(i, int)} if isinstance(held, tuple) else set()
+        behind = seq if isinstance(seq, int) else self._last_ping + 1
+        lost = [c for c in stale if c.id not in arrived and c.after_ping < behind]
         for call in stale:
+            call.engine = engine
+        for call in lost:
             call.lost += 1
-        resend = [c for c in stale if c.lost < ENGINE_SENDS]
-        dropped = [c for c in stale if c.lost >= ENGINE_SENDS]  # maybe what kills them
+        resend = [c for c in lost if c.lost < ENGINE_SENDS]
+        dropped = [c for c in lost if c.lost >= ENGINE_SENDS]  # maybe what kills them
         log.warning("a new engine process answers; sending it the %d requests the last "
                     "one left unanswered", len(resend))
         if dropped:
@@ -311,7 +325,7 @@ class EngineClient:
         for call in dropped:
             call.reply.set_exception(EngineDiedTwice())
         for call in resend:
-            call.engine = engine
+            call.after_ping = self._last_ping
             if call.submit is not None:
                 if call not in self._outbox:  # one sent again for its group is on its way
                     self._post(call)
@@ -324,9 +338,10 @@ class EngineClient:
         await self._socket.send(message, copy=False)
 
     async def _beat(self) -> None:
-        ping = pack({"op": "ping"})
         while True:
             # Never a waiting send: a ping that cannot be queued now is not needed.
+            self._last_ping = next(self._pings)
+            ping = pack({"op": "ping", "seq": self._last_ping})
             sent = cast("asyncio.Future[Any]", self._socket.send(ping, flags=zmq.DONTWAIT))
             sent.add_done_callback(_ignore_outcome)
             if self._waiting and self.silent_s > self.restart_wait_s:

@@ -12,7 +12,8 @@ one msgpack frame (see `wire`); submits travel many to a message (see `batch`):
     cancel {id}                      the caller went away: its queued items are dropped (R9)
     load {id, model}                 -> result {id} | error: load the model now
     status {id}                      -> result {id, states, pending, info, forwards, dispatch}
-    ping {}                          -> pong {engine}: answered by the reader at once
+    ping {seq}                       -> pong {engine, seq, held?}: answered at once; the
+                                        first pong to a peer names the calls of it held
     forget {peer}                    (the supervisor) an API process died: drop its work
 
 A call's items are the next `count` of the message's items. A parameter group is sent
@@ -122,6 +123,7 @@ class EngineServer(RegistryCalls):
         self._calls: dict[Call, asyncio.Future[Any]] = {}  # a task, or a worker's future
         self._params: dict[bytes, OrderedDict[int, Hashable]] = {}  # interned, per peer
         self._replies: dict[bytes, list[Reply]] = {}  # answered this turn, not yet sent
+        self._greeted: set[bytes] = set()  # peers this engine has answered a ping of
         self._flush_due = False
         self._backlogs: dict[bytes, deque[bytes]] = {}
         self._flushers: dict[bytes, asyncio.Task[None]] = {}
@@ -160,7 +162,7 @@ class EngineServer(RegistryCalls):
     def _handle(self, peer: bytes, message: dict[str, Any]) -> None:
         op = message["op"]
         if op == "ping":
-            self._send(peer, pack({"op": "pong", "engine": self.boot_id}))
+            self._send(peer, pack(self._pong(peer, message.get("seq"))))
             return
         if op == "cancel":
             task = self._calls.get(Call(peer, message["id"]))
@@ -173,6 +175,7 @@ class EngineServer(RegistryCalls):
                 if call.peer == gone:
                     task.cancel()
             self._backlogs.pop(gone, None)
+            self._greeted.discard(gone)
             self._params.pop(gone, None)
             self._replies.pop(gone, None)
             return
@@ -185,6 +188,19 @@ class EngineServer(RegistryCalls):
             return  # a copy its sender sent again, after it lost sight of this engine
         work = {"load": self.load, "status": self.status}[op]
         self._start(call, self._answer(call, work(message)))
+
+    def _pong(self, peer: bytes, seq: Any) -> dict[str, Any]:
+        """The answer to a ping, echoing its number. The first to a peer also names the
+        peer's calls this engine holds (running, or answered with the reply not yet sent):
+        the peer learns which calls it sent before the ping reached this engine and which
+        were lost with the one before, so only those count as lost and are sent again."""
+        pong: dict[str, Any] = {"op": "pong", "engine": self.boot_id,
+                                "seq": seq if isinstance(seq, int) else None}
+        if peer not in self._greeted:
+            self._greeted.add(peer)
+            pong["held"] = [call.id for call in self._calls if call.peer == peer] + [
+                reply[0] for reply in self._replies.get(peer, ())]
+        return pong
 
     def _note_loading(self, name: Any) -> None:
         if (self.on_loading is not None and isinstance(name, str)
