@@ -23,12 +23,26 @@ from tests.api.conftest import MINILM, SPACY, SYNTH, AppFactory, Served, assert_
                             "options": {"normalize": True}}, "options.normalize"),
     (f"/v1/extract/{SPACY}", {"items": [{"text": "x"}], "params": {"schema": {}}},
      "params.schema"),
+    # Found by a black-box review: these three bodies ignored what they did not know.
+    ("/v1/embeddings", {"model": SYNTH, "input": "x", "bogus": 1}, "bogus"),
+    ("/v2/embed", {"model": SYNTH, "texts": ["x"], "bogus": 1}, "bogus"),
+    ("/v2/rerank", {"model": SYNTH, "query": "q", "documents": ["x"],
+                    "return_documents": True}, "return_documents"),
 ])
 async def test_unknown_fields_are_refused_by_name(shared: Served, route: str,
                                                   body: dict[str, object], param: str) -> None:
     error = assert_error(await shared.client.post(route, json=body), 422, "invalid_request",
                          param)
     assert param in error["message"] and "unknown field" in error["message"]
+
+
+async def test_cohere_rerank_refuses_the_spans_it_cannot_give(shared: Served) -> None:
+    body = {"model": SYNTH, "query": "q", "documents": ["x"]}
+    ok = await shared.client.post("/v2/rerank", json={**body, "relevant_spans": False})
+    assert ok.status_code == 200, ok.text
+    error = assert_error(await shared.client.post("/v2/rerank", json={
+        **body, "relevant_spans": True}), 422, "invalid_request", "relevant_spans")
+    assert "remove it" in error["message"]
 
 
 async def test_score_options_at_the_top_level_are_applied(shared: Served) -> None:

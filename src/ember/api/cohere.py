@@ -15,7 +15,7 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ember.adapters._images import ItemInput
 from ember.adapters.base import Encoded, EncodeOptions, ScoreOptions, TaskModel, TaskOutput
@@ -35,7 +35,13 @@ InputType = Literal["search_document", "search_query", "classification", "cluste
                     "image"]
 
 
-class CohereEmbedRequest(BaseModel):
+class Strict(BaseModel):
+    """Cohere's fields only: an unknown one is a 422 naming it, never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class CohereEmbedRequest(Strict):
     model: str
     texts: list[str] | None = None
     images: list[str] | None = Field(None, description="data URIs, with input_type image")
@@ -48,12 +54,13 @@ class CohereEmbedRequest(BaseModel):
     priority: int | None = None
 
 
-class CohereRerankRequest(BaseModel):
+class CohereRerankRequest(Strict):
     model: str
     query: str
     documents: list[str]
     top_n: int | None = Field(None, ge=1)
     max_tokens_per_doc: int | None = None
+    relevant_spans: bool | None = None
     priority: int | None = None
 
 
@@ -61,8 +68,8 @@ def refuse_unsupported(fields: dict[str, object]) -> None:
     for name, value in fields.items():
         if value is not None:
             raise ApiError(422, "invalid_request", f"{name} is not supported by Ember's "
-                           "Cohere route (text only, the model's own token limit); remove "
-                           "it", name)
+                           "Cohere route (whole texts, up to the model's own token limit; "
+                           "no spans); remove it", name)
 
 
 def meta(**billed: int) -> dict[str, Any]:
@@ -158,7 +165,8 @@ async def embed_images(body: CohereEmbedRequest, request: Request) -> Response:
 
 @router.post("/v2/rerank", summary="Cohere v2 compatible rerank")
 async def rerank(body: CohereRerankRequest, request: Request) -> Response:
-    refuse_unsupported({"max_tokens_per_doc": body.max_tokens_per_doc})
+    refuse_unsupported({"max_tokens_per_doc": body.max_tokens_per_doc,
+                        "relevant_spans": body.relevant_spans or None})
     check_inputs(request, body.documents, "documents")
     check_query(request, body.query)
     output = await run_task(request, body.model, "score",

@@ -8,6 +8,7 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
+import regex
 from fastapi import Request
 from pydantic import BaseModel
 from starlette.types import Message
@@ -50,14 +51,21 @@ def check_query(request: Request, text: str, param: str = "query") -> None:
     check_text(text, server_state(request).settings.max_text_chars, param)
 
 
+# A character a reader sees: not a space, a control or format character (NUL, zero-width
+# space, BOM, direction marks) or a combining mark with no letter to sit on.
+_VISIBLE = regex.compile(r"[^\s\p{Cc}\p{Cf}\p{Mn}\p{Me}]")
+
+
 def check_text(text: str, limit: int, param: str) -> None:
     # An empty text has nothing to embed: OpenAI and TEI refuse it too, and a vector for
     # it would be the model's bias alone, silently wrong for a search index.
     # A lone surrogate (valid JSON `\ud800`, no text) was refused by the body's decoder
     # (codec.decode), in this field as in any other.
-    if not text or text.isspace():
-        raise ApiError(422, "invalid_request", "text is empty or blank; send text with at "
-                       "least one non-space character", param)
+    if _VISIBLE.search(text) is None:
+        raise ApiError(422, "invalid_request", "text is empty or blank (no visible character: "
+                       "only spaces, control, zero-width or combining characters, which the "
+                       "tokenizer drops); send text with at least one visible character",
+                       param)
     if len(text) > limit:
         raise ApiError(422, "invalid_request", f"text of {len(text)} characters is over the "
                        f"limit of {limit}; shorten it", param)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from pydantic_core import PydanticCustomError
 
 from ember.adapters.base import Encoded, EncodeOptions, TaskModel, TaskOutput
@@ -39,6 +39,9 @@ TokenIds = list[StrictInt]  # a JSON true is no token id
 
 
 class EmbeddingsRequest(BaseModel):
+    # OpenAI refuses an argument it does not know; so does Ember, naming it.
+    model_config = ConfigDict(extra="forbid")
+
     input: str | list[str] | TokenIds | list[TokenIds] = Field(
         description="a text, a list of texts, a list of token ids, or a list of token-id "
         "lists (ids of the model's own vocabulary)")
