@@ -9,6 +9,7 @@ from ember.outputs import (
     dequantize_int8,
     hamming,
     quantize,
+    quantize_sparse,
     quantize_unit,
     unit_range,
     unpack_binary,
@@ -72,3 +73,20 @@ def test_quantize_unit_has_one_scale_for_every_vector_of_a_model() -> None:
     assert np.corrcoef(floats, dots)[0, 1] > 0.999
     with pytest.raises(ValueError, match="int8 or uint8"):
         quantize_unit(query, "float16")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "float16", "float32"])
+def test_a_sparse_vector_lists_no_weight_whose_code_is_zero(dtype: str) -> None:
+    """Found by a black-box review: a weight under half an int8 step of the peak was
+    listed with the code for 0."""
+    indices = np.array([2, 5, 7, 11], np.int32)
+    values = np.array([3.0, 0.004, 1e-9, 0.5], np.float32)
+    kept, q = quantize_sparse(indices, values, dtype)
+    want = [2, 11] if dtype in ("int8", "uint8") else [2, 5, 11] if dtype == "float16" \
+        else [2, 5, 7, 11]
+    assert kept.tolist() == want and len(q.values) == len(want)
+    zero = 128 if dtype == "uint8" else 0
+    assert (q.values != zero).all()
+    if q.scale is not None:  # the codes kept still decode to their weights
+        decoded = (q.values.astype(np.float32) - zero) * q.scale
+        np.testing.assert_allclose(decoded, values[np.isin(indices, want)], atol=q.scale / 2)

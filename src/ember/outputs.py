@@ -51,6 +51,18 @@ def quantize(vector: npt.NDArray[np.float32], dtype: str) -> Quantized:
     raise ValueError(f"unknown output dtype {dtype!r}; use one of {', '.join(DTYPES)}")
 
 
+def quantize_sparse(indices: npt.NDArray[np.int32], values: npt.NDArray[np.float32],
+                    dtype: str) -> tuple[npt.NDArray[np.int32], Quantized]:
+    """A sparse vector's weights in `dtype`, without those whose code stands for 0 (a
+    weight under half an int8 step of the peak, or under float16's smallest): a sparse
+    vector lists non-zero weights only."""
+    q = quantize(values, dtype)
+    kept = q.values != (UINT8_ZERO if dtype == "uint8" else 0)
+    if kept.all():
+        return indices, q
+    return indices[kept], Quantized(q.values[kept], q.dtype, q.scale)
+
+
 def unit_range(dims: int) -> float:
     """The range a unit vector's components are mapped from, for one scale a model: a
     component of a unit vector of `dims` rarely passes 4 / sqrt(dims) (4 standard

@@ -34,7 +34,7 @@ from ember.api.model_task import (
     unnamed_model,
 )
 from ember.api.routing import InferenceRoute
-from ember.outputs import PACKED_BITS, quantize
+from ember.outputs import PACKED_BITS, quantize, quantize_sparse
 
 router = APIRouter(tags=["native"], route_class=InferenceRoute)
 
@@ -167,10 +167,9 @@ def encoded_wire(encoded: Encoded, dtype: str) -> dict[str, Any]:
             raise ApiError(422, "invalid_request", f"output_dtype {dtype!r} applies to dense "
                            "and multivector outputs; sparse takes float32, float16, int8 "
                            "or uint8", "params.output_dtype")
-        q = quantize(encoded.sparse.values, dtype)
+        indices, q = quantize_sparse(encoded.sparse.indices, encoded.sparse.values, dtype)
         body["sparse"] = _scaled({"dims": encoded.sparse.dims, "dtype": dtype,
-                                  "indices": encoded.sparse.indices, "values": q.values},
-                                 q.scale)
+                                  "indices": indices, "values": q.values}, q.scale)
     if encoded.multivector is not None:
         num_tokens, token_dims = encoded.multivector.shape
         q = quantize(encoded.multivector, dtype)
