@@ -75,6 +75,12 @@ def test_extension_types_are_refused() -> None:
     assert "extension type 5" in str(refused(msgpack.packb([msgpack.ExtType(5, b"x")])))
 
 
+def test_a_string_that_is_not_utf8_is_named_so() -> None:
+    """Found by a black-box review: it was called "not valid msgpack"."""
+    raw = msgpack.packb({"items": [{"text": "x"}]}).replace(b"x", b"\xff")
+    assert "not valid UTF-8" in str(refused(raw))
+
+
 def test_length_claims_beyond_the_body_are_refused_before_allocating() -> None:
     refused(b"\xdd" + (2**31).to_bytes(4, "big"))
     refused(b"\xdf" + (2**31).to_bytes(4, "big"))

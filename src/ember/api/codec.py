@@ -233,6 +233,9 @@ def decode_msgpack(raw: bytes) -> Any:
                                raw=False, strict_map_key=False)
     except _Refused as exc:
         raise ApiError(422, "invalid_request", f"body: {exc}", "body") from None
+    except UnicodeDecodeError:  # valid msgpack, but a str whose bytes are not text
+        raise ApiError(422, "invalid_request", "body: a msgpack string is not valid UTF-8; "
+                       "send text as UTF-8", "body") from None
     except Exception:
         raise ApiError(422, "invalid_request", "body: not valid msgpack (or nested too "
                        "deep)", "body") from None
