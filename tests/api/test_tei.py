@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import pytest_asyncio
+import torch
+from sentence_transformers import CrossEncoder
 
-from tests.api.conftest import MINILM, AppFactory, Served, assert_error, encode_body, vectors
+from ember.config import ServerSettings
+from tests.adapters.tiny_models import build_cross_encoder
+from tests.api.conftest import (
+    MINILM,
+    AppFactory,
+    Served,
+    assert_error,
+    encode_body,
+    serving,
+    vectors,
+)
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -124,7 +137,6 @@ async def test_tei_rerank_on_the_real_model(real_default: Served) -> None:
     ("/embed", {"inputs": "x", "prompt_name": "no-such-prompt"}, "prompt_name"),
     ("/embed", {"inputs": "x", "pooling": "cls"}, "pooling"),
     ("/embed", {"inputs": "x", "parameters": {"normalize": False}}, "parameters"),
-    ("/rerank", {"query": "q", "texts": ["a"], "raw_scores": True}, "raw_scores"),
     ("/similarity", {"inputs": {"source_sentence": "a", "sentences": ["b"], "x": 1}},
      "inputs.x"),
 ])
@@ -154,3 +166,46 @@ async def test_fields_tei_has_are_taken_when_they_can_be_honoured(shared: Served
         assert response.status_code == 200, (body, response.text)
     query = await shared.client.post("/embed", json={"inputs": "x", "prompt_name": "query"})
     assert query.status_code == 200, query.text
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def reranker_default(tmp_path_factory: pytest.TempPathFactory
+                           ) -> AsyncIterator[tuple[Served, Path]]:
+    """TEI's rerank on a tiny cross-encoder built here, the server's default model."""
+    root = tmp_path_factory.mktemp("tei-reranker")
+    folder = build_cross_encoder(root / "reranker")
+    (root / "reranker.yaml").write_text(f"name: tiny/reranker\nadapter: cross_encoder\n"
+                                        f"source: {{path: {folder}}}\ntasks: [score]\n",
+                                        encoding="utf-8")
+    async with serving(ServerSettings(default_model="tiny/reranker",
+                                      model_dirs=(root,))) as served:
+        yield served, folder
+
+
+async def test_raw_scores_are_the_cross_encoders_logits(
+        reranker_default: tuple[Served, Path]) -> None:
+    """Found by a black-box review: raw_scores was refused, where a cross-encoder has
+    logits to give (TEI's meaning)."""
+    served, folder = reranker_default
+    texts = ["paris is the capital of france", "the dog is big", "rain in london"]
+    body = {"query": "capital of france", "texts": texts}
+    scored = await served.client.post("/rerank", json=body)
+    raw = await served.client.post("/rerank", json={**body, "raw_scores": True})
+    assert scored.status_code == raw.status_code == 200, raw.text
+    by_index = {r["index"]: r["score"] for r in raw.json()}
+    pairs = [(body["query"], text) for text in texts]
+    logits = CrossEncoder(str(folder), device="cpu",
+                          activation_fn=torch.nn.Identity()).predict(pairs)
+    np.testing.assert_allclose([by_index[i] for i in range(3)], logits, atol=1e-5)
+    sigmoid = {r["index"]: r["score"] for r in scored.json()}
+    np.testing.assert_allclose([sigmoid[i] for i in range(3)],
+                               1 / (1 + np.exp(-np.asarray(logits))), atol=1e-5)
+    assert [r["index"] for r in raw.json()] == [r["index"] for r in scored.json()]
+
+
+async def test_raw_scores_of_a_similarity_are_its_scores(shared: Served) -> None:
+    body = {"query": "q", "texts": ["a", "b c"]}
+    scored = await shared.client.post("/rerank", json=body)
+    raw = await shared.client.post("/rerank", json={**body, "raw_scores": True})
+    assert scored.status_code == raw.status_code == 200, raw.text
+    assert raw.json() == scored.json()

@@ -44,6 +44,7 @@ class EncodeOptions:
 class ScoreOptions:
     truncate: bool = True
     lora: str | None = None
+    raw: bool = False  # a cross-encoder's logits, before its activation (TEI's raw_scores)
 
 
 @dataclass(frozen=True)

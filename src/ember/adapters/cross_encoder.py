@@ -141,7 +141,8 @@ class CrossEncoderAdapter(common.TorchModel):
         # The query is tokenized once alone and again with each document.
         chars = len(query) * (len(docs) + 1) + sum(map(len, docs))
         items = await off_loop(chars, lambda: self.prepare(query, docs, options.truncate))
-        result = await submit(items, self.params, options.lora)
+        params = ScoreParams("none") if options.raw else self.params
+        result = await submit(items, params, options.lora)
         return TaskOutput([float(v) for v in result.values], result.queue_ms,
                           result.inference_ms, sum(item.cost for item in items))
 

@@ -70,8 +70,8 @@ class TeiRerankRequest(Strict):
     truncate: bool = True
     truncation_direction: Direction | None = None
     return_text: bool = False
-    raw_scores: bool = Field(False, description="true is refused: scores are the model's own "
-                             "activation of its logits")
+    raw_scores: bool = Field(False, description="a cross-encoder's logits, before its "
+                             "activation (a similarity has none: the same scores)")
 
 
 class SimilarityInputs(BaseModel):
@@ -163,10 +163,7 @@ async def tei_rerank(body: TeiRerankRequest, request: Request) -> Response:
     check_inputs(request, body.texts, "texts")
     check_query(request, body.query)
     encode_options(body.truncate, body.truncation_direction, None)  # refuses Left
-    if body.raw_scores:
-        raise ApiError(422, "invalid_request", "raw_scores is not supported: scores are the "
-                       "model's own activation of its logits; leave it out", "raw_scores")
-    options = ScoreOptions(truncate=body.truncate)
+    options = ScoreOptions(truncate=body.truncate, raw=body.raw_scores)
     output = await run_task(request, model, "score",
                             lambda m, a: a.score(m.submit, body.query, body.texts, options),
                             len(body.texts), "texts", query=True)
