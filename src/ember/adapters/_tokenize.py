@@ -16,15 +16,17 @@ POOL_THREADS cores from the small ones, not every core.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import numpy as np
 from tokenizers import Encoding, Tokenizer
 
-from ember.adapters.base import usable_cores
-from ember.errors import InputTooLong
+from ember.adapters.base import TokenSpan, usable_cores
+from ember.errors import InputTooLong, InvalidInput
 
 T = TypeVar("T")
 EncodeInput = str | tuple[str, str]
@@ -82,6 +84,17 @@ def encode_batch(tokenizer: Tokenizer, inputs: list[EncodeInput],
     return tokenizer.encode_batch_fast(inputs, add_special_tokens=add_special_tokens)
 
 
+def first_outside(row: Sequence[int], vocabulary: int) -> int | None:
+    """The index of the first id outside [0, vocabulary), checked in numpy: a request may
+    carry millions of ids, and the event loop must not walk them one by one."""
+    try:
+        ids = np.asarray(row, dtype=np.int64)
+    except OverflowError:  # an id past int64 is outside any vocabulary; find it the slow way
+        return next(i for i, token in enumerate(row) if not 0 <= token < vocabulary)
+    outside = np.flatnonzero((ids < 0) | (ids >= vocabulary))
+    return int(outside[0]) if outside.size else None
+
+
 def over_limit(count: int, limit: int, param: str) -> InputTooLong:
     return InputTooLong(f"{count} tokens exceeds max_seq_length {limit}; shorten the text "
                         f"or set truncate=true", param)
@@ -131,6 +144,33 @@ class TextTokenizer:
     def count(self, text: str) -> int:
         """Tokens of one text without special tokens or truncation."""
         return len(encode_batch(self._whole, [text], add_special_tokens=False)[0])
+
+    def spans(self, text: str, special: bool) -> list[TokenSpan]:
+        """The tokens of one text, whole, with their places in its UTF-8 bytes."""
+        # Not encode_batch_fast: it leaves the offsets out.
+        encoding = self._whole.encode(text, add_special_tokens=special)
+        at = None if text.isascii() else list(itertools.accumulate(
+            (len(c.encode("utf-8", "surrogatepass")) for c in text), initial=0))
+        return [TokenSpan(id, token, True, None, None) if mask else
+                TokenSpan(id, text[start:stop], False, at[start] if at else start,
+                          at[stop] if at else stop)
+                for id, (start, stop), mask, token in zip(
+                    encoding.ids, encoding.offsets, encoding.special_tokens_mask,
+                    encoding.tokens, strict=True)]
+
+    def decode(self, rows: Sequence[Sequence[int]], skip_special: bool,
+               field: str) -> list[str]:
+        """The text of each row of token ids; an id outside the vocabulary is a 422
+        naming its place (`{field}[row][i]`)."""
+        vocabulary = self._whole.get_vocab_size(with_added_tokens=True)
+        for row_index, row in enumerate(rows):
+            index = first_outside(row, vocabulary)
+            if index is not None:
+                raise InvalidInput(f"token id {row[index]} is outside the model's vocabulary "
+                                   f"(ids 0 to {vocabulary - 1})",
+                                   f"{field}[{row_index}][{index}]")
+        return self._whole.decode_batch([list(row) for row in rows],
+                                        skip_special_tokens=skip_special)
 
     def encode_pairs(self, first: str, seconds: Sequence[str],
                      strategy: str | None) -> list[Encoding]:

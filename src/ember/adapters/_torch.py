@@ -16,14 +16,17 @@ import numpy.typing as npt
 import torch
 
 from ember.adapters._arrays import padded
+from ember.adapters._tokenize import TextTokenizer, off_loop
 from ember.adapters.base import (
     DOCUMENT_PROMPTS,
+    EncodeOptions,
     Entity,
     ExtractOptions,
     ModelInfo,
     Runtime,
     Submit,
     TaskOutput,
+    TokenSpan,
     default_threads,
     forward_fills_cores,
 )
@@ -225,6 +228,7 @@ class TorchModel:
     entities."""
 
     info: ModelInfo
+    tokens: TextTokenizer  # set by each family, at its own token limit
 
     def __init__(self, spec: ModelSpec, tokenizer: Any, runtime: Runtime,
                  model: Forward) -> None:
@@ -238,6 +242,29 @@ class TorchModel:
     def set_lora(self, name: str | None) -> None:
         """Runs in the worker's thread, between forwards."""
         self.model.set_lora(name)
+
+    # -- the tokenizer shown (ShowsTokens): what a family reads, as it reads it ---------
+
+    def side_prefix(self, options: EncodeOptions) -> str:
+        """The prompt put before a text of the side `options` names; none by default."""
+        return ""
+
+    def reads(self, text: str) -> str:
+        """A text as the tokenizer is given it (a family may lower its case)."""
+        return text
+
+    async def token_spans(self, texts: Sequence[str], special: bool,
+                          options: EncodeOptions) -> list[list[TokenSpan]]:
+        prefix = self.side_prefix(options)
+        read = [self.reads(prefix + text) for text in texts]
+        return await off_loop(sum(map(len, read)),
+                              lambda: [self.tokens.spans(text, special) for text in read])
+
+    async def decode_ids(self, rows: Sequence[Sequence[int]],
+                         skip_special: bool) -> list[str]:
+        # About 4 characters an id: many go to the pool, as a long text does.
+        return await off_loop(4 * sum(map(len, rows)),
+                              lambda: self.tokens.decode(rows, skip_special, "ids"))
 
     async def extract(self, submit: Submit, texts: Sequence[str],
                       options: ExtractOptions) -> TaskOutput[list[list[Entity]]]:

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -80,6 +80,19 @@ class Entity:
     score: float
 
 
+@dataclass(frozen=True, slots=True)
+class TokenSpan:
+    """One token of a text as the model reads it (TEI's /tokenize): its id and text and,
+    for a token of the text (not a special one), where it lies, in UTF-8 bytes as TEI
+    counts them."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
+
+
 @dataclass
 class TaskOutput(Generic[T]):
     """A task's values with the accounting the API reports (R10)."""
@@ -127,6 +140,18 @@ class TaskModel(Protocol):
 
     async def extract(self, submit: Submit, texts: Sequence[str],
                       options: ExtractOptions) -> TaskOutput[list[list[Entity]]]: ...
+
+
+@runtime_checkable
+class ShowsTokens(Protocol):
+    """A model whose tokenizer a route may show: its tokens for a text, and the text of
+    token ids (TEI's /tokenize and /decode)."""
+
+    async def token_spans(self, texts: Sequence[str], special: bool,
+                          options: EncodeOptions) -> list[list[TokenSpan]]: ...
+
+    async def decode_ids(self, rows: Sequence[Sequence[int]],
+                         skip_special: bool) -> list[str]: ...
 
 
 class ModelAdapter(TaskModel, Protocol):

@@ -269,9 +269,12 @@ class TransformerAdapter(BiEncoder[EncodeParams, Vector]):
 
     def tokenize(self, texts: Sequence[str], truncate: bool, where: Sequence[str],
                  queries: int = 0) -> list[PreparedItem]:
-        if self.lower_case:  # the directory's do_lower_case
+        if self.lower_case:
             texts = [t.lower() for t in texts]
         return super().tokenize(texts, truncate, where)
+
+    def reads(self, text: str) -> str:
+        return text.lower() if self.lower_case else text  # the directory's do_lower_case
 
     def encoded(self, value: Vector) -> Encoded:
         return Encoded(dense=value)

@@ -161,21 +161,22 @@ def route_param(param: str | None, field: str) -> str | None:
     return field + (match.group(1) or "") if match else param
 
 
-async def run_task(request: Request, model_name: str, task: str, call: TaskCall[T],
+async def run_task(request: Request, model_name: str, task: str | None, call: TaskCall[T],
                    items: int, field: str = "items", query: bool = False,
                    names: ParamNames | None = None) -> TaskOutput[T]:
     """Run `call` on the named model under the server's timeout; record timing and metrics.
     `items` is how many inputs the request sent under `field` (its name for them, for the
-    errors' `param`); `query`: a query is queued beside them (score, rerank); `names`: how
+    errors' `param`; `task` None: any model's, as the call checks); `query`: a query is
+    queued beside them (score, rerank); `names`: how
     the route names the other fields an error may point at, where its body moves them."""
     state = server_state(request)
     request.state.items = queued = items + query  # for the access log
     if not model_name:
-        raise unnamed_model(request, task)
+        raise unnamed_model(request, task or "encode")
     try:
         spec = state.registry.catalog.get(model_name)
         # Refused from the catalog, before a load that could evict a model in use.
-        if spec is not None and task not in spec.tasks:
+        if spec is not None and task is not None and task not in spec.tasks:
             raise UnsupportedTask(model_name, task, spec.tasks)
 
         async def served() -> TaskOutput[T]:
@@ -210,16 +211,22 @@ async def run_task(request: Request, model_name: str, task: str, call: TaskCall[
         request.state.model = model_name if model_name in state.registry.catalog else "unknown"
 
 
+def require_output(model: ServedModel, route: str, kind: str) -> None:
+    """A route that answers with one kind of vector serves only models that make it."""
+    outputs = model.adapter.info.output_types
+    if kind not in outputs:
+        name = model.spec.name
+        raise ApiError(422, "unsupported_output", f"{route} returns {kind} vectors, and model "
+                       f"{name!r} makes {', '.join(outputs) or 'no vectors'}; use POST "
+                       f"/v1/encode/{name} with params.output_types {list(outputs)}", "model")
+
+
 def require_dense(model: ServedModel, route: str, dims: int | None = None,
                   param: str = "dimensions") -> None:
     """Routes that answer with plain vectors serve only models that make dense ones, and
     of the size a request names in `param` (`dims`), if it names one: Ember cuts none."""
-    outputs = model.adapter.info.output_types
+    require_output(model, route, "dense")
     name = model.spec.name
-    if "dense" not in outputs:
-        raise ApiError(422, "unsupported_output", f"{route} returns dense vectors, and model "
-                       f"{name!r} makes {', '.join(outputs) or 'no vectors'}; use POST "
-                       f"/v1/encode/{name} with params.output_types {list(outputs)}", "model")
     made = model.adapter.info.dims
     if dims is not None and made is not None and dims != made:
         raise ApiError(422, "invalid_request", f"{param}={dims} is not supported; {name} "

@@ -13,12 +13,12 @@ from __future__ import annotations
 import base64
 from typing import Any, Literal
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from pydantic_core import PydanticCustomError
 
+from ember.adapters._tokenize import first_outside
 from ember.adapters.base import Encoded, EncodeOptions, TaskModel, TaskOutput
 from ember.api.codec import render
 from ember.api.errors import ApiError
@@ -122,17 +122,6 @@ def check_tokens(model: ServedModel, rows: list[TokenIds], nested: bool) -> list
                 f"{vocabulary - 1}): token ids are read as ids of the model's own "
                 f"tokenizer, not OpenAI's. {LANGCHAIN_FIX}", where)
     return rows
-
-
-def first_outside(row: TokenIds, vocabulary: int) -> int | None:
-    """The index of the first id outside [0, vocabulary), checked in numpy: a request may
-    carry millions of ids, and the event loop must not walk them one by one."""
-    try:
-        ids = np.asarray(row, dtype=np.int64)
-    except OverflowError:  # an id past int64 is outside any vocabulary; find it the slow way
-        return next(i for i, token in enumerate(row) if not 0 <= token < vocabulary)
-    outside = np.flatnonzero((ids < 0) | (ids >= vocabulary))
-    return int(outside[0]) if outside.size else None
 
 
 def images_elsewhere(model: str) -> str:

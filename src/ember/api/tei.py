@@ -1,32 +1,46 @@
-"""text-embeddings-inference compatible routes on the default model: POST /embed, /rerank
-and /similarity, and POST / which, like TEI's, reads whichever of those bodies it is given
-(huggingface_hub's InferenceClient posts there when given only the server's URL)."""
+"""text-embeddings-inference compatible routes on the default model: POST /embed,
+/embed_sparse, /rerank, /similarity, /tokenize and /decode, and POST / which, like TEI's,
+reads an embed, rerank or similarity body (huggingface_hub's InferenceClient posts there
+when given only the server's URL)."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import asdict, replace
 from typing import Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    RootModel,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
 
 from ember.adapters.base import (
     DOCUMENT_PROMPTS,
     Encoded,
     EncodeOptions,
     ScoreOptions,
+    ShowsTokens,
     TaskModel,
     TaskOutput,
+    TokenSpan,
 )
 from ember.api.codec import render
 from ember.api.errors import ApiError, validation_error
 from ember.api.model_task import (
     ParamNames,
+    check_count,
     check_inputs,
     check_query,
     require_dense,
+    require_output,
     run_task,
 )
 from ember.api.rerank import ranked
@@ -72,6 +86,26 @@ class TeiRerankRequest(Strict):
     return_text: bool = False
     raw_scores: bool = Field(False, description="a cross-encoder's logits, before its "
                              "activation (a similarity has none: the same scores)")
+
+
+class EmbedSparseRequest(Strict):
+    inputs: str | list[str]
+    truncate: bool = True
+    truncation_direction: Direction | None = None
+    prompt_name: str | None = Field(None, description="query, or document (passage, corpus)")
+
+
+class TokenizeRequest(Strict):
+    inputs: str | list[str]
+    add_special_tokens: bool = True
+    prompt_name: str | None = Field(None, description="query, or document (passage, corpus): "
+                                    "its prompt is tokenized before the text, as TEI does")
+
+
+class DecodeRequest(Strict):
+    ids: list[StrictInt] | list[list[StrictInt]] = Field(
+        description="token ids of the model's vocabulary: one list, or a list of lists")
+    skip_special_tokens: bool = True
 
 
 class SimilarityInputs(BaseModel):
@@ -174,6 +208,68 @@ async def tei_rerank(body: TeiRerankRequest, request: Request) -> Response:
             result["text"] = body.texts[index]
         results.append(result)
     return render(request.headers, results)
+
+
+@router.post("/embed_sparse", summary="TEI-compatible sparse embeddings on the default model "
+             "(a SPLADE model): each text's non-zero weights by vocabulary index")
+async def embed_sparse(body: EmbedSparseRequest, request: Request) -> Response:
+    texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    check_inputs(request, texts, "inputs")
+    options = replace(encode_options(body.truncate, body.truncation_direction,
+                                     body.prompt_name), normalize=None, output_types=("sparse",))
+    model = server_state(request).settings.default_model
+
+    async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
+        require_output(m, request.url.path, "sparse")
+        return await adapter.encode(m.submit, texts, options)
+
+    output = await run_task(request, model, "encode", encode, len(texts), "inputs")
+    return render(request.headers, [
+        [{"index": index, "value": value} for index, value in zip(
+            encoded.sparse.indices.tolist(), encoded.sparse.values.tolist(), strict=True)]
+        for encoded in output.values if encoded.sparse is not None])
+
+
+def shows_tokens(model: ServedModel) -> ShowsTokens:
+    if not isinstance(model.adapter, ShowsTokens):
+        raise ApiError(422, "invalid_request", f"model {model.spec.name!r} (the default model) "
+                       "has no tokenizer these routes can show; they read a transformers "
+                       "model's", "model")
+    return model.adapter
+
+
+@router.post("/tokenize", summary="TEI-compatible: the default model's tokens for each text, "
+             "with their places in its UTF-8 bytes")
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    check_inputs(request, texts, "inputs")
+    options = encode_options(False, None, body.prompt_name)
+    model = server_state(request).settings.default_model
+
+    async def split(m: ServedModel, _: TaskModel) -> TaskOutput[list[list[TokenSpan]]]:
+        spans = await shows_tokens(m).token_spans(texts, body.add_special_tokens, options)
+        return TaskOutput(spans, 0.0, 0.0, sum(map(len, spans)))
+
+    output = await run_task(request, model, None, split, len(texts), "inputs")
+    return render(request.headers, [[asdict(span) for span in spans]
+                                    for spans in output.values])
+
+
+@router.post("/decode", summary="TEI-compatible: the text of token ids of the default model")
+async def decode(body: DecodeRequest, request: Request) -> Response:
+    ids: list[Any] = body.ids
+    rows: list[list[int]] = ids if ids and isinstance(ids[0], list) else [ids]
+    check_count(request, len(rows), "ids")
+    model = server_state(request).settings.default_model
+
+    async def text(m: ServedModel, _: TaskModel) -> TaskOutput[list[str]]:
+        texts = await shows_tokens(m).decode_ids(rows, body.skip_special_tokens)
+        return TaskOutput(texts, 0.0, 0.0, sum(map(len, rows)))
+
+    flat = rows is not ids  # one list of ids: its places are `ids[i]`
+    output = await run_task(request, model, None, text, len(rows), "ids", names=(
+        (lambda param: param.replace("ids[0]", "ids", 1)) if flat else None))
+    return render(request.headers, output.values)
 
 
 @router.post("/", summary="TEI's root route: an embed, rerank or similarity body, answered "
