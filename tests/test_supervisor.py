@@ -147,6 +147,59 @@ def test_ctrl_c_drains_every_process_then_exits_0(two_api_processes: ServerProce
     assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE], alive
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_to_every_process_at_once_drains_them_in_order(
+        two_api_processes: ServerProcess, sig: signal.Signals) -> None:
+    """Found by a black-box review: systemd's default stop (and a terminal's hang-up)
+    signals every process of the service at once. The API processes took a second SIGTERM
+    for a forced exit (exit 1), and the engine drained by itself before them, so the
+    supervisor started another mid-shutdown. A hang-up was not handled at all."""
+    server = two_api_processes
+    outcomes: list[int] = []
+
+    def clients(i: int) -> None:
+        for j in range(40):
+            try:
+                outcomes.append(encode(server.url, f"client {i} request {j}").status_code)
+            except httpx.TransportError:
+                return  # the drain closed the listening socket: nothing was accepted
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(clients, i) for i in range(8)]
+        time.sleep(0.3)
+        everyone = [psutil.Process(server.pid), *psutil.Process(server.pid).children()]
+        for process in everyone:
+            process.send_signal(sig)
+        for future in futures:
+            future.result()
+    assert server.process.wait(60) == 0, server.log_tail()
+    log = server.log_text()
+    assert set(outcomes) <= {200, 503} and outcomes.count(200) >= 8, outcomes
+    assert "the engine process died" not in log and "ended its drain" not in log, log[-3000:]
+    assert log.count("engine drained") == 1, log[-3000:]
+
+
+def test_api_processes_that_served_are_replaced_however_often(
+        two_api_processes: ServerProcess) -> None:
+    """Found by a black-box review: five API processes killed each within 5 s of its
+    start ended the server, though each had served; only deaths before serving count."""
+    server = two_api_processes
+    for _ in range(6):
+        [victim] = [pid for pid in api_pids(server)
+                    if psutil.Process(pid).cmdline()[0] == "ember: api 0"]
+        deadline = time.monotonic() + 60
+        while f"API process 0 (pid {victim}) serves" not in server.log_text():
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.05)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while victim in api_pids(server) or len(api_pids(server)) < 2:
+            assert time.monotonic() < deadline and server.alive(), server.log_tail()
+            time.sleep(0.05)
+    assert "keep dying" not in server.log_text(), server.log_tail()
+    assert encode(server.url, "still serving").status_code == 200
+
+
 def test_a_process_that_fails_its_drain_is_named_and_the_exit_is_1(
         two_api_processes: ServerProcess) -> None:
     server = two_api_processes
@@ -497,3 +550,25 @@ def test_an_engine_that_dies_on_every_load_ends_the_server_with_exit_1(
                      r"start, the last killed by SIGKILL while it loaded "
                      rf"{CRASHER}; stopping", result.stderr), result.stderr[-3000:]
     assert time.monotonic() - started < 200
+
+
+def test_a_runtime_folder_left_by_a_killed_supervisor_is_swept(tmp_path: Path) -> None:
+    """Found by a black-box review: a supervisor killed outright left its folder (the
+    engine's socket, the metrics files) in the temporary directory for good."""
+    import tempfile
+
+    from ember.supervisor import OWNER_FILE, sweep_stale_runtime_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    folders = {name: Path(tempfile.mkdtemp(prefix="ember-")) for name in
+               ("stale", "alive", "not-a-supervisor's")}
+    (folders["stale"] / OWNER_FILE).write_text(str(gone.pid), encoding="ascii")
+    (folders["alive"] / OWNER_FILE).write_text(str(os.getpid()), encoding="ascii")
+    try:
+        sweep_stale_runtime_dirs()
+        assert not folders["stale"].exists()
+        assert folders["alive"].exists() and folders["not-a-supervisor's"].exists()
+    finally:
+        for folder in folders.values():
+            shutil.rmtree(folder, ignore_errors=True)

@@ -7,12 +7,15 @@ import logging
 import os
 import signal
 import socket
+import threading
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
 
 from ember.api.state import Models, ServerState
 from ember.config import ServerSettings
+from ember.ipc.lifeline import DRAIN_ORDER
 
 log = logging.getLogger("ember")
 
@@ -29,36 +32,54 @@ IDLE_GRACE_S = 1.0
 
 
 class DrainingServer(uvicorn.Server):
-    """The first signal drains: /readyz and new requests answer 503, accepted requests
-    finish, the workers drain, then the process exits 0. A second signal exits at once.
+    """The first signal (SIGTERM, SIGINT or SIGHUP) drains: /readyz and new requests answer
+    503, accepted requests finish, the workers drain, then the process exits 0. A second
+    signal exits at once.
 
-    An API process of several (`managed`) ignores SIGINT: a Ctrl-C reaches the whole
-    process group, and its supervisor turns it into one SIGTERM for each process."""
+    An API process of several (`managed`) drains on its supervisor's order alone
+    (DRAIN_ORDER) and ignores the stop signals, which reach every process of a group at
+    once (`ember.ipc.lifeline`); `on_serving` is called once it listens."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState,
-                 managed: bool = False) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, managed: bool = False,
+                 on_serving: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.state = state
         self.managed = managed
+        self.on_serving = on_serving
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
-        if not self.managed and not self.should_exit:  # a supervisor says it for all
+        # uvicorn takes SIGTERM and SIGINT; a hang-up drains too, and a managed process
+        # drains on its supervisor's order.
+        if threading.current_thread() is threading.main_thread():  # as uvicorn's own
+            signal.signal(DRAIN_ORDER if self.managed else signal.SIGHUP, self.handle_exit)
+        if self.should_exit:
+            return
+        if self.on_serving is not None:
+            self.on_serving()
+        if not self.managed:  # a supervisor says it for all
             settings = self.state.settings
             log.info("Ember listening on http://%s:%d (default model %s; /docs for the API)",
-                     settings.host, settings.port, settings.default_model)
+                     settings.host, self.bound_port(), settings.default_model)
+
+    def bound_port(self) -> int:
+        """The port listened on (the one the system chose, for --port 0)."""
+        for server in self.servers:
+            for sock in server.sockets:
+                return int(sock.getsockname()[1])
+        return self.state.settings.port
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.managed and sig == signal.SIGINT:
+        if self.managed and sig != DRAIN_ORDER:
             return
         if self.state.draining:
             log.warning("second signal: exiting now")
             os._exit(1)
-        self.state.draining = True
-        log.info("%s: draining, %d requests in flight", signal.Signals(sig).name,
-                 self.state.in_flight)
+        self.state.begin_drain()
+        why = "the supervisor's order" if self.managed else signal.Signals(sig).name
+        log.info("%s: draining, %d requests in flight", why, self.state.in_flight)
         if self._loop is None:
             self.should_exit = True
         else:
@@ -92,7 +113,8 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_http(settings: ServerSettings, registry: Models,
-             sockets: list[socket.socket] | None = None, managed: bool = False) -> None:
+             sockets: list[socket.socket] | None = None, managed: bool = False,
+             on_serving: Callable[[], None] | None = None) -> None:
     """Serve the HTTP API for `registry` until a signal has drained it: on the address of
     the settings, or on `sockets` bound by a supervisor (shared by several processes)."""
     from ember.api.app import create_app
@@ -103,4 +125,4 @@ def run_http(settings: ServerSettings, registry: Models,
                             log_config=None,  # uvicorn's lines go through Ember's format
                             proxy_headers=False, timeout_graceful_shutdown=None,
                             timeout_keep_alive=KEEP_ALIVE_S)
-    DrainingServer(config, app.state.ember, managed).run(sockets=sockets)
+    DrainingServer(config, app.state.ember, managed, on_serving).run(sockets=sockets)

@@ -14,8 +14,10 @@ model and --preload) within ENGINE_QUICK_DEATH_S of its start, ENGINE_QUICK_DEAT
 in a row, ends it with exit 1 and the model's name; an engine that had loaded its models
 and served is no crash loop at load. Every child dies with this process
 (`ember.ipc.lifeline`). SIGTERM or SIGINT drains: every API process finishes what it
-accepted, then the engine drains its workers, then everything exits 0. A second signal
-ends all processes at once.
+accepted, then the engine drains its workers, then everything exits 0; so does SIGHUP.
+The children ignore those signals, which a terminal or a service manager sends every
+process of the group at once, and drain on this process's order (`ember.ipc.lifeline`).
+A second signal ends all processes at once.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event
 from pathlib import Path
 from types import FrameType
 
@@ -40,14 +43,13 @@ import zmq
 
 from ember.config import ServerSettings
 from ember.ipc.client import peer_name
-from ember.ipc.lifeline import die_with_parent
+from ember.ipc.lifeline import DRAIN_ORDER, STOP_SIGNALS, die_with_parent, ignore_stop_signals
 from ember.ipc.wire import pack
 from ember.logs import configure_logging, name_process
 
 log = logging.getLogger("ember.supervisor")
 ENGINE_START_S = 120.0  # the engine imports torch before it answers
-QUICK_DEATH_S = 5.0  # an API process that dies this soon after its start ...
-QUICK_DEATHS = 5  # ... this many times in a row means it cannot start: give up
+FAILED_STARTS = 5  # API processes in a row that die before they serve: they cannot start
 ENGINE_QUICK_DEATH_S = 30.0  # an engine that dies as it loads this soon after its start ...
 ENGINE_QUICK_DEATHS = 3  # ... this many times in a row cannot load its models: give up
 ENGINE_BACKOFF_S = (0.0, 1.0, 4.0)  # pause before a restart, by quick deaths in a row
@@ -57,8 +59,29 @@ ENGINE_GONE_GRACE_S = 5.0  # API processes answer what they can once the engine 
 ENGINE_DRAIN_S = 10.0
 
 
-def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: int) -> None:
-    """An API process's main: the HTTP routes on the shared socket, the models remote."""
+OWNER_FILE = "supervisor.pid"  # in a runtime folder: the supervisor it belongs to
+
+
+def sweep_stale_runtime_dirs() -> None:
+    """Remove the runtime folders (the engine's socket, the metrics files) of supervisors
+    that are gone: one killed outright (-9) could not remove its own."""
+    for folder in Path(tempfile.gettempdir()).glob("ember-*"):
+        try:
+            pid = int((folder / OWNER_FILE).read_text(encoding="ascii"))
+        except (OSError, ValueError):
+            continue  # not a supervisor's, or another user's
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
+
+
+def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: int,
+            serving: Event) -> None:
+    """An API process's main: the HTTP routes on the shared socket, the models remote;
+    `serving` is set once it listens."""
     from ember.adapters.base import Runtime
     from ember.config import load_catalog
     from ember.ipc.client import EngineClient
@@ -69,34 +92,44 @@ def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: 
     if supervisor is not None and supervisor.pid is not None:
         die_with_parent(supervisor.pid)
 
-    # Until uvicorn takes the signals over: a drain before this process serves has
-    # nothing to finish; a Ctrl-C is the supervisor's to handle.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Until it listens, a drain has nothing to finish.
+    ignore_stop_signals()
+    signal.signal(DRAIN_ORDER, lambda *_: sys.exit(0))
     name_process(f"api {index}")
     configure_logging(settings)
     models = RemoteModels(load_catalog(settings.model_dirs, settings.model_paths),
                           Runtime.from_settings(settings),
                           EngineClient(address), settings.worker.max_queue_items)
-    run_http(settings, models, sockets=[sock], managed=True)
+    def listening() -> None:
+        serving.set()
+        log.info("API process %d (pid %d) serves", index, os.getpid())
+
+    run_http(settings, models, sockets=[sock], managed=True, on_serving=listening)
 
 
 @dataclass
 class ApiProcess:
     process: BaseProcess
-    started: float
+    serving: Event  # set once it listens: a death before is a failed start
     index: int  # its slot: a replacement takes the dead one's, so names stay 0..N-1
+
+    def drain_code(self) -> int:
+        """Its exit code, as its drain's outcome: one that never served had nothing to
+        finish (a drain order can reach it before its handler is set, and end it)."""
+        return (self.process.exitcode or 0) if self.serving.is_set() else 0
 
 
 class Supervisor:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.context = multiprocessing.get_context("spawn")
+        sweep_stale_runtime_dirs()
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="ember-"))  # private: mode 0700
+        (self.runtime_dir / OWNER_FILE).write_text(str(os.getpid()), encoding="ascii")
         self.address = f"ipc://{self.runtime_dir / 'engine.sock'}"
         self.apis: list[ApiProcess] = []
         self.signals = 0
-        self.quick_deaths = 0
+        self.failed_starts = 0  # API processes in a row that died before they served
         self.engine_deaths = 0  # engine deaths in a row, each soon after its start (pauses)
         self.load_deaths = 0  # of those, the ones as it loaded (the crash-loop guard)
         self.engine_started = 0.0
@@ -110,7 +143,7 @@ class Supervisor:
         metrics_dir = self.runtime_dir / "metrics"
         metrics_dir.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # the children inherit it
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
         name_process("supervisor")
         try:
@@ -121,7 +154,7 @@ class Supervisor:
                 self._start_api(sock)
             log.info("Ember listening on http://%s:%d: %d API processes, engine pid %s "
                      "(default model %s; /docs for the API)", self.settings.host,
-                     self.settings.port, self.settings.workers, engine.pid,
+                     sock.getsockname()[1], self.settings.workers, engine.pid,
                      self.settings.default_model)
             return self._watch(engine, sock)
         finally:
@@ -133,7 +166,7 @@ class Supervisor:
 
         ready, ready_send = self.context.Pipe(duplex=False)
         engine = self.context.Process(target=run_engine, name="ember-engine",
-                                      args=(self.settings, self.address, ready_send))
+                                      args=(self.settings, self.address, ready_send, True))
         engine.start()
         ready_send.close()
         self.engine_started = time.monotonic()
@@ -219,11 +252,13 @@ class Supervisor:
 
     def _start_api(self, sock: socket.socket, index: int | None = None) -> None:
         index = next(self._api_index) if index is None else index
+        serving = self.context.Event()
         process = self.context.Process(target=run_api, name=f"ember-api-{index}",
-                                       args=(self.settings, sock, self.address, index))
+                                       args=(self.settings, sock, self.address, index,
+                                             serving))
         process.start()
         log.info("started API process %d (pid %s)", index, process.pid)
-        self.apis.append(ApiProcess(process, time.monotonic(), index))
+        self.apis.append(ApiProcess(process, serving, index))
 
     def _watch(self, engine: BaseProcess, sock: socket.socket) -> int:
         """Replace API processes that die until a signal comes; then drain in order."""
@@ -265,10 +300,11 @@ class Supervisor:
     def _replace(self, api: ApiProcess, sock: socket.socket) -> bool:
         pid, code = api.process.pid, api.process.exitcode
         self.apis.remove(api)
-        quick = time.monotonic() - api.started < QUICK_DEATH_S
-        self.quick_deaths = self.quick_deaths + 1 if quick else 0
-        if self.quick_deaths >= QUICK_DEATHS:
-            log.error("API processes keep dying at start (last exit code %s); stopping", code)
+        # Only deaths before serving count: one that served can start, whatever ended it.
+        self.failed_starts = 0 if api.serving.is_set() else self.failed_starts + 1
+        if self.failed_starts >= FAILED_STARTS:
+            log.error("API processes keep dying before they serve: %d in a row (last exit "
+                      "code %s); stopping", self.failed_starts, code)
             return False
         log.warning("API process %s died (exit code %s); its requests in flight are lost "
                     "with their connections; starting another", pid, code)
@@ -278,12 +314,12 @@ class Supervisor:
         return True
 
     def _drain_apis(self, engine: BaseProcess) -> tuple[list[int], BaseProcess]:
-        """SIGTERM each API process and wait for all, replacing an engine that dies
+        """Order each API process to drain and wait for all, replacing an engine that dies
         meanwhile: what the API processes accepted needs one to finish (they resend it).
         Their exit codes, and the engine that is left."""
         for api in self.apis:
             if api.process.is_alive() and api.process.pid is not None:
-                os.kill(api.process.pid, signal.SIGTERM)
+                os.kill(api.process.pid, DRAIN_ORDER)
         while draining := [api.process.sentinel for api in self.apis
                            if api.process.is_alive()]:
             wait([*draining, engine.sentinel])
@@ -293,25 +329,25 @@ class Supervisor:
                 if replacement is None:  # a crash loop at load: nothing left to finish with
                     return self._stop_apis(ENGINE_GONE_GRACE_S), engine
                 engine = replacement
-        return [api.process.exitcode or 0 for api in self.apis], engine
+        return [api.drain_code() for api in self.apis], engine
 
     def _stop_apis(self, grace_s: float | None = None) -> list[int]:
-        """SIGTERM each API process (it drains what it accepted) and wait for all; after
+        """Order each API process to drain what it accepted and wait for all; after
         `grace_s`, if given, end the ones still running."""
         for api in self.apis:
             if api.process.is_alive() and api.process.pid is not None:
-                os.kill(api.process.pid, signal.SIGTERM)
+                os.kill(api.process.pid, DRAIN_ORDER)
         deadline = None if grace_s is None else time.monotonic() + grace_s
         for api in self.apis:
             api.process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if api.process.is_alive():
                 api.process.kill()
                 api.process.join()
-        return [api.process.exitcode or 0 for api in self.apis]
+        return [api.drain_code() for api in self.apis]
 
     def _stop_engine(self, engine: BaseProcess) -> int:
         if engine.is_alive() and engine.pid is not None:
-            os.kill(engine.pid, signal.SIGTERM)
+            os.kill(engine.pid, DRAIN_ORDER)
         engine.join(ENGINE_DRAIN_S)
         if engine.is_alive():  # wedged (a stopped process, a stuck forward): end it
             log.error("the engine process did not end its drain within %.0f s of the API "
@@ -338,6 +374,7 @@ class Supervisor:
             log.warning("second signal: ending every process now")
             for child in multiprocessing.active_children():
                 child.kill()
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)  # os._exit skips `finally`
             os._exit(1)
         log.info("%s: draining", signal.Signals(sig).name)
         self._wake_write.send(b"\0")

@@ -53,3 +53,48 @@ async def test_a_body_that_stops_coming_is_a_408_that_closes_the_connection() ->
         return whole.pop(0)
 
     assert await routing.read_body(at_once, idle_s=0.05) == b"{}"
+
+
+async def trickle() -> dict[str, object]:
+    """A body that comes a byte at a time, for ever."""
+    import asyncio
+
+    await asyncio.sleep(0.02)
+    return {"type": "http.request", "body": b" ", "more_body": True}
+
+
+async def test_a_body_that_trickles_is_a_408_once_it_took_too_long() -> None:
+    """Found by a black-box review: a byte every few seconds never let the idle wait run
+    out, so a client held its connection, and a drain, as long as it pleased."""
+    import asyncio
+
+    from ember.api.errors import ApiError
+
+    with pytest.raises(ApiError) as caught:
+        await asyncio.wait_for(routing.read_body(trickle, idle_s=0.5, whole_s=0.2), 5)
+    assert caught.value.status == 408 and "did not arrive whole within" in \
+        caught.value.message
+
+
+async def test_a_drain_gives_a_body_still_arriving_a_short_while(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from ember.api.errors import ApiError
+
+    monkeypatch.setattr(routing, "DRAIN_BODY_S", 0.1)
+    state = SimpleNamespace(drain_started=None)
+
+    async def drain_soon() -> None:
+        await asyncio.sleep(0.1)
+        state.drain_started = time.monotonic()
+
+    draining = asyncio.ensure_future(drain_soon())
+    started = time.monotonic()
+    with pytest.raises(ApiError) as caught:
+        await asyncio.wait_for(routing.read_body(trickle, state), 5)  # type: ignore[arg-type]
+    await draining
+    assert caught.value.status == 408 and "draining" in caught.value.message
+    assert time.monotonic() - started < 2

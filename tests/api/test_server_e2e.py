@@ -240,9 +240,10 @@ def test_a_client_that_leaves_mid_upload_is_a_499_not_a_server_fault(
 
     path = f"/v1/encode/{MINILM}"
     route = r'route="/v1/encode/\{model:path\}"'
-    # The request never reached a model, so it is counted under none.
-    gone = rf'ember_requests_total\{{model="",{route},status="499"\}}'
-    fault = rf'ember_requests_total\{{model="",{route},status="500"\}}'
+    # Counted under the model its path names, though it never reached it.
+    model = re.escape(MINILM)
+    gone = rf'ember_requests_total\{{model="{model}",{route},status="499"\}}'
+    fault = rf'ember_requests_total\{{model="{model}",{route},status="500"\}}'
     reason = r'ember_rejections_total\{reason="client_disconnected"\}'
     before = (metric(live_server, gone), metric(live_server, fault),
               metric(live_server, reason))
@@ -344,9 +345,25 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(model_dir: Path,
         log = server.log_tail(100_000)
         # Each API process says what it holds (the last /metrics poll may still be leaving
         # when the signal lands, so at least `count` in all).
-        held = re.findall(r"SIGTERM: draining, (\d+) requests in flight", log)
+        held = re.findall(r"(?:SIGTERM|supervisor's order): draining, (\d+) requests in "
+                          r"flight", log)
         assert held and sum(map(int, held)) >= count, log
         assert "drained in" in log
+    finally:
+        server.stop()
+
+
+def test_a_hang_up_drains_as_sigterm_does(model_dir: Path, tmp_path: Path) -> None:
+    """Found by a black-box review: SIGHUP (a closed terminal or SSH session) ended the
+    server at once, with its requests in flight."""
+    server = start_slow_server(model_dir, tmp_path / "hup.log")
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            futures = send_in_flight(server, pool, 3)
+            server.process.send_signal(signal.SIGHUP)
+            assert all(future.result().status_code == 200 for future in futures)
+        assert server.process.wait(30) == 0, server.log_tail()
+        assert "drained in" in server.log_text()
     finally:
         server.stop()
 

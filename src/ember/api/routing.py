@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,11 +23,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api import codec
 from ember.api.errors import ApiError, as_api_error, error_response, validation_error
-from ember.api.state import server_state
+from ember.api.state import ServerState, server_state
 
 Endpoint = Callable[..., Awaitable[Response]]
 
@@ -58,10 +59,15 @@ class _Handler:
         return cls(route, body_model, body_arg, request_arg)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        scope.setdefault("state", {})["route"] = self.route.path  # metrics and access log
+        state = scope.setdefault("state", {})
+        state["route"] = self.route.path  # metrics and access log
         request = Request(scope, receive)
+        named = scope.get("path_params", {}).get("model")
+        if named is not None:  # counted under its model even if the body is refused
+            state["model"] = named if named in server_state(request).registry.catalog \
+                else "unknown"
         try:
-            data = codec.decode(await read_body(receive), request.headers)
+            data = codec.decode(await read_body(receive, server_state(request)), request.headers)
             try:
                 body = self.body_model.model_validate(data)
             except ValidationError as exc:
@@ -82,28 +88,55 @@ class _Handler:
         await response(scope, receive, send)
 
 
-# A client that stops sending its body for this long is answered 408 and its connection
-# closed, so a half-sent body cannot hold a connection (and its memory) for ever.
+# A client that stops sending its body for this long, or takes this long to send all of
+# it (16 MB at 140 KB/s), is answered 408 and its connection closed, so a half-sent or
+# trickling body cannot hold a connection (and its memory) for ever.
 BODY_IDLE_S = 30.0
+BODY_WHOLE_S = 120.0
+# In a drain, a body still arriving gets this long from the drain's start: a slow client
+# must not hold the process's exit for as long as it pleases.
+DRAIN_BODY_S = 10.0
+WAIT_SLICE_S = 1.0  # how often a wait for the body looks whether a drain began
 
 
-async def read_body(receive: Receive, idle_s: float = BODY_IDLE_S) -> bytes:
+async def read_body(receive: Receive, state: ServerState | None = None,
+                    idle_s: float = BODY_IDLE_S, whole_s: float = BODY_WHOLE_S) -> bytes:
     """The whole request body, read straight from the ASGI messages (most bodies come in
     one), without Starlette's streaming generator; the next message is the disconnect."""
     chunks: list[bytes] = []
+    started = time.monotonic()
     while True:
-        try:
-            async with asyncio.timeout(idle_s):
-                message = await receive()
-        except TimeoutError:
-            raise ApiError(408, "request_timeout", f"no part of the request body came for "
-                           f"{idle_s:g} s; send it whole", "body",
-                           headers={"Connection": "close"}) from None
+        message = await next_part(receive, state, started, idle_s, whole_s)
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def next_part(receive: Receive, state: ServerState | None, started: float,
+                    idle_s: float, whole_s: float) -> Message:
+    """The next ASGI message of a body begun at `started`, within its limits."""
+    waited_from = time.monotonic()
+    while True:
+        now = time.monotonic()
+        limits = [(waited_from + idle_s, f"no part of the request body came for {idle_s:g} s"),
+                  (started + whole_s, f"the request body did not arrive whole within "
+                                      f"{whole_s:g} s")]
+        if state is not None and state.drain_started is not None:
+            limits.append((state.drain_started + DRAIN_BODY_S, "the server is draining before "
+                           "shutdown, and the request body did not arrive whole within "
+                           f"{DRAIN_BODY_S:g} s of it"))
+        deadline, why = min(limits)
+        if deadline <= now:
+            raise ApiError(408, "request_timeout", f"{why}; send it whole", "body",
+                           headers={"Connection": "close"})
+        try:  # in slices, so that a drain that begins meanwhile is seen (ASGI's receive
+            # is safe to cancel: what arrives waits for the next call)
+            async with asyncio.timeout(min(deadline - now, WAIT_SLICE_S)):
+                return await receive()
+        except TimeoutError:
+            continue
 
 
 class InferenceDispatcher:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Hashable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -81,11 +82,15 @@ class ServerState:
     registry: Models
     metrics: Metrics
     draining: bool = False
+    drain_started: float | None = None  # time.monotonic() at the drain's start
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     status_at: float = float("-inf")  # when the registry's status was last brought up to date
     _refreshing: asyncio.Task[None] | None = None
     _reloading: asyncio.Task[None] | None = None
+
+    def begin_drain(self) -> None:
+        self.draining, self.drain_started = True, time.monotonic()
 
     def reload_in_background(self, name: str) -> None:
         """Try a failed model's load again (at most one try at a time; within the failure

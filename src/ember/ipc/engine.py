@@ -51,7 +51,7 @@ from ember.config import ServerSettings, load_catalog
 from ember.engine import PreparedItem, RequestResult
 from ember.ipc.batch import PARAMS_UNKNOWN, items_from_wire, values_to_wire
 from ember.ipc.calls import RegistryCalls
-from ember.ipc.lifeline import die_with_parent
+from ember.ipc.lifeline import DRAIN_ORDER, die_with_parent, ignore_stop_signals
 from ember.ipc.wire import error_to_wire, pack, unpack
 from ember.logs import configure_logging, name_process
 from ember.metrics import Metrics
@@ -415,9 +415,11 @@ class LoadNotes:
             self.pipe.send((what, name))
 
 
-def run_engine(settings: ServerSettings, address: str, ready: Connection) -> None:
-    """The engine process's main: serve the registry on `address` until SIGTERM (from the
-    supervisor, once every API process has drained), then drain every worker and exit.
+def run_engine(settings: ServerSettings, address: str, ready: Connection,
+               managed: bool = False) -> None:
+    """The engine process's main: serve the registry on `address` until SIGTERM (`managed`:
+    until the supervisor's DRAIN_ORDER, once every API process has drained; the stop
+    signals are then ignored), then drain every worker and exit.
     `ready` gets "ready" once the socket is bound, then ("loading", name) as a model starts
     to load, ("loaded", name) or ("failed", name) as its load ends, and ("preloaded", "")
     once the default model and --preload are loaded or failed, so that the supervisor can
@@ -429,12 +431,15 @@ def run_engine(settings: ServerSettings, address: str, ready: Connection) -> Non
     if supervisor is not None and supervisor.pid is not None:
         die_with_parent(supervisor.pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if managed:
+        ignore_stop_signals()
     name_process("engine")
     configure_logging(settings)
-    uvloop.run(_engine(settings, address, ready))
+    uvloop.run(_engine(settings, address, ready, DRAIN_ORDER if managed else signal.SIGTERM))
 
 
-async def _engine(settings: ServerSettings, address: str, ready: Connection) -> None:
+async def _engine(settings: ServerSettings, address: str, ready: Connection,
+                  drain_on: int) -> None:
     registry = Registry.serving(settings, load_catalog(settings.model_dirs,
                                                        settings.model_paths))
     metrics = Metrics()
@@ -444,7 +449,7 @@ async def _engine(settings: ServerSettings, address: str, ready: Connection) -> 
     server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(drain_on, stop.set)
     ready.send("ready")
     preloads = [settings.default_model, *settings.preload]
     for name in preloads:

@@ -1,6 +1,12 @@
 """A child of the supervisor never outlives it: on Linux the kernel kills the child when
 its parent dies (PR_SET_PDEATHSIG); elsewhere a thread watches the parent's pid. So a
-killed supervisor leaves no API process holding the port and no engine holding a device."""
+killed supervisor leaves no API process holding the port and no engine holding a device.
+
+And a child drains on its supervisor's order alone (DRAIN_ORDER). A terminal's Ctrl-C or
+hang-up, `kill` of a process group, and systemd's default stop signal every process of
+the service at once; a child that drained on those would stop while the others still
+need it (the engine before the API processes have sent it what they hold). So children
+ignore them, and the supervisor, signalled too, drains them in order."""
 
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ import threading
 import time
 
 log = logging.getLogger("ember.supervisor")
+DRAIN_ORDER = signal.SIGUSR1  # the supervisor to a child: finish what you accepted, exit
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # what a supervisor drains on
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 WATCH_S = 0.2  # how often the fallback watch looks at the parent
 
@@ -25,6 +33,12 @@ def die_with_parent(parent: int) -> None:
         return
     threading.Thread(target=_watch, args=(parent,), name="ember-parent-watch",
                      daemon=True).start()
+
+
+def ignore_stop_signals() -> None:
+    """For a child: the stop signals are the supervisor's to act on (DRAIN_ORDER)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _pdeathsig() -> bool:
