@@ -36,7 +36,7 @@ def test_a_yaml_file_in_a_model_dir_adds_a_model(tmp_path: Path) -> None:
     ("name: x\nadapter: transformer\ntasks: [fly]\nsource: {path: .}\n", "tasks must be"),
     ("name: x\nadapter: transformer\ntasks: [encode]\n", "needs one of package, path or hub"),
     ("name: x\nadapter: synthetic\ntasks: [encode]\nbatching: {speed: 3}\n",
-     "'batching' accepts only"),
+     "batching.speed is not a setting; 'batching' accepts only"),
     ("name: [unclosed\n", "not valid YAML"),
 ])
 def test_bad_yaml_names_the_file_and_the_field(tmp_path: Path, text: str, message: str) -> None:

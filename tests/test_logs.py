@@ -52,3 +52,38 @@ def test_a_probes_503_while_loading_is_not_a_warning(caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.INFO, logger="ember.access"):
         access_log("GET", path, path, "", status, 0, 0.0, 0.0, 1.0, "r1")
     assert [r.levelno for r in caplog.records] == [level]
+
+
+@pytest.mark.parametrize("json_lines", [False, True])
+def test_a_line_written_for_a_request_names_it(json_lines: bool) -> None:
+    """Found by a black-box review: "inference failed" lines named no request, so they
+    could not be joined to their access lines."""
+    import io
+
+    from ember.logs import REQUEST_ID, JsonFormatter, RequestIdFilter
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter("%(message)s"))
+    handler.addFilter(RequestIdFilter(json_lines))
+    logger = logging.getLogger("ember.test.request-id")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        token = REQUEST_ID.set("id-50%")
+        try:
+            logger.error("inference failed: %s", "boom")
+            logger.error("no arguments, 100%")
+        finally:
+            REQUEST_ID.reset(token)
+        logger.error("outside any request")
+    finally:
+        logger.removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    if json_lines:
+        records = [json.loads(line) for line in lines]
+        assert [r.get("request_id") for r in records] == ["id-50%", "id-50%", None]
+        assert records[0]["message"] == "inference failed: boom"
+    else:
+        assert lines == ["inference failed: boom request_id=id-50%",
+                         "no arguments, 100% request_id=id-50%", "outside any request"]

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import cast
@@ -33,20 +34,29 @@ from ember.logs import FORMATS, LEVELS
 
 log = logging.getLogger("ember")
 
+def number(text: str) -> float:
+    """A flag's finite number: float() reads "nan" and "inf", which no setting means."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
 # (flag, type, default, help); the variable is EMBER_ + the flag in upper snake case.
-WORKER_FLAGS: list[tuple[str, type, object, str]] = [
+Parse = Callable[[str], object]  # a flag's type: a class, or `number`
+WORKER_FLAGS: list[tuple[str, Parse, object, str]] = [
     ("max-batch-tokens", int, 16384, "padded tokens per forward (items x longest)"),
     ("max-batch-items", int, 64, "items per forward"),
     ("dispatch", str, "auto", "auto: the batch windows below that are not set follow the "
      "cost per forward the engine measures on each model; fixed: unset windows take the "
      "fixed defaults (10 ms, 1.05, 3 ms)"),
-    ("max-batch-wait-ms", float, None, "longest a batch stays open after its first item "
+    ("max-batch-wait-ms", number, None, "longest a batch stays open after its first item "
      "(default: learned, at most 10)"),
-    ("max-padding", float, None, "padded tokens a batch may hold per real token (plus 4 a "
+    ("max-padding", number, None, "padded tokens a batch may hold per real token (plus 4 a "
      "text); 0 turns the cap off (default: learned; 1.05 until learned)"),
-    ("idle-coalesce-ms", float, None, "quiet time that closes a burst reaching an idle model "
+    ("idle-coalesce-ms", number, None, "quiet time that closes a burst reaching an idle model "
      "(default: learned, at most 3)"),
-    ("lead-ratio", float, LEAD_RATIO, "a request with at most 1/this the items of the largest "
+    ("lead-ratio", number, LEAD_RATIO, "a request with at most 1/this the items of the largest "
      "queued beside it leads the next forward (a query beside a bulk request); 0: off"),
     ("max-queue-items", int, 4096, "queued items per model before 429"),
 ]
@@ -56,7 +66,7 @@ def env_name(flag: str) -> str:
     return "EMBER_" + flag.replace("-", "_").upper()
 
 
-def env_default(flag: str, kind: type, default: object) -> object:
+def env_default(flag: str, kind: Parse, default: object) -> object:
     raw = os.environ.get(env_name(flag))
     if raw is None:
         return default
@@ -93,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Serve the catalog over HTTP. Each flag can also "
                                 "be set by the EMBER_* variable named in its help.")
 
-    def flag(name: str, kind: type, default: object, text: str, env_choices: bool = True,
+    def flag(name: str, kind: Parse, default: object, text: str, env_choices: bool = True,
              **extra: object) -> None:
         try:
             value = env_default(name, kind, default)
@@ -152,12 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     flag("max-text-chars", int, 200_000, "characters in one text before 422 (a text is "
          "cut to the model's token limit only after this check)")
     flag("max-images-per-request", int, 32, "images in one request before 413")
-    flag("request-timeout-s", float, None, "end a request with 504 after this long; its "
+    flag("request-timeout-s", number, None, "end a request with 504 after this long; its "
          "queued work is dropped")
     flag("max-loaded-models", int, 4, "models in memory at once (LRU eviction)")
     flag("memory-budget-mb", int, None, "weights in memory before LRU eviction")
     flag("api-key", str, None, "require 'Authorization: Bearer <key>' (all but /healthz, "
-         "/readyz)")
+         "/readyz and /health)")
     flag("token-ids", str, "refuse", "token-id input on /v1/embeddings: refuse (a 422 "
          "that says to send text: clients such as LangChain send OpenAI's tiktoken ids, "
          "which no other model reads right), or model (read them as ids of the model's own "
@@ -178,12 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
          "replica is full; docs/scaling.md)")
     flag("max-queued-requests", int, None, "with --ray, requests Ray's router holds while "
          "every engine replica is full, before it answers 429 (default: --max-batch-items)")
-    flag("target-ongoing-requests", float, ray.target_ongoing_requests, "with --ray and "
+    flag("target-ongoing-requests", number, ray.target_ongoing_requests, "with --ray and "
          "autoscaling, the ongoing requests per engine replica to scale towards (default: "
          "2 x --max-batch-items, two full batches of one-text requests)")
-    flag("upscale-delay-s", float, ray.upscale_delay_s, "with --ray and autoscaling, load "
+    flag("upscale-delay-s", number, ray.upscale_delay_s, "with --ray and autoscaling, load "
          "sustained this long before a replica is added")
-    flag("downscale-delay-s", float, ray.downscale_delay_s, "with --ray and autoscaling, "
+    flag("downscale-delay-s", number, ray.downscale_delay_s, "with --ray and autoscaling, "
          "idleness sustained this long before a replica is removed")
     flag("ray-cpus", int, ray.num_cpus, "with --ray, logical CPUs of the local Ray "
          "instance (default: enough for every engine replica)")
@@ -213,8 +223,16 @@ def _list(values: Sequence[str] | str | None, sep: str) -> tuple[str, ...]:
 def settings_from(args: argparse.Namespace) -> ServerSettings:
     if not args.ray:
         refuse_ray_flags(args)
-    worker = WorkerConfig(**{name.replace("-", "_"): getattr(args, name.replace("-", "_"))
-                             for name, *_ in WORKER_FLAGS})
+    try:
+        worker = WorkerConfig(**{name.replace("-", "_"): getattr(args, name.replace("-", "_"))
+                                 for name, *_ in WORKER_FLAGS})
+    except ValueError as exc:  # named as the YAML's `batching:` names it: name the flag
+        field = str(exc).split(" ", 1)[0]
+        raise ValueError(f"--{field.replace('_', '-')}{str(exc)[len(field):]} (or "
+                         f"{env_name(field)})") from None
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key (or EMBER_API_KEY) is empty, which would serve without "
+                         "a key: set the key, or leave both unset to serve without one")
     return ServerSettings(
         host=args.host, port=args.port, workers=args.workers,
         model_dirs=tuple(Path(p) for p in _list(args.model_dir, ":")),
@@ -228,7 +246,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         max_items_per_request=args.max_items_per_request, max_body_bytes=args.max_body_bytes,
         max_text_chars=args.max_text_chars, max_images_per_request=args.max_images_per_request,
         request_timeout_s=args.request_timeout_s, max_loaded_models=args.max_loaded_models,
-        memory_budget_mb=args.memory_budget_mb, api_key=args.api_key or None,
+        memory_budget_mb=args.memory_budget_mb, api_key=args.api_key,
         token_ids=args.token_ids,
         log_level=args.log_level.lower(), log_format=args.log_format.lower(),
         ray=ray_settings_from(args) if args.ray else None,

@@ -61,7 +61,8 @@ def spinning_mode(value: str | bool) -> Spinning:
         return "off"
     if text == "forward":
         return "forward"
-    raise ValueError(f"onnx spinning {value!r} is not one of {list(SPINNING)}")
+    raise ValueError(f"--onnx-spinning (or EMBER_ONNX_SPINNING) {value!r} is not one of "
+                     f"{list(SPINNING)}")
 
 
 class CatalogError(ValueError):
@@ -173,8 +174,12 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
         raise CatalogError(f"{where}: 'loras' must map adapter names to directories")
     batching = data.get("batching") or {}
     allowed = set(WorkerConfig.__dataclass_fields__)
-    if not isinstance(batching, Mapping) or set(batching) - allowed - UNREAD_BATCHING:
-        raise CatalogError(f"{where}: 'batching' accepts only {sorted(allowed)}")
+    if not isinstance(batching, Mapping):
+        raise CatalogError(f"{where}: 'batching' must map settings to values")
+    unknown = sorted(map(str, set(batching) - allowed - UNREAD_BATCHING))
+    if unknown:
+        raise CatalogError(f"{where}: batching.{', batching.'.join(unknown)} is not a setting; "
+                           f"'batching' accepts only {sorted(allowed)}")
     for unread in sorted(set(batching) & UNREAD_BATCHING):
         log.warning("%s: batching.%s is accepted but no longer used by the engine; "
                     "remove it (docs/architecture.md, settings)", where, unread)

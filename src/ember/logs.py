@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from contextvars import ContextVar
 from typing import IO
 
 import orjson
@@ -26,6 +27,28 @@ LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 access = logging.getLogger("ember.access")
+# The request whose handling writes a line (set by the HTTP middleware, per request task).
+REQUEST_ID: ContextVar[str | None] = ContextVar("ember_request_id", default=None)
+
+
+class RequestIdFilter(logging.Filter):
+    """A line written while a request is handled names it (a field in JSON, at the end of
+    a text line), so an error joins its request's access line, which names it itself."""
+
+    def __init__(self, json_lines: bool) -> None:
+        super().__init__()
+        self.json_lines = json_lines
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        request_id = REQUEST_ID.get()
+        if request_id is None or record.name == access.name:
+            return True
+        if self.json_lines:
+            record.fields = {**getattr(record, "fields", {}), "request_id": request_id}
+        else:  # a client's id may hold "%", and the message is formatted with its args
+            suffix = f" request_id={request_id}"
+            record.msg = f"{record.msg}{suffix.replace('%', '%%') if record.args else suffix}"
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -67,6 +90,7 @@ def configure_logging(settings: ServerSettings) -> None:
         stream = sys.stderr
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(TEXT_FORMAT))
+    handler.addFilter(RequestIdFilter(json_lines))
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
     logging.captureWarnings(True)  # warnings.warn(...) becomes a record of py.warnings
     for name in LIBRARY_LOGGERS:

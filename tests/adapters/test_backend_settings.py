@@ -66,13 +66,14 @@ def test_a_bad_spinning_mode_is_refused(monkeypatch: pytest.MonkeyPatch,
     assert "invalid choice: 'sometimes'" in capsys.readouterr().err
     monkeypatch.setenv("EMBER_ONNX_SPINNING", "sometimes")
     assert main(["serve"]) == 2
-    assert "onnx spinning 'sometimes'" in capsys.readouterr().err
+    assert "EMBER_ONNX_SPINNING) 'sometimes' is not one of" in capsys.readouterr().err
 
 
 def test_a_bad_batching_limit_is_refused_with_its_name(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--max-batch-items", "0"]) == 2  # an exit, not a traceback
-    assert "max_batch_items must be >= 1, got 0" in capsys.readouterr().err
+    assert "--max-batch-items must be >= 1, got 0 (or EMBER_MAX_BATCH_ITEMS)" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("mode", "spinning", "stop"), [
@@ -153,3 +154,30 @@ def test_torch_runs_one_thread_around_onnx_forwards(monkeypatch: pytest.MonkeyPa
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("flag", ["--request-timeout-s", "--max-batch-wait-ms",
+                                  "--max-padding", "--idle-coalesce-ms", "--lead-ratio"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_number_flag_refuses_nan_and_infinity(flag: str, value: str,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a black-box review: `--request-timeout-s nan` started a server whose
+    timeout was ignored, and logged a traceback for each slow request."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", flag, value])
+    assert f"argument {flag}: invalid number value: '{value}'" in capsys.readouterr().err
+    monkeypatch.setenv("EMBER_" + flag[2:].replace("-", "_").upper(), value)
+    with pytest.raises(SystemExit):
+        build_parser()
+    assert f"={value!r} is not a valid number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_is_refused(key: str, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a black-box review: an empty EMBER_API_KEY (a missing secret) served
+    without a key, saying nothing."""
+    monkeypatch.setenv("EMBER_API_KEY", key)
+    assert main(["serve"]) == 2
+    assert "--api-key (or EMBER_API_KEY) is empty" in capsys.readouterr().err

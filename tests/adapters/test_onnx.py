@@ -279,12 +279,15 @@ def test_a_shipped_graph_onnx_runtime_cannot_read_is_exported_instead(
     assert "ONNX Runtime cannot read it" in caplog.text
 
 
-def test_a_failed_export_is_refused_with_the_reason(
+def test_a_cache_folder_that_cannot_be_written_is_named(
         tmp_path: Path, tiny: dict[str, Path]) -> None:
+    """Found by a black-box review: an unwritable --cache-dir failed the model with advice
+    to serve it on torch, not a word about the folder."""
     cache = tmp_path / "cache"
     cache.write_text("a file where the cache folder should be", encoding="utf-8")
-    with pytest.raises(ModelLoadError, match=r"cannot export to ONNX.*backend: torch"):
+    with pytest.raises(ModelLoadError, match="cannot write its ONNX export under") as caught:
         load_bi(tiny["bi"], cache)
+    assert "--cache-dir (or EMBER_CACHE_DIR)" in str(caught.value)
 
 
 def test_loras_run_on_torch_or_are_refused_on_onnx(tiny: dict[str, Path]) -> None:

@@ -99,11 +99,6 @@ def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     assert settings.model_dirs == (Path("/z"),)
 
 
-def test_an_empty_api_key_means_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("EMBER_API_KEY", "")
-    assert parse().api_key is None
-
-
 @pytest.mark.parametrize(("variable", "value", "says"), [
     ("EMBER_MAX_BATCH_ITEMS", "lots", "EMBER_MAX_BATCH_ITEMS='lots' is not a valid int"),
     # Found by a black-box review: any word but the true ones, "maybe", read as off.

@@ -4,6 +4,7 @@ limit, and msgpack in both directions."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections.abc import AsyncIterator
 from typing import Any
@@ -88,6 +89,28 @@ async def test_every_response_carries_the_request_id_and_timings(
     assert_context_headers(response, "client-id-42", forward=answered_by_forward)
 
 
+async def test_a_log_line_of_a_request_names_it(shared: Served) -> None:
+    from ember.logs import REQUEST_ID
+
+    seen: list[str | None] = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("inference failed"):
+                seen.append(REQUEST_ID.get())
+
+    recorder = Recorder()
+    logging.getLogger("ember").addHandler(recorder)
+    try:
+        response = await shared.client.post(f"/v1/encode/{SYNTH}",
+                                             json=encode_body("__fail__ here"),
+                                             headers={"x-request-id": "the-failing-one"})
+    finally:
+        logging.getLogger("ember").removeHandler(recorder)
+    assert response.status_code == 500
+    assert seen == ["the-failing-one"]
+
+
 async def test_a_request_id_is_made_when_the_client_sends_none(shared: Served) -> None:
     first = await shared.client.get("/healthz")
     second = await shared.client.get("/healthz")
@@ -125,6 +148,21 @@ async def test_a_request_cancelled_before_its_answer_is_a_499_not_a_500(
         assert f'ember_requests_total{{model="{SYNTH}",{route},status="499"}} 1.0' in text
         assert 'status="500"' not in text
         assert 'ember_rejections_total{reason="client_disconnected"} 1.0' in text
+
+
+async def test_a_refused_body_is_counted_under_the_model_its_path_names(
+        apps: AppFactory) -> None:
+    """Found by a black-box review: a 422 on /v1/encode/<model> was counted under
+    model="" (and a model not in the catalog is "unknown", not a new label)."""
+    async with apps.serve() as served:
+        for model in (SYNTH, "no/such-model"):
+            response = await served.client.post(f"/v1/encode/{model}", json={"items": 3})
+            assert response.status_code in (404, 422), response.text
+        text = await served.metrics()
+        route = 'route="/v1/encode/{model:path}"'
+        assert f'ember_requests_total{{model="{SYNTH}",{route},status="422"}} 1.0' in text
+        assert f'ember_requests_total{{model="unknown",{route},status="422"}} 1.0' in text
+        assert 'model=""' not in text
 
 
 async def test_refusals_carry_the_headers_too(apps: AppFactory) -> None:

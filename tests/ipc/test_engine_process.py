@@ -335,6 +335,29 @@ async def test_a_silent_engine_fails_waiting_and_new_calls_with_a_503(
         client.close()
 
 
+async def test_a_call_failed_on_a_silent_engine_is_dropped_by_it(
+        fake_engine: tuple[str, zmq.asyncio.Socket]) -> None:
+    """Found by a black-box review: an engine stopped (SIGSTOP) past the wait got its
+    callers a 503, then, once resumed, ran their items for nobody (R9)."""
+    address, router = fake_engine
+    client = EngineClient(address, "api-test-wedged", heartbeat_s=0.1, restart_wait_s=1.0)
+    try:
+        waiting = submit(client, "held by a stopped engine")
+        [(call_id, _)] = await calls_of(router, "fake", 1)
+        with pytest.raises(EngineUnavailable):  # the engine says nothing from now on
+            await asyncio.wait_for(waiting, 10)
+        deadline = time.monotonic() + 5
+        while True:  # what it reads on waking: pings, and the call's cancel
+            assert time.monotonic() < deadline, "no cancel was sent"
+            _, frame = await asyncio.wait_for(router.recv_multipart(), 5)
+            message = unpack(frame)
+            if message["op"] != "ping":
+                assert message == {"op": "cancel", "id": call_id}
+                break
+    finally:
+        client.close()
+
+
 async def test_closing_fails_what_still_waits_with_a_503(
         fake_engine: tuple[str, zmq.asyncio.Socket]) -> None:
     address, router = fake_engine

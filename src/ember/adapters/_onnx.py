@@ -12,6 +12,7 @@ int8 quantization of that graph, cached beside it.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -46,6 +47,9 @@ FUSABLE = {"bert", "roberta", "xlm-roberta", "camembert", "electra"}
 CHECK_SHAPES = ((2, 16), (3, 37))  # (batch, sequence): the traced shape and another
 Origin = Literal["shipped", "cached", "exported"]
 CACHED_GRAPHS = 2  # the float graph and its int8 copy: a load may find each one damaged
+# An export that cannot be written: the cache folder's fault, not the model's.
+UNWRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.ENOTDIR,
+              errno.EEXIST}
 
 
 def cache_root(runtime: Runtime) -> Path:
@@ -214,6 +218,11 @@ def _fp32(spec: ModelSpec, model_dir: Path, plan: ExportPlan,
     except ModelLoadError:
         raise
     except Exception as exc:  # the exporter's failures come in many types
+        if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
+            raise ModelLoadError(spec.name, f"cannot write its ONNX export under {root} "
+                                            f"({exc.strerror}); point --cache-dir (or "
+                                            "EMBER_CACHE_DIR) at a writable folder with "
+                                            "room, or serve it with backend: torch") from exc
         if type(exc).__name__ == "SafetensorError":  # torch could not read it either
             raise ModelLoadError(spec.name, f"its weights file is incomplete or corrupt "
                                             f"({exc}); fetch the model again") from exc

@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api.errors import CLIENT_CLOSED_REQUEST, BodyTooLarge, error_response
 from ember.api.state import ServerState
-from ember.logs import access_log
+from ember.logs import REQUEST_ID, access_log
 from ember.metrics import labelled
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
@@ -57,6 +57,7 @@ class RequestContextMiddleware(HttpMiddleware):
                       or usable_id(_header(scope, b"x-sie-request-id")) or new_request_id())
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
+        logged_as = REQUEST_ID.set(request_id)
         started = time.perf_counter()
         server = self.state()
         status: int | None = None  # until the response starts
@@ -92,6 +93,7 @@ class RequestContextMiddleware(HttpMiddleware):
             server.leave()
             # 500: what the client sees if the app failed before it answered
             self.account(scope, state, status or 500, time.perf_counter() - started)
+            REQUEST_ID.reset(logged_as)
 
     def account(self, scope: Scope, state: dict[str, Any], status: int,
                 seconds: float) -> None:

@@ -345,8 +345,21 @@ class EngineClient:
             sent = cast("asyncio.Future[Any]", self._socket.send(ping, flags=zmq.DONTWAIT))
             sent.add_done_callback(_ignore_outcome)
             if self._waiting and self.silent_s > self.restart_wait_s:
-                self._fail_waiting(EngineUnavailable(f"no answer for {self.silent_s:.0f} s"))
+                self._give_up(EngineUnavailable(f"no answer for {self.silent_s:.0f} s"))
             await asyncio.sleep(self.heartbeat_s)
+
+    def _give_up(self, error: Exception) -> None:
+        """Fail what waits on a silent engine; an engine that was only stopped would run the
+        calls it holds once it wakes, for callers already answered: it is told to drop
+        them (R9), a message it reads before anything sent after."""
+        for call in self._waiting.values():
+            if call.reply.done():
+                continue
+            call.reply.set_exception(error)
+            if call.engine is not None:  # sent to an engine
+                cancel = pack({"op": "cancel", "id": call.id})
+                sent = cast("asyncio.Future[Any]", self._socket.send(cancel, flags=zmq.DONTWAIT))
+                sent.add_done_callback(_ignore_outcome)
 
     def _fail_waiting(self, error: Exception) -> None:
         for call in self._waiting.values():
