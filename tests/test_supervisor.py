@@ -557,18 +557,17 @@ def test_a_runtime_folder_left_by_a_killed_supervisor_is_swept(tmp_path: Path) -
     engine's socket, the metrics files) in the temporary directory for good."""
     import tempfile
 
-    from ember.supervisor import OWNER_FILE, sweep_stale_runtime_dirs
+    from ember.supervisor import OWNER_FILE, claim, sweep_stale_runtime_dirs
 
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
     folders = {name: Path(tempfile.mkdtemp(prefix="ember-")) for name in
                ("stale", "alive", "not-a-supervisor's")}
-    (folders["stale"] / OWNER_FILE).write_text(str(gone.pid), encoding="ascii")
-    (folders["alive"] / OWNER_FILE).write_text(str(os.getpid()), encoding="ascii")
+    (folders["stale"] / OWNER_FILE).write_text("12345", encoding="ascii")  # nobody's lock
+    owner = claim(folders["alive"])  # as a live supervisor holds its own
     try:
         sweep_stale_runtime_dirs()
         assert not folders["stale"].exists()
         assert folders["alive"].exists() and folders["not-a-supervisor's"].exists()
     finally:
+        owner.close()
         for folder in folders.values():
             shutil.rmtree(folder, ignore_errors=True)

@@ -9,14 +9,15 @@ written as a JSON line of the `stderr` logger."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import sys
 import threading
 import time
-from contextvars import ContextVar
-from typing import IO
+from contextvars import ContextVar, Token
+from typing import IO, Any
 
 import orjson
 import setproctitle
@@ -27,8 +28,28 @@ LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 access = logging.getLogger("ember.access")
-# The request whose handling writes a line (set by the HTTP middleware, per request task).
-REQUEST_ID: ContextVar[str | None] = ContextVar("ember_request_id", default=None)
+# The request whose task writes a line (set by the HTTP middleware). With its task: a task
+# started during a request (a model's load, its worker) inherits the variable, and must
+# not name that request in every line it writes after.
+REQUEST_ID: ContextVar[tuple[asyncio.Task[Any] | None, str] | None] = ContextVar(
+    "ember_request_id", default=None)
+
+
+def handling(request_id: str) -> Token[tuple[asyncio.Task[Any] | None, str] | None]:
+    """Name `request_id` in the lines the current task writes (reset with the token)."""
+    return REQUEST_ID.set((asyncio.current_task(), request_id))
+
+
+def request_id_now() -> str | None:
+    """The request the current task handles, if any."""
+    value = REQUEST_ID.get()
+    if value is None:
+        return None
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # a thread without a loop
+        return None
+    return value[1] if task is value[0] else None
 
 
 class RequestIdFilter(logging.Filter):
@@ -40,7 +61,7 @@ class RequestIdFilter(logging.Filter):
         self.json_lines = json_lines
 
     def filter(self, record: logging.LogRecord) -> bool:
-        request_id = REQUEST_ID.get()
+        request_id = request_id_now()
         if request_id is None or record.name == access.name:
             return True
         if self.json_lines:

@@ -1,4 +1,5 @@
-"""The HTTP server: uvicorn with Ember's graceful drain on SIGTERM/SIGINT."""
+"""The HTTP server: uvicorn with Ember's graceful drain on SIGTERM, SIGINT or SIGHUP (in an
+API process of several: on its supervisor's order)."""
 
 from __future__ import annotations
 
@@ -53,8 +54,10 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         # uvicorn takes SIGTERM and SIGINT; a hang-up drains too, and a managed process
         # drains on its supervisor's order.
-        if threading.current_thread() is threading.main_thread():  # as uvicorn's own
-            signal.signal(DRAIN_ORDER if self.managed else signal.SIGHUP, self.handle_exit)
+        order = DRAIN_ORDER if self.managed else signal.SIGHUP
+        if (threading.current_thread() is threading.main_thread()  # as uvicorn's own
+                and signal.getsignal(order) is not signal.SIG_IGN):  # nohup's stays ignored
+            signal.signal(order, self.handle_exit)
         if self.should_exit:
             return
         if self.on_serving is not None:
@@ -72,8 +75,10 @@ class DrainingServer(uvicorn.Server):
         return self.state.settings.port
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.managed and sig != DRAIN_ORDER:
-            return
+        if self.managed and (sig != DRAIN_ORDER or self.state.draining):
+            return  # the supervisor's order; once given, it ends this process if it must
+        if self.state.draining and sig == signal.SIGHUP:
+            return  # a hang-up comes twice (the shell, then the terminal): not a 2nd signal
         if self.state.draining:
             log.warning("second signal: exiting now")
             os._exit(1)

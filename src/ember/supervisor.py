@@ -22,6 +22,8 @@ A second signal ends all processes at once.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import logging
 import multiprocessing
@@ -35,9 +37,9 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from multiprocessing.synchronize import Event
 from pathlib import Path
 from types import FrameType
+from typing import IO
 
 import zmq
 
@@ -59,29 +61,40 @@ ENGINE_GONE_GRACE_S = 5.0  # API processes answer what they can once the engine 
 ENGINE_DRAIN_S = 10.0
 
 
-OWNER_FILE = "supervisor.pid"  # in a runtime folder: the supervisor it belongs to
+OWNER_FILE = "supervisor.pid"  # in a runtime folder, locked while its supervisor lives
+
+
+def claim(folder: Path) -> IO[str]:
+    """Lock `folder` for this process (the kernel lets go when it ends, however): the
+    owner file appears only once locked, so a sweep never takes a folder being set up."""
+    pending = folder / f"{OWNER_FILE}.new"
+    owner = pending.open("w", encoding="ascii")
+    fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    owner.write(str(os.getpid()))
+    owner.flush()
+    pending.rename(folder / OWNER_FILE)
+    return owner
 
 
 def sweep_stale_runtime_dirs() -> None:
     """Remove the runtime folders (the engine's socket, the metrics files) of supervisors
-    that are gone: one killed outright (-9) could not remove its own."""
+    that are gone: one killed outright (-9) could not remove its own. A lock, not a pid:
+    pids are reused, and a supervisor in another container sharing /tmp has another."""
     for folder in Path(tempfile.gettempdir()).glob("ember-*"):
         try:
-            pid = int((folder / OWNER_FILE).read_text(encoding="ascii"))
-        except (OSError, ValueError):
+            with (folder / OWNER_FILE).open("r", encoding="ascii") as owner:
+                fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its supervisor lives
+        except OSError:
             continue  # not a supervisor's, or another user's
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(folder, ignore_errors=True)
-        except PermissionError:
-            pass  # alive, another user's
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: int,
-            serving: Event) -> None:
+            serving: Connection) -> None:
     """An API process's main: the HTTP routes on the shared socket, the models remote;
-    `serving` is set once it listens."""
+    `serving` is told once it listens."""
     from ember.adapters.base import Runtime
     from ember.config import load_catalog
     from ember.ipc.client import EngineClient
@@ -101,7 +114,8 @@ def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: 
                           Runtime.from_settings(settings),
                           EngineClient(address), settings.worker.max_queue_items)
     def listening() -> None:
-        serving.set()
+        serving.send(True)
+        serving.close()
         log.info("API process %d (pid %d) serves", index, os.getpid())
 
     run_http(settings, models, sockets=[sock], managed=True, on_serving=listening)
@@ -110,13 +124,20 @@ def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: 
 @dataclass
 class ApiProcess:
     process: BaseProcess
-    serving: Event  # set once it listens: a death before is a failed start
+    serving: Connection  # it says once it listens: a death before is a failed start
     index: int  # its slot: a replacement takes the dead one's, so names stay 0..N-1
+    served: bool = False
+
+    def has_served(self) -> bool:
+        if not self.served and self.serving.poll(0):
+            with contextlib.suppress(EOFError, OSError):  # it ended without a word
+                self.served = bool(self.serving.recv())
+        return self.served
 
     def drain_code(self) -> int:
         """Its exit code, as its drain's outcome: one that never served had nothing to
         finish (a drain order can reach it before its handler is set, and end it)."""
-        return (self.process.exitcode or 0) if self.serving.is_set() else 0
+        return (self.process.exitcode or 0) if self.has_served() else 0
 
 
 class Supervisor:
@@ -125,7 +146,7 @@ class Supervisor:
         self.context = multiprocessing.get_context("spawn")
         sweep_stale_runtime_dirs()
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="ember-"))  # private: mode 0700
-        (self.runtime_dir / OWNER_FILE).write_text(str(os.getpid()), encoding="ascii")
+        self._owner = claim(self.runtime_dir)  # held, locked, for this process's life
         self.address = f"ipc://{self.runtime_dir / 'engine.sock'}"
         self.apis: list[ApiProcess] = []
         self.signals = 0
@@ -144,12 +165,13 @@ class Supervisor:
         metrics_dir.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # the children inherit it
         for sig in STOP_SIGNALS:
-            signal.signal(sig, self._on_signal)
+            if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's hang-up stays ignored
+                signal.signal(sig, self._on_signal)
         name_process("supervisor")
         try:
-            engine, ready = self._start_engine()
+            engine, ready = self._start_engine(first=True)
             if not ready:
-                return 1
+                return 0 if self.signals else 1  # stopped as it started: nothing accepted
             for _ in range(self.settings.workers):
                 self._start_api(sock)
             log.info("Ember listening on http://%s:%d: %d API processes, engine pid %s "
@@ -160,8 +182,9 @@ class Supervisor:
         finally:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
-    def _start_engine(self) -> tuple[BaseProcess, bool]:
-        """A new engine process, and whether it bound its socket (else it is ended)."""
+    def _start_engine(self, first: bool = False) -> tuple[BaseProcess, bool]:
+        """A new engine process, and whether it bound its socket (else it is ended; the
+        `first` one also if a signal comes before: nothing is accepted yet to finish)."""
         from ember.ipc.engine import run_engine
 
         ready, ready_send = self.context.Pipe(duplex=False)
@@ -171,20 +194,25 @@ class Supervisor:
         ready_send.close()
         self.engine_started = time.monotonic()
         self.engine_notes, self.engine_loading, self.engine_preloaded = ready, [], False
-        return engine, self._engine_ready(engine, ready)
+        return engine, self._engine_ready(engine, ready, first)
 
-    def _engine_ready(self, engine: BaseProcess, ready: multiprocessing.connection.Connection
-                      ) -> bool:
+    def _engine_ready(self, engine: BaseProcess, ready: multiprocessing.connection.Connection,
+                      first: bool) -> bool:
         deadline = time.monotonic() + ENGINE_START_S
-        # A drain waits for it too: the API processes send it what they hold (a second
-        # signal ends everything at once, in _on_signal).
+        # A replacement is waited for in a drain too: the API processes send it what they
+        # hold (a second signal ends everything at once, in _on_signal).
         while time.monotonic() < deadline:
             if ready.poll(0.2) and ready.recv() == "ready":
                 return True
+            if first and self.signals:
+                log.info("stopped before the engine process started")
+                engine.kill()
+                engine.join(10)
+                return False
             if not engine.is_alive():
                 break
         log.error("the engine process did not start (%s)", exit_reason(engine.exitcode))
-        engine.terminate()
+        engine.kill()  # it ignores the stop signals
         engine.join(10)
         return False
 
@@ -252,11 +280,11 @@ class Supervisor:
 
     def _start_api(self, sock: socket.socket, index: int | None = None) -> None:
         index = next(self._api_index) if index is None else index
-        serving = self.context.Event()
+        serving, says = self.context.Pipe(duplex=False)  # not an Event: no resource tracker
         process = self.context.Process(target=run_api, name=f"ember-api-{index}",
-                                       args=(self.settings, sock, self.address, index,
-                                             serving))
+                                       args=(self.settings, sock, self.address, index, says))
         process.start()
+        says.close()
         log.info("started API process %d (pid %s)", index, process.pid)
         self.apis.append(ApiProcess(process, serving, index))
 
@@ -301,7 +329,7 @@ class Supervisor:
         pid, code = api.process.pid, api.process.exitcode
         self.apis.remove(api)
         # Only deaths before serving count: one that served can start, whatever ended it.
-        self.failed_starts = 0 if api.serving.is_set() else self.failed_starts + 1
+        self.failed_starts = 0 if api.has_served() else self.failed_starts + 1
         if self.failed_starts >= FAILED_STARTS:
             log.error("API processes keep dying before they serve: %d in a row (last exit "
                       "code %s); stopping", self.failed_starts, code)
@@ -369,6 +397,8 @@ class Supervisor:
             context.term()
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        if self.signals and sig == signal.SIGHUP:
+            return  # a hang-up comes twice (the shell, then the terminal): not a 2nd signal
         self.signals += 1
         if self.signals > 1:
             log.warning("second signal: ending every process now")

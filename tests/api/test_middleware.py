@@ -90,14 +90,14 @@ async def test_every_response_carries_the_request_id_and_timings(
 
 
 async def test_a_log_line_of_a_request_names_it(shared: Served) -> None:
-    from ember.logs import REQUEST_ID
+    from ember.logs import request_id_now
 
     seen: list[str | None] = []
 
     class Recorder(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             if record.getMessage().startswith("inference failed"):
-                seen.append(REQUEST_ID.get())
+                seen.append(request_id_now())
 
     recorder = Recorder()
     logging.getLogger("ember").addHandler(recorder)

@@ -10,8 +10,10 @@ import pytest
 import pytest_asyncio
 from transformers import AutoTokenizer
 
+from ember.adapters import transformer
+from ember.adapters.base import EncodeOptions, Runtime
 from ember.config import ServerSettings
-from tests.adapters.tiny_models import build_sparse_encoder
+from tests.adapters.tiny_models import build_bi_encoder, build_sparse_encoder, spec_for
 from tests.api.conftest import MINILM, AppFactory, Served, assert_error, serving
 from tests.hub_standin import minilm_folder
 
@@ -128,3 +130,26 @@ async def test_embed_sparse_on_a_dense_model_is_a_422(minilm: Served) -> None:
     error = assert_error(await minilm.client.post("/embed_sparse", json={"inputs": "x"}), 422,
                          "unsupported_output", "model")
     assert "sparse" in error["message"]
+
+
+async def test_tokenize_refuses_more_than_it_can_show_at_once(minilm: Served) -> None:
+    """Found by a code review: 16 MB of punctuation, a token a character, held the event
+    loop for about 100 s."""
+    error = assert_error(await minilm.client.post("/tokenize", json={
+        "inputs": ["!" * 150_000, "?" * 60_000]}), 422, "invalid_request", "inputs")
+    assert "at most 200,000 characters" in error["message"]
+
+
+async def test_a_lowered_text_is_shown_in_its_own_characters(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A do_lower_case model reads "İ" as two characters: the tokens still name slices
+    of the text sent, at its own bytes (found by a code review)."""
+    folder = build_bi_encoder(tmp_path_factory.mktemp("lowered") / "bi")
+    adapter = transformer.load(spec_for(folder, "transformer", ("encode",)), Runtime())
+    adapter.lower_case = True
+    text = "İstanbul and Ünye"
+    [spans] = await adapter.token_spans([text], False, EncodeOptions())
+    raw = text.encode("utf-8")
+    assert "".join(s["text"] for s in spans).replace(" ", "") == text.replace(" ", "")
+    for span in spans:
+        assert raw[span["start"]:span["stop"]].decode("utf-8") == span["text"]

@@ -145,18 +145,29 @@ class TextTokenizer:
         """Tokens of one text without special tokens or truncation."""
         return len(encode_batch(self._whole, [text], add_special_tokens=False)[0])
 
-    def spans(self, text: str, special: bool) -> list[TokenSpan]:
-        """The tokens of one text, whole, with their places in its UTF-8 bytes."""
+    def spans(self, read: str, special: bool, text: str,
+              origin: Sequence[int] | None = None) -> list[TokenSpan]:
+        """The tokens of `read` (`text` as the tokenizer is given it), whole, each with its
+        slice of `text` and that slice's place in its UTF-8 bytes. `origin` maps a place
+        in `read` to one in `text` where their lengths differ (a lowered "İ" is two)."""
         # Not encode_batch_fast: it leaves the offsets out.
-        encoding = self._whole.encode(text, add_special_tokens=special)
+        encoding = self._whole.encode(read, add_special_tokens=special)
         at = None if text.isascii() else list(itertools.accumulate(
             (len(c.encode("utf-8", "surrogatepass")) for c in text), initial=0))
-        return [TokenSpan(id, token, True, None, None) if mask else
-                TokenSpan(id, text[start:stop], False, at[start] if at else start,
-                          at[stop] if at else stop)
-                for id, (start, stop), mask, token in zip(
-                    encoding.ids, encoding.offsets, encoding.special_tokens_mask,
-                    encoding.tokens, strict=True)]
+        spans: list[TokenSpan] = []
+        for id, (start, stop), mask, token in zip(encoding.ids, encoding.offsets,
+                                                  encoding.special_tokens_mask,
+                                                  encoding.tokens, strict=True):
+            if mask:
+                spans.append({"id": id, "text": token, "special": True, "start": None,
+                              "stop": None})
+                continue
+            if origin is not None:
+                start, stop = origin[start], origin[stop]
+            spans.append({"id": id, "text": text[start:stop], "special": False,
+                          "start": at[start] if at else start,
+                          "stop": at[stop] if at else stop})
+        return spans
 
     def decode(self, rows: Sequence[Sequence[int]], skip_special: bool,
                field: str) -> list[str]:

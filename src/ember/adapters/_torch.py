@@ -256,9 +256,17 @@ class TorchModel:
     async def token_spans(self, texts: Sequence[str], special: bool,
                           options: EncodeOptions) -> list[list[TokenSpan]]:
         prefix = self.side_prefix(options)
-        read = [self.reads(prefix + text) for text in texts]
-        return await off_loop(sum(map(len, read)),
-                              lambda: [self.tokens.spans(text, special) for text in read])
+
+        def spans(text: str) -> list[TokenSpan]:
+            read = self.reads(text)
+            origin = None
+            if len(read) != len(text):  # each character of the text, as many read
+                origin = [i for i, c in enumerate(text) for _ in self.reads(c)]
+                origin.append(len(text))
+            return self.tokens.spans(read, special, text, origin)
+
+        whole = [prefix + text for text in texts]
+        return await off_loop(sum(map(len, whole)), lambda: [spans(text) for text in whole])
 
     async def decode_ids(self, rows: Sequence[Sequence[int]],
                          skip_special: bool) -> list[str]:

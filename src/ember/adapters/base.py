@@ -14,7 +14,15 @@ import threading
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Generic, Literal, Protocol, TypeVar, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Generic,
+    Literal,
+    Protocol,
+    TypedDict,
+    TypeVar,
+    runtime_checkable,
+)
 
 import numpy as np
 import numpy.typing as npt
@@ -80,11 +88,10 @@ class Entity:
     score: float
 
 
-@dataclass(frozen=True, slots=True)
-class TokenSpan:
+class TokenSpan(TypedDict):
     """One token of a text as the model reads it (TEI's /tokenize): its id and text and,
     for a token of the text (not a special one), where it lies, in UTF-8 bytes as TEI
-    counts them."""
+    counts them. A dict, as it is answered: a text may have 200,000 tokens."""
 
     id: int
     text: str

@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api.errors import CLIENT_CLOSED_REQUEST, BodyTooLarge, error_response
 from ember.api.state import ServerState
-from ember.logs import REQUEST_ID, access_log
+from ember.logs import REQUEST_ID, access_log, handling
 from ember.metrics import labelled
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
@@ -57,7 +57,7 @@ class RequestContextMiddleware(HttpMiddleware):
                       or usable_id(_header(scope, b"x-sie-request-id")) or new_request_id())
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
-        logged_as = REQUEST_ID.set(request_id)
+        logged_as = handling(request_id)
         started = time.perf_counter()
         server = self.state()
         status: int | None = None  # until the response starts

@@ -166,7 +166,8 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
                    names: ParamNames | None = None) -> TaskOutput[T]:
     """Run `call` on the named model under the server's timeout; record timing and metrics.
     `items` is how many inputs the request sent under `field` (its name for them, for the
-    errors' `param`; `task` None: any model's, as the call checks); `query`: a query is
+    errors' `param`; `task` None: any model's, as the call checks, and no forward, so no
+    room in the queue); `query`: a query is
     queued beside them (score, rerank); `names`: how
     the route names the other fields an error may point at, where its body moves them."""
     state = server_state(request)
@@ -181,7 +182,8 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
 
         async def served() -> TaskOutput[T]:
             async with state.registry.use(model_name) as model:
-                model.check_room(queued)
+                if task is not None:  # (a task of none runs no forward: no queue to fill)
+                    model.check_room(queued)
                 return await call(model, model.adapter)
 
         # The timeout and the client's leaving cover a load the request waits for too (it

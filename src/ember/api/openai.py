@@ -15,7 +15,15 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from ember.adapters._tokenize import first_outside
@@ -51,11 +59,16 @@ class EmbeddingsRequest(BaseModel):
     dimensions: int | None = Field(None, description="must equal the model's dims if given")
     user: str | None = None
 
-    @field_validator("input", mode="before")
+    @field_validator("input", mode="wrap")
     @classmethod
-    def no_objects(cls, value: object) -> object:
+    def no_objects(cls, value: object, handler: ValidatorFunctionWrapHandler) -> object:
         """Jina's API takes `{"text": ...}` and `{"image": ...}` objects here: say what to
-        send instead of listing the union's forms."""
+        send instead of listing the union's forms (looked for only once refused)."""
+        try:
+            return handler(value)
+        except ValidationError:
+            if not isinstance(value, dict | list):
+                raise
         if isinstance(value, dict):
             index, image = None, "image" in value
         elif isinstance(value, list) and any(isinstance(item, dict) for item in value):
@@ -63,7 +76,7 @@ class EmbeddingsRequest(BaseModel):
             index = next((i for i in places if "image" in value[i]), places[0])
             image = "image" in value[index]
         else:
-            return value
+            return handler(value)  # refused for another reason: say that one
         raise PydanticCustomError(
             "object_input", "{param} is an object ({kind}, Jina's form); /v1/embeddings takes "
             "a string, a list of strings or token ids: {fix}",

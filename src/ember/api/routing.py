@@ -120,15 +120,15 @@ async def next_part(receive: Receive, state: ServerState | None, started: float,
     waited_from = time.monotonic()
     while True:
         now = time.monotonic()
-        limits = [(waited_from + idle_s, f"no part of the request body came for {idle_s:g} s"),
-                  (started + whole_s, f"the request body did not arrive whole within "
-                                      f"{whole_s:g} s")]
-        if state is not None and state.drain_started is not None:
-            limits.append((state.drain_started + DRAIN_BODY_S, "the server is draining before "
-                           "shutdown, and the request body did not arrive whole within "
-                           f"{DRAIN_BODY_S:g} s of it"))
-        deadline, why = min(limits)
+        drain_end = (state.drain_started + DRAIN_BODY_S if state is not None
+                     and state.drain_started is not None else float("inf"))
+        deadline = min(waited_from + idle_s, started + whole_s, drain_end)
         if deadline <= now:
+            why = (f"no part of the request body came for {idle_s:g} s"
+                   if deadline == waited_from + idle_s else
+                   "the server is draining before shutdown, and the request body did not "
+                   f"arrive whole within {DRAIN_BODY_S:g} s of it" if deadline == drain_end
+                   else f"the request body did not arrive whole within {whole_s:g} s")
             raise ApiError(408, "request_timeout", f"{why}; send it whole", "body",
                            headers={"Connection": "close"})
         try:  # in slices, so that a drain that begins meanwhile is seen (ASGI's receive

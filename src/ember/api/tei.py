@@ -6,7 +6,7 @@ when given only the server's URL)."""
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 import numpy as np
@@ -230,6 +230,9 @@ async def embed_sparse(body: EmbedSparseRequest, request: Request) -> Response:
         for encoded in output.values if encoded.sparse is not None])
 
 
+TOKENIZE_CHARS = 200_000  # one longest text's worth: ~200,000 tokens at most, ~0.3 s
+
+
 def shows_tokens(model: ServedModel) -> ShowsTokens:
     if not isinstance(model.adapter, ShowsTokens):
         raise ApiError(422, "invalid_request", f"model {model.spec.name!r} (the default model) "
@@ -243,6 +246,11 @@ def shows_tokens(model: ServedModel) -> ShowsTokens:
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
     check_inputs(request, texts, "inputs")
+    chars = sum(map(len, texts))
+    if chars > TOKENIZE_CHARS:  # a token each, as punctuation is: an answer of that many
+        raise ApiError(422, "invalid_request", f"/tokenize shows at most {TOKENIZE_CHARS:,} "
+                       f"characters a request, and these texts hold {chars:,}; split them",
+                       "inputs")
     options = encode_options(False, None, body.prompt_name)
     model = server_state(request).settings.default_model
 
@@ -251,8 +259,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         return TaskOutput(spans, 0.0, 0.0, sum(map(len, spans)))
 
     output = await run_task(request, model, None, split, len(texts), "inputs")
-    return render(request.headers, [[asdict(span) for span in spans]
-                                    for spans in output.values])
+    return render(request.headers, output.values)
 
 
 @router.post("/decode", summary="TEI-compatible: the text of token ids of the default model")

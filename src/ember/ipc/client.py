@@ -74,7 +74,9 @@ class _Call:
     submit: _Submit | None = None  # a submit: packed with the others of its turn
     tries: int = 0  # times a submit was sent again for its parameter group
     lost: int = 0  # engines that died before answering it (ENGINE_SENDS bounds the resends)
-    after_ping: int = 0  # the last ping sent before it: a pong to a later one saw it arrive
+    # The last ping sent before it: a new engine answering that ping or an earlier one
+    # gets it behind the ping; one answering a later ping names it (`held`) if it got it.
+    after_ping: int = 0
 
 
 @dataclass(eq=False, slots=True)
