@@ -205,10 +205,14 @@ def test_a_process_that_fails_its_drain_is_named_and_the_exit_is_1(
     server = two_api_processes
     victim = min(api_pids(server))
     title = psutil.Process(victim).cmdline()[0]  # "ember: api N"
+    index = title.rsplit(" ", 1)[-1]
+    deadline = time.monotonic() + 60  # one that never served had nothing to drain
+    while f"API process {index} (pid {victim}) serves" not in server.log_text():
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.05)
     server.process.send_signal(signal.SIGTERM)
     os.kill(victim, signal.SIGKILL)  # dies mid-drain, as a crash in its shutdown would
     assert server.process.wait(60) == 1, server.log_tail()
-    index = title.rsplit(" ", 1)[-1]
     assert re.search(rf"ember-api-{index} ended its drain with killed by SIGKILL",
                      server.log_text()), server.log_tail()
     assert "engine drained" in server.log_text()
