@@ -45,7 +45,14 @@ import zmq
 
 from ember.config import ServerSettings
 from ember.ipc.client import peer_name
-from ember.ipc.lifeline import DRAIN_ORDER, STOP_SIGNALS, die_with_parent, ignore_stop_signals
+from ember.ipc.lifeline import (
+    DRAIN_ORDER,
+    STOP_SIGNALS,
+    die_with_parent,
+    held_for_child,
+    ignore_stop_signals,
+    take_drain_orders,
+)
 from ember.ipc.wire import pack
 from ember.logs import configure_logging, name_process
 
@@ -108,6 +115,7 @@ def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: 
     # Until it listens, a drain has nothing to finish.
     ignore_stop_signals()
     signal.signal(DRAIN_ORDER, lambda *_: sys.exit(0))
+    take_drain_orders()
     name_process(f"api {index}")
     configure_logging(settings)
     models = RemoteModels(load_catalog(settings.model_dirs, settings.model_paths),
@@ -165,8 +173,8 @@ class Supervisor:
         metrics_dir.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # the children inherit it
         for sig in STOP_SIGNALS:
-            if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's hang-up stays ignored
-                signal.signal(sig, self._on_signal)
+            if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, self._on_signal)  # (nohup's hang-up stays ignored)
         name_process("supervisor")
         try:
             engine, ready = self._start_engine(first=True)
@@ -190,7 +198,8 @@ class Supervisor:
         ready, ready_send = self.context.Pipe(duplex=False)
         engine = self.context.Process(target=run_engine, name="ember-engine",
                                       args=(self.settings, self.address, ready_send, True))
-        engine.start()
+        with held_for_child():
+            engine.start()
         ready_send.close()
         self.engine_started = time.monotonic()
         self.engine_notes, self.engine_loading, self.engine_preloaded = ready, [], False
@@ -283,7 +292,8 @@ class Supervisor:
         serving, says = self.context.Pipe(duplex=False)  # not an Event: no resource tracker
         process = self.context.Process(target=run_api, name=f"ember-api-{index}",
                                        args=(self.settings, sock, self.address, index, says))
-        process.start()
+        with held_for_child():
+            process.start()
         says.close()
         log.info("started API process %d (pid %s)", index, process.pid)
         self.apis.append(ApiProcess(process, serving, index))

@@ -51,7 +51,12 @@ from ember.config import ServerSettings, load_catalog
 from ember.engine import PreparedItem, RequestResult
 from ember.ipc.batch import PARAMS_UNKNOWN, items_from_wire, values_to_wire
 from ember.ipc.calls import RegistryCalls
-from ember.ipc.lifeline import DRAIN_ORDER, die_with_parent, ignore_stop_signals
+from ember.ipc.lifeline import (
+    DRAIN_ORDER,
+    die_with_parent,
+    ignore_stop_signals,
+    take_drain_orders,
+)
 from ember.ipc.wire import error_to_wire, pack, unpack
 from ember.logs import configure_logging, name_process
 from ember.metrics import Metrics
@@ -450,6 +455,7 @@ async def _engine(settings: ServerSettings, address: str, ready: Connection,
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(drain_on, stop.set)
+    take_drain_orders()
     ready.send("ready")
     preloads = [settings.default_model, *settings.preload]
     for name in preloads:

@@ -10,6 +10,7 @@ ignore them, and the supervisor, signalled too, drains them in order."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -17,6 +18,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from multiprocessing import resource_tracker
 
 log = logging.getLogger("ember.supervisor")
 DRAIN_ORDER = signal.SIGUSR1  # the supervisor to a child: finish what you accepted, exit
@@ -36,9 +39,32 @@ def die_with_parent(parent: int) -> None:
 
 
 def ignore_stop_signals() -> None:
-    """For a child: the stop signals are the supervisor's to act on (DRAIN_ORDER)."""
+    """For a child: the stop signals are the supervisor's to act on (DRAIN_ORDER). Any that
+    came while it started (held, see `held_for_child`) are dropped now."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def take_drain_orders() -> None:
+    """For a child, once its DRAIN_ORDER handler is set: an order that came while it
+    started is acted on now."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {DRAIN_ORDER})
+
+
+@contextlib.contextmanager
+def held_for_child() -> Iterator[None]:
+    """Around starting a child: it inherits these signals blocked, so none reaches it
+    before it has chosen what each does (a signal to the whole group, as it imports,
+    would end it by default)."""
+    # A spawn starts the resource tracker the first time, and unblocks SIGINT and SIGTERM
+    # after it: started first, it leaves the mask alone.
+    resource_tracker.ensure_running()
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {*STOP_SIGNALS, DRAIN_ORDER})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _pdeathsig() -> bool:
