@@ -34,7 +34,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -59,6 +59,8 @@ from ember.logs import configure_logging, name_process
 log = logging.getLogger("ember.supervisor")
 ENGINE_START_S = 120.0  # the engine imports torch before it answers
 FAILED_STARTS = 5  # API processes in a row that die before they serve: they cannot start
+API_QUICK_S = 5.0  # an API process that dies this soon after its start ...
+API_BACKOFF_S = (0.0, 0.0, 1.0, 2.0, 4.0)  # ... is replaced after this, by such in a row
 ENGINE_QUICK_DEATH_S = 30.0  # an engine that dies as it loads this soon after its start ...
 ENGINE_QUICK_DEATHS = 3  # ... this many times in a row cannot load its models: give up
 ENGINE_BACKOFF_S = (0.0, 1.0, 4.0)  # pause before a restart, by quick deaths in a row
@@ -134,6 +136,7 @@ class ApiProcess:
     process: BaseProcess
     serving: Connection  # it says once it listens: a death before is a failed start
     index: int  # its slot: a replacement takes the dead one's, so names stay 0..N-1
+    started: float = field(default_factory=time.monotonic)
     served: bool = False
 
     def has_served(self) -> bool:
@@ -159,6 +162,7 @@ class Supervisor:
         self.apis: list[ApiProcess] = []
         self.signals = 0
         self.failed_starts = 0  # API processes in a row that died before they served
+        self.quick_deaths = 0  # API processes in a row that died soon after their start
         self.engine_deaths = 0  # engine deaths in a row, each soon after its start (pauses)
         self.load_deaths = 0  # of those, the ones as it loaded (the crash-loop guard)
         self.engine_started = 0.0
@@ -344,10 +348,15 @@ class Supervisor:
             log.error("API processes keep dying before they serve: %d in a row (last exit "
                       "code %s); stopping", self.failed_starts, code)
             return False
+        quick = time.monotonic() - api.started < API_QUICK_S
+        self.quick_deaths = self.quick_deaths + 1 if quick else 0
+        pause = API_BACKOFF_S[min(self.quick_deaths, len(API_BACKOFF_S)) - 1] if quick else 0.0
         log.warning("API process %s died (exit code %s); its requests in flight are lost "
-                    "with their connections; starting another", pid, code)
+                    "with their connections; starting another in %.0f s", pid, code, pause)
         if pid is not None:
             self._tell_engine({"op": "forget", "peer": peer_name(pid)})
+        if pause and not self.signals:  # one that keeps dying as it starts is not spun
+            wait([self._wake_read], timeout=pause)
         self._start_api(sock, api.index)
         return True
 
