@@ -76,10 +76,17 @@ HUB = "source: {hub: org/tiny}\n"
     (f"{HUB}backend: onnx\nloras: {{legal: .}}\n", "loras need backend: torch"),
     (f"{HUB}quantize: int8\nloras: {{legal: .}}\n", "loras need backend: torch"),
     (f"{HUB}backend: torch\nquantize: int8\n", "quantize applies to the onnx backend"),
+    # Found by a black-box review: the families read their options with a default, so a
+    # misspelt one was ignored.
+    (f"{HUB}options: {{dimz: 384}}\n", "unknown field options.dimz (did you mean "
+     "options.dims?); options accepts dims, embeddings_side"),
+    (f"{HUB}options: {{activation: none}}\n", "unknown field options.activation; options "
+     "accepts dims, embeddings_side"),  # a cross-encoder's option, on a transformer
 ], ids=["pooling_mode", "normalise", "prompt", "no-match", "source-key", "batching-value",
         "batching-type", "batching-padding", "pooling", "max_seq_length", "max_seq_length-str",
         "bool-str", "remote-code-str", "path-and-hub", "missing-path", "missing-lora",
-        "lora-without-adapter", "onnx-lora", "int8-lora", "torch-int8"])
+        "lora-without-adapter", "onnx-lora", "int8-lora", "torch-int8", "option-typo",
+        "other-familys-option"])
 def test_a_field_that_would_be_ignored_or_fail_every_request_is_refused_at_read(
         tmp_path: Path, body: str, message: str) -> None:
     (tmp_path / "bad.yaml").write_text(f"name: me/x\nadapter: transformer\ntasks: [encode]\n"
@@ -302,3 +309,13 @@ def test_a_clip_or_siglip_directory_is_the_clip_family(tmp_path: Path) -> None:
         assert catalog[name].adapter == "clip"
         assert catalog[name].tasks == ("encode", "score")
     assert FAMILY_OUTPUTS["clip"] == ("dense",)
+
+
+@pytest.mark.parametrize(("adapter", "options"), [
+    ("cross_encoder", "{activaton: none}"), ("gliner", "{treshold: 0.4}"),
+    ("spacy", "{ner: false}"), ("sparse", "{topk: 5}")])
+def test_each_familys_options_are_its_own(tmp_path: Path, adapter: str, options: str) -> None:
+    (tmp_path / "bad.yaml").write_text(f"name: me/x\nadapter: {adapter}\ntasks: [score]\n"
+                                       f"{HUB}options: {options}\n")
+    with pytest.raises(CatalogError, match=r"bad\.yaml: unknown field options\."):
+        load_catalog([tmp_path])

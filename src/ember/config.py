@@ -29,6 +29,19 @@ FAMILY_OUTPUTS: dict[str, tuple[str, ...]] = {
     "transformer": ("dense",), "sparse": ("sparse",), "multivector": ("multivector",),
     "clip": ("dense",), "gliner": (), "synthetic": ("dense",), "cross_encoder": (),
     "spacy": ()}
+# The `options` each family reads; another would be ignored, so a misspelt one is refused.
+# `dims` is what `ember models` shows before a load; `embeddings_side: query` puts
+# /v1/embeddings on the query side.
+_ENCODING = ("dims", "embeddings_side")
+FAMILY_OPTIONS: dict[str, tuple[str, ...]] = {
+    "transformer": _ENCODING, "clip": _ENCODING,
+    "sparse": ("top_k", "threshold", *_ENCODING),
+    "multivector": ("projection", "projection_key", *_ENCODING),
+    "cross_encoder": ("activation",), "gliner": ("threshold", "labels", "flat_ner",
+                                                 "multi_label"),
+    "spacy": ("ner_only",),
+    "synthetic": ("overhead_ms", "per_token_us", "mode", "fault_marker", "test_crash_marker",
+                  *_ENCODING)}
 # Families the ONNX backend runs (a Hub download then includes onnx/model.onnx).
 ONNX_FAMILIES = frozenset({"transformer", "cross_encoder", "sparse", "multivector"})
 TASKS = ("encode", "score", "extract")
@@ -206,6 +219,7 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
     for table in ("options", "prompts"):
         if not isinstance(data.get(table) or {}, Mapping):
             raise CatalogError(f"{where}: {table!r} must be a mapping")
+    _refuse_unknown(data.get("options") or {}, FAMILY_OPTIONS[adapter], where, "options.")
     return ModelSpec(
         name=name,
         adapter=adapter,

@@ -63,12 +63,12 @@ from ember.adapters._dense_layers import DenseLayer
 from ember.adapters._encoder import BiEncoder
 from ember.adapters._tokenize import TextTokenizer
 from ember.adapters.base import Encoded, EncodeOptions, Runtime
-from ember.config import ModelSpec, resolve_source
+from ember.config import FAMILY_OPTIONS, ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
 from ember.errors import ModelLoadError
 
 OUTPUT_TYPES = ("multivector",)
-OPTIONS = ("projection", "projection_key", "dims")
+OPTIONS = FAMILY_OPTIONS["multivector"]
 PROJECTION_FILE = "colbert_linear.safetensors"
 PROJECTION_KEY = "weight"
 STANFORD_FILE, STANFORD_KEY = "model.safetensors", "linear.weight"

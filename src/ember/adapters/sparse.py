@@ -47,13 +47,13 @@ from ember.adapters._backend import Forward, load_model
 from ember.adapters._encoder import BiEncoder
 from ember.adapters._tokenize import TextTokenizer
 from ember.adapters.base import Encoded, EncodeOptions, Runtime, SparseVector
-from ember.config import ModelSpec, resolve_source
+from ember.config import FAMILY_OPTIONS, ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
 from ember.errors import InvalidInput, ModelLoadError
 from ember.model_files import read_model_file
 
 OUTPUT_TYPES = ("sparse",)
-OPTIONS = ("top_k", "threshold", "dims")
+OPTIONS = FAMILY_OPTIONS["sparse"]
 LOGIT_BUDGET = 1 << 26  # logits per forward chunk: 256 MB in float32
 
 
