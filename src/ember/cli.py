@@ -29,7 +29,7 @@ from ember.config import (
     spinning_mode,
 )
 from ember.engine import WorkerConfig
-from ember.engine.config import DISPATCH_MODES, LEAD_RATIO
+from ember.engine.config import DISPATCH_MODES, LEAD_RATIO, SettingError
 from ember.logs import FORMATS, LEVELS
 
 log = logging.getLogger("ember")
@@ -226,10 +226,9 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
     try:
         worker = WorkerConfig(**{name.replace("-", "_"): getattr(args, name.replace("-", "_"))
                                  for name, *_ in WORKER_FLAGS})
-    except ValueError as exc:  # named as the YAML's `batching:` names it: name the flag
-        field = str(exc).split(" ", 1)[0]
-        raise ValueError(f"--{field.replace('_', '-')}{str(exc)[len(field):]} (or "
-                         f"{env_name(field)})") from None
+    except SettingError as exc:
+        raise ValueError(f"--{exc.name.replace('_', '-')} {exc.problem} (or "
+                         f"{env_name(exc.name)})") from None
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key (or EMBER_API_KEY) is empty, which would serve without "
                          "a key: set the key, or leave both unset to serve without one")

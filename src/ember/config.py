@@ -14,7 +14,7 @@ from typing import Any, Literal, cast
 
 import yaml
 
-from ember.engine.config import WorkerConfig
+from ember.engine.config import SettingError, WorkerConfig
 from ember.hub import HubRef, Wanted, parse_hub_id
 from ember.model_files import ModelFileError, read_model_json
 
@@ -311,8 +311,10 @@ def _check_batching(batching: Mapping[str, Any], where: str) -> None:
             try:
                 WorkerConfig(**{key: value})
                 continue
-            except (TypeError, ValueError) as exc:  # its message: "<field> must be ..."
-                problem = str(exc).removeprefix(f"{key} ")
+            except SettingError as exc:
+                problem = exc.problem
+            except TypeError as exc:
+                problem = str(exc)
         raise CatalogError(f"{where}: batching.{key} {problem}")
     try:
         WorkerConfig(**batching)  # the values together, should a check span fields

@@ -16,7 +16,7 @@ import uvicorn
 
 from ember.api.state import Models, ServerState
 from ember.config import ServerSettings
-from ember.ipc.lifeline import DRAIN_ORDER
+from ember.ipc.lifeline import DRAIN_ORDER, repeated_hangup, takes_hangup
 
 log = logging.getLogger("ember")
 
@@ -54,10 +54,11 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
         # uvicorn takes SIGTERM and SIGINT; a hang-up drains too, and a managed process
         # drains on its supervisor's order.
-        order = DRAIN_ORDER if self.managed else signal.SIGHUP
-        if (threading.current_thread() is threading.main_thread()  # as uvicorn's own
-                and signal.getsignal(order) is not signal.SIG_IGN):  # nohup's stays ignored
-            signal.signal(order, self.handle_exit)
+        if threading.current_thread() is threading.main_thread():  # as uvicorn's own
+            if self.managed:
+                signal.signal(DRAIN_ORDER, self.handle_exit)
+            elif takes_hangup():
+                signal.signal(signal.SIGHUP, self.handle_exit)
         if self.should_exit:
             return
         if self.on_serving is not None:
@@ -77,8 +78,8 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.managed and (sig != DRAIN_ORDER or self.state.draining):
             return  # the supervisor's order; once given, it ends this process if it must
-        if self.state.draining and sig == signal.SIGHUP:
-            return  # a hang-up comes twice (the shell, then the terminal): not a 2nd signal
+        if repeated_hangup(sig, self.state.draining):
+            return
         if self.state.draining:
             log.warning("second signal: exiting now")
             os._exit(1)

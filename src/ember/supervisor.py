@@ -51,7 +51,9 @@ from ember.ipc.lifeline import (
     die_with_parent,
     held_for_child,
     ignore_stop_signals,
+    repeated_hangup,
     take_drain_orders,
+    takes_hangup,
 )
 from ember.ipc.wire import pack
 from ember.logs import configure_logging, name_process
@@ -177,8 +179,8 @@ class Supervisor:
         metrics_dir.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # the children inherit it
         for sig in STOP_SIGNALS:
-            if sig != signal.SIGHUP or signal.getsignal(sig) is not signal.SIG_IGN:
-                signal.signal(sig, self._on_signal)  # (nohup's hang-up stays ignored)
+            if sig != signal.SIGHUP or takes_hangup():
+                signal.signal(sig, self._on_signal)
         name_process("supervisor")
         try:
             engine, ready = self._start_engine(first=True)
@@ -416,8 +418,8 @@ class Supervisor:
             context.term()
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
-        if self.signals and sig == signal.SIGHUP:
-            return  # a hang-up comes twice (the shell, then the terminal): not a 2nd signal
+        if repeated_hangup(sig, bool(self.signals)):
+            return
         self.signals += 1
         if self.signals > 1:
             log.warning("second signal: ending every process now")

@@ -95,6 +95,16 @@ def first_outside(row: Sequence[int], vocabulary: int) -> int | None:
     return int(outside[0]) if outside.size else None
 
 
+def first_outside_rows(rows: Sequence[Sequence[int]],
+                       vocabulary: int) -> tuple[int, int] | None:
+    """(row, index) of the first id outside [0, vocabulary), row by row."""
+    for row_index, row in enumerate(rows):
+        index = first_outside(row, vocabulary)
+        if index is not None:
+            return row_index, index
+    return None
+
+
 def over_limit(count: int, limit: int, param: str) -> InputTooLong:
     return InputTooLong(f"{count} tokens exceeds max_seq_length {limit}; shorten the text "
                         f"or set truncate=true", param)
@@ -174,12 +184,11 @@ class TextTokenizer:
         """The text of each row of token ids; an id outside the vocabulary is a 422
         naming its place (`{field}[row][i]`)."""
         vocabulary = self._whole.get_vocab_size(with_added_tokens=True)
-        for row_index, row in enumerate(rows):
-            index = first_outside(row, vocabulary)
-            if index is not None:
-                raise InvalidInput(f"token id {row[index]} is outside the model's vocabulary "
-                                   f"(ids 0 to {vocabulary - 1})",
-                                   f"{field}[{row_index}][{index}]")
+        if (outside := first_outside_rows(rows, vocabulary)) is not None:
+            row, index = outside
+            raise InvalidInput(f"token id {rows[row][index]} is outside the model's "
+                               f"vocabulary (ids 0 to {vocabulary - 1})",
+                               f"{field}[{row}][{index}]")
         return self._whole.decode_batch([list(row) for row in rows],
                                         skip_special_tokens=skip_special)
 

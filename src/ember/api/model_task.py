@@ -210,7 +210,7 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
         raise error from None
     finally:
         # The request is counted, with its status, by RequestContextMiddleware.
-        request.state.model = model_name if model_name in state.registry.catalog else "unknown"
+        request.state.model = state.model_label(model_name)
 
 
 def require_output(model: ServedModel, route: str, kind: str) -> None:

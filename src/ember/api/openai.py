@@ -26,7 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ember.adapters._tokenize import first_outside
+from ember.adapters._tokenize import first_outside_rows
 from ember.adapters.base import Encoded, EncodeOptions, TaskModel, TaskOutput
 from ember.api.codec import render
 from ember.api.errors import ApiError
@@ -121,19 +121,18 @@ def check_tokens(model: ServedModel, rows: list[TokenIds], nested: bool) -> list
         raise ApiError(422, "invalid_request", f"model {name!r} takes text only (it has no "
                        "tokenizer to read token ids with); send strings", "input")
     vocabulary = len(tokenizer)
-    for row_index, row in enumerate(rows):
-        if not row:
-            where = f"input[{row_index}]" if nested else "input"
-            raise ApiError(422, "invalid_request", "a token-id list must hold at least one id",
-                           where)
-        index = first_outside(row, vocabulary)
-        if index is not None:
-            where = f"input[{row_index}][{index}]" if nested else f"input[{index}]"
-            raise ApiError(
-                422, "invalid_request",
-                f"token id {row[index]} is outside the vocabulary of {name} (ids 0 to "
-                f"{vocabulary - 1}): token ids are read as ids of the model's own "
-                f"tokenizer, not OpenAI's. {LANGCHAIN_FIX}", where)
+    empty = next((i for i, row in enumerate(rows) if not row), None)
+    if empty is not None:
+        raise ApiError(422, "invalid_request", "a token-id list must hold at least one id",
+                       f"input[{empty}]" if nested else "input")
+    if (outside := first_outside_rows(rows, vocabulary)) is not None:
+        row, index = outside
+        raise ApiError(
+            422, "invalid_request",
+            f"token id {rows[row][index]} is outside the vocabulary of {name} (ids 0 to "
+            f"{vocabulary - 1}): token ids are read as ids of the model's own "
+            f"tokenizer, not OpenAI's. {LANGCHAIN_FIX}",
+            f"input[{row}][{index}]" if nested else f"input[{index}]")
     return rows
 
 

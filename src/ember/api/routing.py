@@ -62,12 +62,12 @@ class _Handler:
         state = scope.setdefault("state", {})
         state["route"] = self.route.path  # metrics and access log
         request = Request(scope, receive)
+        server = server_state(request)
         named = scope.get("path_params", {}).get("model")
         if named is not None:  # counted under its model even if the body is refused
-            state["model"] = named if named in server_state(request).registry.catalog \
-                else "unknown"
+            state["model"] = server.model_label(named)
         try:
-            data = codec.decode(await read_body(receive, server_state(request)), request.headers)
+            data = codec.decode(await read_body(receive, server), request.headers)
             try:
                 body = self.body_model.model_validate(data)
             except ValidationError as exc:

@@ -89,6 +89,11 @@ class ServerState:
     _refreshing: asyncio.Task[None] | None = None
     _reloading: asyncio.Task[None] | None = None
 
+    def model_label(self, name: str) -> str:
+        """A model name as metrics and the access log count it: a catalog name, else
+        "unknown" (a client's made-up names must not each become a series)."""
+        return name if name in self.registry.catalog else "unknown"
+
     def begin_drain(self) -> None:
         self.draining, self.drain_started = True, time.monotonic()
 

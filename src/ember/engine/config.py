@@ -17,6 +17,15 @@ FIXED_MAX_PADDING = 1.05
 LEAD_RATIO = 4.0
 
 
+class SettingError(ValueError):
+    """A setting out of its range: its name, and what is wrong with its value (a flag or a
+    YAML key each name it their own way)."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        self.name, self.problem = name, problem
+        super().__init__(f"{name} {problem}")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Limits and windows of the dispatch rules (docs/architecture.md).
@@ -56,17 +65,18 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_batch_items", "max_queue_items"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise SettingError(name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("max_batch_wait_ms", "idle_coalesce_ms", "hold_fraction", "max_padding"):
             value = getattr(self, name)
             if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+                raise SettingError(name, f"must be >= 0, got {value}")
         if self.max_padding is not None and 0 < self.max_padding < 1:
-            raise ValueError(f"max_padding must be 0 (off) or >= 1, got {self.max_padding}")
+            raise SettingError("max_padding", f"must be 0 (off) or >= 1, got {self.max_padding}")
         if not (self.lead_ratio == 0 or self.lead_ratio >= 1):
-            raise ValueError(f"lead_ratio must be 0 (off) or >= 1, got {self.lead_ratio}")
+            raise SettingError("lead_ratio", f"must be 0 (off) or >= 1, got {self.lead_ratio}")
         if self.dispatch not in DISPATCH_MODES:
-            raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
+            raise SettingError("dispatch",
+                               f"must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
 
     @property
     def batch_wait_ms(self) -> float:

@@ -38,6 +38,17 @@ def die_with_parent(parent: int) -> None:
                      daemon=True).start()
 
 
+def takes_hangup() -> bool:
+    """Whether a server acts on SIGHUP: not when it was started ignoring it (nohup)."""
+    return signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN
+
+
+def repeated_hangup(sig: int, stopping: bool) -> bool:
+    """A hang-up while already stopping: a closing terminal sends two (the shell, then the
+    terminal), so it is no second signal."""
+    return stopping and sig == signal.SIGHUP
+
+
 def ignore_stop_signals() -> None:
     """For a child: the stop signals are the supervisor's to act on (DRAIN_ORDER). Any that
     came while it started (held, see `held_for_child`) are dropped now."""
