@@ -86,6 +86,20 @@ def quantize_unit(vector: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[An
     raise ValueError(f"quantize_unit makes int8 or uint8, not {dtype!r}")
 
 
+def shortened(vector: npt.NDArray[np.float32], dims: int,
+              unit: bool) -> npt.NDArray[np.float32]:
+    """The first `dims` components of a dense vector: a Matryoshka model's smaller
+    embedding. Made unit again where the whole vector was (`unit`), as
+    sentence-transformers' `truncate_dim` with `normalize_embeddings` does; a zero
+    vector stays zero."""
+    cut = vector[..., :dims]
+    if not unit:
+        return cut
+    norm = np.linalg.norm(cut, axis=-1, keepdims=True)
+    unit_cut: npt.NDArray[np.float32] = (cut / np.maximum(norm, 1e-12)).astype(np.float32)
+    return unit_cut
+
+
 def dequantize_int8(values: npt.NDArray[np.int8], scale: float) -> npt.NDArray[np.float32]:
     return values.astype(np.float32) * np.float32(scale)
 

@@ -368,13 +368,14 @@ async def test_undecodable_bodies_are_422_naming_the_body_or_item(
 
 
 @pytest.mark.parametrize(("route", "body", "param"), [
-    ("/v1/embeddings", {"model": SYNTH, "input": "x", "dimensions": 5}, "dimensions"),
+    ("/v1/embeddings", {"model": SYNTH, "input": "x", "dimensions": 65}, "dimensions"),
     ("/v2/embed", {"model": SYNTH, "texts": ["x"], "input_type": "search_document",
-                   "output_dimension": 5}, "output_dimension"),
-    ("/embed", {"inputs": "x", "dimensions": 5}, "dimensions"),
+                   "output_dimension": 65}, "output_dimension"),
+    ("/embed", {"inputs": "x", "dimensions": 65}, "dimensions"),
 ])
-async def test_a_vector_size_the_model_does_not_make_is_refused_on_every_route(
+async def test_a_vector_size_the_model_cannot_be_cut_to_is_refused_on_every_route(
         shared: Served, route: str, body: dict[str, Any], param: str) -> None:
     error = assert_error(await shared.client.post(route, json=body), 422, "invalid_request",
                          param)
-    assert f"{param}=5 is not supported" in error["message"]
+    assert f"{param}=65 is out of range" in error["message"]
+    assert "send 1 to 64" in error["message"]

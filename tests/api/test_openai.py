@@ -10,7 +10,9 @@ import numpy as np
 import openai
 import pytest
 import pytest_asyncio
+from sentence_transformers import SentenceTransformer
 
+from ember.config import load_catalog, resolve_source
 from tests.api.conftest import MINILM, SYNTH, Served, assert_error, encode_body, vectors
 
 
@@ -60,13 +62,31 @@ async def test_model_defaults_to_the_servers_default(shared: Served) -> None:
     assert response.json()["model"] == shared.settings.default_model == SYNTH
 
 
-async def test_dimensions_other_than_the_models_is_422(shared: Served) -> None:
-    ok = await shared.client.post("/v1/embeddings", json={"model": SYNTH, "input": "x",
-                                                          "dimensions": 64})
-    assert ok.status_code == 200, ok.text
+async def test_dimensions_keep_the_first_components_as_sentence_transformers_does(
+        shared: Served, sdk: openai.AsyncOpenAI) -> None:
+    # A Matryoshka model's smaller embedding: the first 128 of MiniLM's 384, unit again
+    # (the model normalizes), sent and read by the real SDK.
+    texts = ["hello world", "a second, longer sentence about search"]
+    response = await sdk.embeddings.create(model=MINILM, input=texts, dimensions=128)
+    got = np.array([entry.embedding for entry in response.data], dtype=np.float32)
+    folder = resolve_source(load_catalog()[MINILM])
+    expected = SentenceTransformer(str(folder), device="cpu").encode(
+        texts, truncate_dim=128, normalize_embeddings=True)
+    assert got.shape == (2, 128)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    whole = await sdk.embeddings.create(model=MINILM, input=texts, dimensions=384)
+    np.testing.assert_allclose([entry.embedding for entry in whole.data],
+                               await native_vectors(shared, MINILM, texts), atol=1e-6)
+
+
+@pytest.mark.parametrize("dims", [0, -1, 65, True, 8.0, "8"])
+async def test_dimensions_outside_the_models_size_or_not_an_integer_are_422(
+        shared: Served, dims: object) -> None:
     response = await shared.client.post("/v1/embeddings", json={"model": SYNTH, "input": "x",
-                                                                "dimensions": 8})
-    assert_error(response, 422, "invalid_request", "dimensions")
+                                                                "dimensions": dims})
+    error = assert_error(response, 422, "invalid_request", "dimensions")
+    if isinstance(dims, int) and not isinstance(dims, bool):
+        assert "send 1 to 64" in error["message"], error
 
 
 @pytest.mark.parametrize(("body", "param"), [

@@ -46,6 +46,24 @@ def test_cohere_embed_every_type(co: cohere.ClientV2, server: ServerProcess) -> 
     np.testing.assert_array_equal(np.array(response.embeddings.binary), ubinary.astype(int) - 128)
 
 
+def unit_prefixes(vectors: np.ndarray, dims: int) -> np.ndarray:
+    """What a Matryoshka cut returns for normalized vectors: the first `dims`, unit again."""
+    cut = np.asarray(vectors)[:, :dims]
+    return cut / np.linalg.norm(cut, axis=1, keepdims=True)
+
+
+def test_cohere_output_dimension_cuts_every_type(co: cohere.ClientV2,
+                                                 server: ServerProcess) -> None:
+    response = co.embed(model=MINILM, texts=DOCS, input_type="search_document",
+                        embedding_types=["float", "int8", "ubinary"], output_dimension=128)
+    want = unit_prefixes(native_vectors(server, MINILM, DOCS), 128)
+    np.testing.assert_allclose(np.array(response.embeddings.float_), want, atol=1e-5)
+    int8 = np.array(response.embeddings.int8)
+    assert int8.shape == (3, 128) and cosine(int8[1], want[1]) > 0.99
+    ubinary = np.array(response.embeddings.ubinary, dtype=np.uint8)
+    np.testing.assert_array_equal(ubinary, np.packbits(want > 0, axis=-1))
+
+
 def test_cohere_int8_dot_products_rank_as_the_floats(co: cohere.ClientV2) -> None:
     """Found by a black-box review: each vector had its own scale, which Cohere's shape
     cannot carry, so int8 dot products (how a vector store compares them) ranked the
@@ -115,3 +133,14 @@ def test_huggingface_hub_sentence_similarity(hf: InferenceClient,
     expected = [cosine(reference[0], doc) for doc in reference[1:]]
     np.testing.assert_allclose(got, expected, atol=1e-5)
     assert int(np.argmax(got)) == 1
+
+
+def test_huggingface_hub_dimensions_with_and_without_normalizing(
+        hf: InferenceClient, server: ServerProcess) -> None:
+    whole = native_vectors(server, MINILM, DOCS[:2])
+    cut = hf.feature_extraction(DOCS[:2], dimensions=64)
+    np.testing.assert_allclose(cut, unit_prefixes(whole, 64), atol=1e-5)
+    raw = hf.feature_extraction(DOCS[:2], dimensions=64, normalize=False)
+    raw_whole = hf.feature_extraction(DOCS[:2], normalize=False)
+    np.testing.assert_allclose(raw, np.asarray(raw_whole)[:, :64], atol=1e-6)
+    assert abs(float(np.linalg.norm(raw[0])) - 1.0) > 0.01  # not made unit

@@ -163,7 +163,8 @@ def load(spec: ModelSpec, runtime: Runtime) -> SyntheticModel:
                      float(options.get("per_token_us", 0.5)),
                      "compute" if options.get("mode") == "compute" else "sleep")
     tasks: tuple[Task, ...] = tuple(t for t in ("encode", "score") if t in spec.tasks)
-    info = ModelInfo(name=spec.name, tasks=tasks, dims=dims, max_seq_length=spec.max_seq_length)
+    info = ModelInfo(name=spec.name, tasks=tasks, dims=dims, max_seq_length=spec.max_seq_length,
+                     extra={"normalize": True})  # its vectors are unit
     crash = options.get("test_crash_marker")  # TESTS ONLY: see the module's docstring
     return SyntheticModel(info, dims, cost, str(options.get("fault_marker", "__fail__")),
                           str(crash) if crash else None)

@@ -15,14 +15,21 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ember.adapters._images import ItemInput
 from ember.adapters.base import Encoded, EncodeOptions, ScoreOptions, TaskModel, TaskOutput
 from ember.api.codec import render
 from ember.api.errors import ApiError
 from ember.api.images import check_image_count, data_uri, image_model, takes_images
-from ember.api.model_task import check_count, check_inputs, check_query, require_dense, run_task
+from ember.api.model_task import (
+    check_count,
+    check_inputs,
+    check_query,
+    cut_dense,
+    require_dense,
+    run_task,
+)
 from ember.api.rerank import ranked
 from ember.api.routing import InferenceRoute
 from ember.api.state import ServedModel
@@ -50,7 +57,8 @@ class CohereEmbedRequest(Strict):
     embedding_types: list[EmbeddingType] | None = Field(None, description="default: float")
     truncate: Literal["NONE", "START", "END"] = "END"
     max_tokens: int | None = None
-    output_dimension: int | None = None
+    output_dimension: StrictInt | None = Field(
+        None, description="keep the first N of the model's dimensions (Matryoshka models)")
     priority: int | None = None
 
 
@@ -58,7 +66,7 @@ class CohereRerankRequest(Strict):
     model: str
     query: str
     documents: list[str]
-    top_n: int | None = Field(None, ge=1)
+    top_n: StrictInt | None = Field(None, ge=1)
     max_tokens_per_doc: int | None = None
     relevant_spans: bool | None = None
     priority: int | None = None
@@ -111,7 +119,8 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
 
     async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
         require_dense(m, "/v2/embed", body.output_dimension, "output_dimension")
-        return await adapter.encode(m.submit, texts, options)
+        return cut_dense(m, await adapter.encode(m.submit, texts, options),
+                         body.output_dimension, options)
 
     try:
         output = await run_task(request, body.model, "encode", encode, len(texts), "texts")
@@ -144,9 +153,10 @@ async def embed_images(body: CohereEmbedRequest, request: Request) -> Response:
               for i, uri in enumerate(body.images)]
 
     async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
-        require_dense(m, "/v2/embed")
-        return await image_model(adapter, body.model, "images").encode_items(
+        require_dense(m, "/v2/embed", body.output_dimension, "output_dimension")
+        output = await image_model(adapter, body.model, "images").encode_items(
             m.submit, inputs, EncodeOptions())
+        return cut_dense(m, output, body.output_dimension, EncodeOptions())
 
     try:
         output = await run_task(request, body.model, "encode", encode, len(inputs), "images")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 import regex
@@ -13,12 +14,13 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.types import Message
 
-from ember.adapters.base import TaskModel, TaskOutput
+from ember.adapters.base import Encoded, EncodeOptions, TaskModel, TaskOutput
 from ember.api.errors import ApiError, ClientGone, as_api_error
 from ember.api.state import ServedModel, server_state
 from ember.engine import RequestTooLarge
 from ember.errors import UnsupportedTask
 from ember.metrics import labelled
+from ember.outputs import shortened
 
 T = TypeVar("T")
 TaskCall = Callable[[ServedModel, TaskModel], Awaitable[TaskOutput[T]]]
@@ -225,11 +227,26 @@ def require_output(model: ServedModel, route: str, kind: str) -> None:
 
 def require_dense(model: ServedModel, route: str, dims: int | None = None,
                   param: str = "dimensions") -> None:
-    """Routes that answer with plain vectors serve only models that make dense ones, and
-    of the size a request names in `param` (`dims`), if it names one: Ember cuts none."""
+    """Routes that answer with plain vectors serve only models that make dense ones; a
+    size named in `param` (`dims`) must be one the model's vectors can be cut to."""
     require_output(model, route, "dense")
-    name = model.spec.name
     made = model.adapter.info.dims
-    if dims is not None and made is not None and dims != made:
-        raise ApiError(422, "invalid_request", f"{param}={dims} is not supported; {name} "
-                       f"returns {made}", param)
+    if dims is not None and made is not None and not 1 <= dims <= made:
+        raise ApiError(422, "invalid_request", f"{param}={dims} is out of range: "
+                       f"{model.spec.name} returns {made} dimensions; send 1 to {made} to "
+                       f"keep that many of them, or leave {param} out", param)
+
+
+def cut_dense(model: ServedModel, output: TaskOutput[list[Encoded]], dims: int | None,
+              options: EncodeOptions) -> TaskOutput[list[Encoded]]:
+    """`output`'s dense vectors cut to their first `dims` components (OpenAI's
+    `dimensions`, for Matryoshka models), unit again where the request's vectors are
+    normalized: by `options.normalize`, else by the model's own setting."""
+    if dims is None or dims == model.adapter.info.dims:
+        return output
+    unit = options.normalize if options.normalize is not None else \
+        model.adapter.info.extra.get("normalize") is True
+    values = [encoded if encoded.dense is None else
+              replace(encoded, dense=shortened(encoded.dense, dims, unit))
+              for encoded in output.values]
+    return replace(output, values=values)

@@ -34,6 +34,7 @@ from ember.api.images import IMAGE_FAMILIES, is_image_data_uri
 from ember.api.model_task import (
     check_count,
     check_inputs,
+    cut_dense,
     requested_model,
     require_dense,
     run_task,
@@ -56,7 +57,8 @@ class EmbeddingsRequest(BaseModel):
     model: str | None = Field(None, description="catalog name; omitted: the server's default "
                               "model")
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, description="must equal the model's dims if given")
+    dimensions: StrictInt | None = Field(None, description="keep the first N of the model's "
+                                     "dimensions (Matryoshka models); unit again if normalized")
     user: str | None = None
 
     @field_validator("input", mode="wrap")
@@ -171,16 +173,17 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
 
     async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
         require_dense(m, "/v1/embeddings", body.dimensions)
+        side = embeddings_side(m)
         if rows is None:
             refuse_images(m, texts)
-            return await adapter.encode(m.submit, texts, embeddings_side(m))
-        encode_ids = getattr(adapter, "encode_ids", None)
-        if encode_ids is None:
-            raise ApiError(422, "invalid_request", f"model {m.spec.name!r} takes text only; "
-                           "send strings", "input")
-        output: TaskOutput[list[Encoded]] = await encode_ids(
-            m.submit, check_tokens(m, rows, nested), embeddings_side(m))
-        return output
+            output = await adapter.encode(m.submit, texts, side)
+        else:
+            encode_ids = getattr(adapter, "encode_ids", None)
+            if encode_ids is None:
+                raise ApiError(422, "invalid_request", f"model {m.spec.name!r} takes text "
+                               "only; send strings", "input")
+            output = await encode_ids(m.submit, check_tokens(m, rows, nested), side)
+        return cut_dense(m, output, body.dimensions, side)
 
     output = await run_task(request, model, "encode", encode, count,
                             "input")

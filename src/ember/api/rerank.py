@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ember.adapters.base import ScoreOptions
 from ember.api.codec import render
@@ -27,7 +27,7 @@ class RerankRequest(BaseModel):
     query: str
     documents: list[str | Document]
     model: str | None = Field(None, description="catalog name; default: the server's model")
-    top_n: int | None = Field(None, ge=1, description="return only the best n")
+    top_n: StrictInt | None = Field(None, ge=1, description="return only the best n")
     return_documents: bool = False
     rank_fields: list[str] | None = Field(None, description='["text"] only: each document\'s '
                                           "text is what is ranked")

@@ -39,6 +39,7 @@ from ember.api.model_task import (
     check_count,
     check_inputs,
     check_query,
+    cut_dense,
     require_dense,
     require_output,
     run_task,
@@ -75,7 +76,8 @@ class EmbedRequest(Strict):
     truncation_direction: Direction | None = None
     prompt_name: str | None = Field(None, description="query, or document (passage, corpus): "
                                     "the side of an asymmetric model")
-    dimensions: int | None = Field(None, description="must equal the model's dims if given")
+    dimensions: StrictInt | None = Field(None, description="keep the first N of the model's "
+                                     "dimensions (Matryoshka models); unit again if normalized")
 
 
 class TeiRerankRequest(Strict):
@@ -144,13 +146,13 @@ async def dense_vectors(request: Request, texts: list[str], options: EncodeOptio
                         field: str, dimensions: int | None = None, query: bool = False,
                         names: ParamNames | None = None) -> TaskOutput[list[Encoded]]:
     """The default model's dense vectors for `texts` (`query`: the first is a query beside
-    the request's inputs); a model without them is a 422, and so is a `dimensions` other
-    than the model's (Ember does not cut vectors)."""
+    the request's inputs), cut to `dimensions` if given; a model without them is a 422."""
     model = server_state(request).settings.default_model
 
     async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
         require_dense(m, request.url.path, dimensions)
-        return await adapter.encode(m.submit, texts, options)
+        return cut_dense(m, await adapter.encode(m.submit, texts, options), dimensions,
+                         options)
 
     return await run_task(request, model, "encode", encode, len(texts) - query, field,
                           query=query, names=names)
