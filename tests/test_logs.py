@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ember.logs import access_log
+from ember.logs import access_log, peer
 from tests.live_server import REPO, server_env
 
 WRITERS = """
@@ -50,8 +50,14 @@ def test_a_probes_503_while_loading_is_not_a_warning(caplog: pytest.LogCaptureFi
                                                       path: str, status: int,
                                                       level: int) -> None:
     with caplog.at_level(logging.INFO, logger="ember.access"):
-        access_log("GET", path, path, "", status, 0, 0.0, 0.0, 1.0, "r1")
+        access_log("GET", path, path, "", status, 0, 0.0, 0.0, 1.0, "r1", "-")
     assert [r.levelno for r in caplog.records] == [level]
+
+
+def test_the_peer_is_one_token_whatever_its_address() -> None:
+    assert peer(("10.0.0.7", 51234)) == "10.0.0.7:51234"
+    assert peer(("::1", 8080)) == "[::1]:8080"
+    assert peer(None) == "-"
 
 
 @pytest.mark.parametrize("json_lines", [False, True])

@@ -177,8 +177,10 @@ def _relay(read_end: int, out: IO[str]) -> None:
 
 def access_log(method: str, path: str, route: str, model: str, status: int, items: int,
                queue_ms: float, inference_ms: float, total_ms: float,
-               request_id: str) -> None:
-    """One line per request at info (warning for a server fault): refusals included."""
+               request_id: str, client: str) -> None:
+    """One line per request at info (warning for a server fault): refusals included.
+    `client` is the peer's address (a trusted proxy's X-Forwarded-For, as uvicorn reads
+    it), or "-" where the server does not know it."""
     level = logging.WARNING if status >= 500 and not (
         status == 503 and path in PROBES) else logging.INFO
     if not access.isEnabledFor(level):
@@ -186,11 +188,20 @@ def access_log(method: str, path: str, route: str, model: str, status: int, item
     fields = {"method": method, "path": path, "route": route, "model": model or None,
               "status": status, "items": items, "queue_ms": round(queue_ms, 2),
               "inference_ms": round(inference_ms, 2), "total_ms": round(total_ms, 2),
-              "request_id": request_id}
+              "request_id": request_id, "client": client}
     # The path is the client's, percent-decoded: a newline in it must not start a line.
     access.log(level, "%s %s %d model=%s items=%d queue_ms=%.1f inference_ms=%.1f "
-               "total_ms=%.1f request_id=%s", method, printable(path), status, model or "-",
-               items, queue_ms, inference_ms, total_ms, request_id, extra={"fields": fields})
+               "total_ms=%.1f request_id=%s client=%s", method, printable(path), status,
+               model or "-", items, queue_ms, inference_ms, total_ms, request_id, client,
+               extra={"fields": fields})
+
+
+def peer(address: tuple[str, int] | None) -> str:
+    """An ASGI scope's `client` as one token: host:port, [v6 host]:port, or "-"."""
+    if not address:
+        return "-"
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def printable(text: str) -> str:

@@ -161,6 +161,9 @@ async def test_one_access_line_per_request(shared: Served,
     assert ok["queue_ms"] >= 0 and ok["inference_ms"] > 0
     assert missing["status"] == 404 and missing["request_id"] == "line-2"
     assert "POST /v1/encode/" in lines[0].getMessage() and "line-1" in lines[0].getMessage()
+    # Which client sent it: httpx's ASGI transport calls itself 127.0.0.1:123.
+    assert ok["client"] == "127.0.0.1:123"
+    assert lines[0].getMessage().endswith(" client=127.0.0.1:123")
     entry = json.loads(JsonFormatter().format(lines[0]))
     assert entry["level"] == "info" and entry["logger"] == "ember.access"
     assert entry["status"] == 200 and entry["request_id"] == "line-1"
