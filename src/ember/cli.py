@@ -168,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     flag("memory-budget-mb", int, None, "weights in memory before LRU eviction")
     flag("api-key", str, None, "require 'Authorization: Bearer <key>' (all but /healthz, "
          "/readyz and /health)")
+    flag("cors-allow-origin", str, None, "let pages from this browser origin "
+         "(scheme://host[:port]) call the server, or * for any; preflights pass without "
+         "the API key (repeatable; the variable takes a comma-separated list)",
+         action=AppendOverEnv)
     flag("token-ids", str, "refuse", "token-id input on /v1/embeddings: refuse (a 422 "
          "that says to send text: clients such as LangChain send OpenAI's tiktoken ids, "
          "which no other model reads right), or model (read them as ids of the model's own "
@@ -258,7 +262,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         max_text_chars=args.max_text_chars, max_images_per_request=args.max_images_per_request,
         request_timeout_s=args.request_timeout_s, max_loaded_models=args.max_loaded_models,
         memory_budget_mb=args.memory_budget_mb, api_key=args.api_key,
-        token_ids=args.token_ids,
+        cors_origins=_list(args.cors_allow_origin, ","), token_ids=args.token_ids,
         log_level=args.log_level.lower(), log_format=args.log_format.lower(),
         ray=ray_settings_from(args) if args.ray else None,
     )

@@ -555,6 +555,8 @@ passes every replica's cap waits in the router only up to a bound, then gets 429
 
 
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+# What a browser sends as `Origin`: scheme, host and port, no path.
+ORIGIN = re.compile(r"\*|https?://[^/\s?#]+")
 
 
 @dataclass(frozen=True)
@@ -584,6 +586,7 @@ class ServerSettings:
     max_loaded_models: int = 4
     memory_budget_mb: int | None = None
     api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call (CORS); "*": any
     token_ids: str = "refuse"  # refuse | model: how /v1/embeddings reads token-id input
     log_level: str = "info"
     log_format: str = "text"  # text | json (one JSON object a line, for log shippers)
@@ -607,6 +610,11 @@ class ServerSettings:
                              f"timeout), got {self.request_timeout_s:g}")
         if self.memory_budget_mb is not None and self.memory_budget_mb < 1:
             raise ValueError(f"--memory-budget-mb must be 1 or more, got {self.memory_budget_mb}")
+        for origin in self.cors_origins:
+            if not ORIGIN.fullmatch(origin):
+                raise ValueError(f"--cors-allow-origin {origin!r} is not an origin: give "
+                                 "scheme://host[:port] as the browser's address bar shows "
+                                 "it, without a path or a trailing slash, or * for any")
         kept = dict.fromkeys((self.default_model, *self.preload))
         if len(kept) > self.max_loaded_models:  # the first preloads would be evicted at once
             raise ValueError(f"--preload and the default model name {len(kept)} models, and "

@@ -399,3 +399,19 @@ def test_a_model_yaml_that_would_fail_every_request_is_refused_at_start(
     assert result.returncode == 2, result
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{tmp_path / 'mine.yaml'}: {says}" in lines[0], lines
+
+
+def test_cors_origins_from_flags_or_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse().cors_origins == ()
+    assert parse("--cors-allow-origin", "https://a.example",
+                 "--cors-allow-origin", "http://localhost:3000").cors_origins == (
+        "https://a.example", "http://localhost:3000")
+    monkeypatch.setenv(env_name("cors-allow-origin"), "https://a.example, *")
+    assert parse().cors_origins == ("https://a.example", "*")
+
+
+@pytest.mark.parametrize("origin", ["https://a.example/", "a.example", "https://a.example/app",
+                                    "ftp://a.example"])
+def test_a_cors_origin_with_a_path_or_no_scheme_is_refused(origin: str) -> None:
+    with pytest.raises(ValueError, match="is not an origin: give scheme://host"):
+        parse("--cors-allow-origin", origin)

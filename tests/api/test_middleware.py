@@ -385,3 +385,51 @@ async def test_chunked_msgpack_body_over_the_limit_is_413(apps: AppFactory) -> N
                                                      "x-request-id": "big"})
         assert_error(response, 413, "payload_too_large", "body")
         assert_context_headers(response, "big", forward=False)
+
+
+# -- CORS -------------------------------------------------------------------------------------
+
+PAGE = "https://search.example.com"
+
+
+async def test_a_page_of_an_allowed_origin_calls_with_its_key(apps: AppFactory,
+                                                              caplog: pytest.LogCaptureFixture
+                                                              ) -> None:
+    async with apps.serve(api_key="k", cors_origins=(PAGE,)) as served:
+        # The browser's preflight carries no key: it is answered before the key is asked.
+        with caplog.at_level(logging.INFO, logger="ember.access"):
+            preflight = await served.client.options(f"/v1/encode/{SYNTH}", headers={
+                "origin": PAGE, "access-control-request-method": "POST",
+                "access-control-request-headers": "authorization, content-type"})
+        assert preflight.status_code == 200, preflight.text
+        assert preflight.headers["access-control-allow-origin"] == PAGE
+        allowed = preflight.headers["access-control-allow-headers"].lower()
+        assert "authorization" in allowed and "content-type" in allowed
+        assert [r.__dict__["fields"]["method"] for r in caplog.records] == ["OPTIONS"]
+        answer = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("x"),
+                                          headers={"origin": PAGE, "authorization": "Bearer k"})
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["access-control-allow-origin"] == PAGE
+        exposed = answer.headers["access-control-expose-headers"].lower()
+        assert "x-request-id" in exposed and "x-inference-time-ms" in exposed
+        # A refusal is readable by the page too, so it can show why.
+        refused = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("x"),
+                                           headers={"origin": PAGE})
+        assert_error(refused, 401)
+        assert refused.headers["access-control-allow-origin"] == PAGE
+
+
+async def test_other_origins_get_no_cors_grant(apps: AppFactory) -> None:
+    async with apps.serve(cors_origins=(PAGE,)) as served:
+        preflight = await served.client.options(f"/v1/encode/{SYNTH}", headers={
+            "origin": "https://evil.example", "access-control-request-method": "POST"})
+        assert preflight.status_code == 400
+        assert "access-control-allow-origin" not in preflight.headers
+        answer = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("x"),
+                                          headers={"origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in answer.headers
+    async with apps.serve() as served:  # without the flag, no page is granted anything
+        answer = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("x"),
+                                          headers={"origin": PAGE})
+        assert answer.status_code == 200
+        assert "access-control-allow-origin" not in answer.headers

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp
 
@@ -27,12 +28,18 @@ from ember.metrics import Metrics, ReportedDepths
 from ember.registry import Registry, preload_models
 
 log = logging.getLogger("ember.api")
+# What a page's script may send, and read of an answer, under --cors-allow-origin.
+CORS_REQUEST_HEADERS = ["authorization", "content-type", "accept", "x-request-id",
+                        "x-sie-request-id"]
+CORS_RESPONSE_HEADERS = ["x-request-id", "x-sie-request-id", "x-queue-time-ms",
+                         "x-inference-time-ms", "x-total-time-ms", "retry-after"]
 
 
 class EmberAPI(FastAPI):
     """FastAPI with Ember's layers outside its own middleware stack. A request meets:
-    headers and accounting, the API key, the drain, the body limit; then the inference
-    routes are served at once (`InferenceDispatcher`) and the rest go through FastAPI."""
+    headers and accounting, CORS (if asked for), the API key, the drain, the body limit;
+    then the inference routes are served at once (`InferenceDispatcher`) and the rest go
+    through FastAPI."""
 
     def __init__(self, state: ServerState, **options: Any) -> None:
         super().__init__(**options)
@@ -47,10 +54,14 @@ class EmberAPI(FastAPI):
         app: ASGIApp = InferenceDispatcher(super().build_middleware_stack(),
                                            self.inference_routes)
         state = self.state.ember
-        for layer in (BodyLimitMiddleware, DrainMiddleware, ApiKeyMiddleware,
-                      RequestContextMiddleware):
+        for layer in (BodyLimitMiddleware, DrainMiddleware, ApiKeyMiddleware):
             app = layer(app, lambda: state)
-        return app
+        origins = state.settings.cors_origins
+        if origins:  # outside the key: a browser's preflight carries none
+            app = CORSMiddleware(app, allow_origins=list(origins), allow_methods=["GET", "POST"],
+                                 allow_headers=CORS_REQUEST_HEADERS,
+                                 expose_headers=CORS_RESPONSE_HEADERS, max_age=600)
+        return RequestContextMiddleware(app, lambda: state)
 
 
 def create_app(settings: ServerSettings, registry: Models) -> EmberAPI:
