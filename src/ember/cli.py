@@ -224,19 +224,6 @@ def _list(values: Sequence[str] | str | None, sep: str) -> tuple[str, ...]:
     return tuple(part.strip() for value in values for part in value.split(sep) if part.strip())
 
 
-def check_api_key(key: str) -> None:
-    """A key every client sends alike: a header loses the spaces at its ends (a secret's
-    trailing newline then never matches), and clients encode non-ASCII differently."""
-    if not key.strip():
-        raise ValueError("--api-key (or EMBER_API_KEY) is empty, which would serve without "
-                         "a key: set the key, or leave both unset to serve without one")
-    if not all("!" <= char <= "~" for char in key):
-        raise ValueError("--api-key (or EMBER_API_KEY) holds a space, line break or "
-                         "non-ASCII character, which an Authorization header does not carry "
-                         "as typed: use printable ASCII only (a secret read from a file: "
-                         "strip its newline)")
-
-
 def settings_from(args: argparse.Namespace) -> ServerSettings:
     if not args.ray:
         refuse_ray_flags(args)
@@ -246,8 +233,6 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
     except SettingError as exc:
         raise ValueError(f"--{exc.name.replace('_', '-')} {exc.problem} (or "
                          f"{env_name(exc.name)})") from None
-    if args.api_key is not None:
-        check_api_key(args.api_key)
     return ServerSettings(
         host=args.host, port=args.port, workers=args.workers,
         model_dirs=tuple(Path(p) for p in _list(args.model_dir, ":")),

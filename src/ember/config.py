@@ -555,6 +555,20 @@ passes every replica's cap waits in the router only up to a bound, then gets 429
 
 
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def check_api_key(key: str) -> None:
+    """A key every client sends alike: a header loses the spaces at its ends (a secret's
+    trailing newline then never matches), and clients encode non-ASCII differently."""
+    if not key.strip():
+        raise ValueError("--api-key (or EMBER_API_KEY) is empty, which would serve without "
+                         "a key: set the key, or leave both unset to serve without one")
+    if not all("!" <= char <= "~" for char in key):
+        raise ValueError("--api-key (or EMBER_API_KEY) holds a space, line break or "
+                         "non-ASCII character, which an Authorization header does not carry "
+                         "as typed: use printable ASCII only (a secret read from a file: "
+                         "strip its newline)")
+
 # What a browser sends as `Origin`: scheme, host and port, no path.
 ORIGIN = re.compile(r"\*|https?://[^/\s?#]+")
 
@@ -610,6 +624,8 @@ class ServerSettings:
                              f"timeout), got {self.request_timeout_s:g}")
         if self.memory_budget_mb is not None and self.memory_budget_mb < 1:
             raise ValueError(f"--memory-budget-mb must be 1 or more, got {self.memory_budget_mb}")
+        if self.api_key is not None:
+            check_api_key(self.api_key)
         for origin in self.cors_origins:
             if not ORIGIN.fullmatch(origin):
                 raise ValueError(f"--cors-allow-origin {origin!r} is not an origin: give "
