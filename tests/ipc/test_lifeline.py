@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -58,3 +59,26 @@ def test_a_signal_that_comes_while_a_child_starts_waits_for_its_choice(held: boo
         if child.is_alive():
             child.kill()
             child.join()
+
+
+TRACKER_PROBE = """
+import os, signal, time
+from multiprocessing import resource_tracker
+from ember.ipc.lifeline import held_for_child
+with held_for_child():
+    pass
+pid = resource_tracker._resource_tracker._pid
+os.kill(pid, signal.SIGHUP)
+time.sleep(0.5)
+print("alive" if os.waitpid(pid, os.WNOHANG) == (0, 0) else "ended")
+"""
+
+
+def test_the_resource_tracker_outlives_a_hang_up_to_the_group() -> None:
+    """Found by a code review: multiprocessing's resource tracker ignores SIGINT and
+    SIGTERM but not SIGHUP, so a hang-up to the whole group ended it, and the next
+    child started after it warned that it had died."""
+    probe = subprocess.run([sys.executable, "-c", TRACKER_PROBE], capture_output=True,
+                           text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.strip() == "alive"
