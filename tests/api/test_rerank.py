@@ -55,6 +55,9 @@ async def test_top_n_above_the_count_returns_all(shared: Served) -> None:
     ({"query": QUERY}, "documents"),
     ({"query": QUERY, "documents": []}, "documents"),
     ({"query": QUERY, "documents": DOCS, "top_n": 0}, "top_n"),
+    # Found by a black-box review: true was read as 1, and 2.0 as 2.
+    ({"query": QUERY, "documents": DOCS, "top_n": True}, "top_n"),
+    ({"query": QUERY, "documents": DOCS, "top_n": 2.0}, "top_n"),
     ({"query": QUERY, "documents": [{"txt": "x"}]}, None),
     # Found by a black-box review: ranked on "text" with a 200 while the client asked for
     # its title; any field Cohere or Jina have that Ember does not is named too.
