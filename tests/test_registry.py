@@ -55,6 +55,15 @@ async def test_unknown_model_names_the_available_ones() -> None:
         await registry.get("../etc/passwd")
 
 
+@pytest.mark.parametrize(("typed", "meant"), [("org/B", "org/b"), ("b", "org/b"),
+                                              ("org/b333", "org/b33")])
+async def test_a_mistyped_model_name_is_told_the_closest_one(typed: str, meant: str) -> None:
+    """Found by a black-box review: a 404 listing the whole catalog, no suggestion."""
+    registry = Registry(catalog(synthetic("org/b"), synthetic("org/b33"), synthetic("x/yz")))
+    with pytest.raises(ModelNotFound, match=f"did you mean {meant!r}"):
+        await registry.get(typed)
+
+
 async def test_least_recently_used_idle_model_is_evicted_after_draining() -> None:
     registry = Registry(catalog(synthetic("a"), synthetic("b"), synthetic("c")),
                         limits=RegistryLimits(max_loaded_models=2), worker=PausableWorker)

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import cast
+from typing import NoReturn, cast
 
 from ember import __version__, hub
 from ember.config import (
@@ -30,6 +30,7 @@ from ember.config import (
 )
 from ember.engine import WorkerConfig
 from ember.engine.config import DISPATCH_MODES, LEAD_RATIO, SettingError
+from ember.errors import closest
 from ember.logs import FORMATS, LEVELS
 
 log = logging.getLogger("ember")
@@ -92,14 +93,49 @@ class AppendOverEnv(argparse.Action):
         setattr(namespace, self.dest, [*items, values])
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a suggestion for a mistyped flag (`--max-loaded` for
+    `--max-loaded-models`), as the YAML fields have."""
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            known = [flag for action in self._every_action() for flag in action.option_strings]
+            hints = []
+            for word in message[len(prefix):].split():
+                match = closest(word.split("=")[0], known) if word.startswith("--") else None
+                if match:
+                    hints.append(f"{word} (did you mean {match}?)")
+            if hints:
+                message += "; " + ", ".join(hints)
+        super().error(message)
+
+    def _every_action(self) -> list[argparse.Action]:
+        actions = list(self._actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    actions += sub._actions
+        return actions
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default in its help, unless the help says it already or it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ember", description="Ember: embeddings, "
-                                     "reranking and entity extraction, batched.",
-                                     allow_abbrev=False)
+    parser = Parser(prog="ember", description="Ember: embeddings, reranking and entity "
+                    "extraction, batched.", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"ember {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve models over HTTP", allow_abbrev=False,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                formatter_class=DefaultsHelp,
                                 description="Serve the catalog over HTTP. Each flag can also "
                                 "be set by the EMBER_* variable named in its help.")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import logging
 import re
@@ -15,6 +14,7 @@ from typing import Any, Literal, cast
 import yaml
 
 from ember.engine.config import SettingError, WorkerConfig
+from ember.errors import closest
 from ember.hub import HubRef, Wanted, parse_hub_id
 from ember.model_files import ModelFileError, read_model_json
 
@@ -268,8 +268,8 @@ def _refuse_unknown(data: Mapping[Any, Any], accepted: tuple[str, ...], where: s
         return
     named = []
     for key in unknown:
-        close = difflib.get_close_matches(key, accepted, n=1)
-        hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+        close = closest(key, accepted)
+        hint = f" (did you mean {prefix}{close}?)" if close else ""
         named.append(f"{prefix}{key}{hint}")
     raise CatalogError(f"{where}: unknown field{'s' if len(named) > 1 else ''} "
                        f"{', '.join(named)}; {prefix.rstrip('.') or 'a model YAML'} accepts "

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
+
+
+def closest(word: str, choices: Sequence[str]) -> str | None:
+    """The choice a mistyped `word` most likely meant: one equal but for case, one whose
+    last path part it is (a Hub id without its organisation), else the nearest spelling."""
+    lowered = word.lower()
+    for choice in choices:
+        if choice.lower() == lowered or choice.lower().rpartition("/")[2] == lowered:
+            return choice
+    close = difflib.get_close_matches(word, choices, n=1)
+    return close[0] if close else None
 
 
 class EmberError(Exception):
@@ -29,12 +41,14 @@ class ModelNotFound(EmberError):
         self.name = name
         self.available = list(available)
         self.why = why  # where the name was looked for beyond the catalog, and what to do
-        super().__init__(why or f"model {name!r} is not in the catalog; available: "
+        match = closest(name, self.available)
+        hint = f"did you mean {match!r}? " if match else ""
+        super().__init__(why or f"model {name!r} is not in the catalog; {hint}available: "
                                 f"{', '.join(self.available) or 'none'}")
 
 
 class ModelLoadError(EmberError):
-    """A catalog model could not be loaded (HTTP 503 on its routes; the server stays up)."""
+    """A catalog model could not be loaded (HTTP 502 on its routes; the server stays up)."""
 
     def __init__(self, name: str, cause: str) -> None:
         self.name = name

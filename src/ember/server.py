@@ -85,7 +85,8 @@ class DrainingServer(uvicorn.Server):
             os._exit(1)
         self.state.begin_drain()
         why = "the supervisor's order" if self.managed else signal.Signals(sig).name
-        log.info("%s: draining, %d requests in flight", why, self.state.in_flight)
+        count = self.state.in_flight
+        log.info("%s: draining, %d request%s in flight", why, count, "" if count == 1 else "s")
         if self._loop is None:
             self.should_exit = True
         else:

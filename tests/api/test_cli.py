@@ -415,3 +415,33 @@ def test_cors_origins_from_flags_or_the_variable(monkeypatch: pytest.MonkeyPatch
 def test_a_cors_origin_with_a_path_or_no_scheme_is_refused(origin: str) -> None:
     with pytest.raises(ValueError, match="is not an origin: give scheme://host"):
         parse("--cors-allow-origin", origin)
+
+
+@pytest.mark.parametrize(("typed", "meant"), [("--max-loaded", "--max-loaded-models"),
+                                              ("--defaultmodel", "--default-model"),
+                                              ("--api_key=k", "--api-key")])
+def test_a_mistyped_flag_is_told_the_closest_one(typed: str, meant: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a black-box review: a bare "unrecognized arguments", where a YAML field
+    gets a suggestion."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", typed, "2"] if "=" not in typed else
+                                  ["serve", typed])
+    assert f"{typed} (did you mean {meant}?)" in capsys.readouterr().err
+
+
+def test_help_gives_each_default_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a black-box review: "(default: every core) [EMBER_ONNX_THREADS]
+    (default: None)"."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text
+    assert "(default: every core) [EMBER_ONNX_THREADS]" in text
+    assert "[EMBER_PORT] (default: 8080)" in text
+
+
+def test_python_dash_m_ember_is_the_ember_command() -> None:
+    result = subprocess.run([sys.executable, "-m", "ember", "--version"], capture_output=True,
+                            text=True, timeout=60, env=server_env())
+    assert result.returncode == 0 and result.stdout.strip() == f"ember {__version__}"

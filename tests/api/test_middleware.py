@@ -269,7 +269,7 @@ async def test_declared_length_over_the_limit_is_refused_before_reading(
                                             content=b"{" + b" " * 100 + b"}",
                                             headers={"content-type": "application/json"})
         error = assert_error(response, 413, "payload_too_large", "body")
-        assert "64 bytes" in error["message"]
+        assert "64 bytes (--max-body-bytes)" in error["message"]
         assert served.worker().stats.batches == 0
 
 

@@ -345,7 +345,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(model_dir: Path,
         log = server.log_tail(100_000)
         # Each API process says what it holds (the last /metrics poll may still be leaving
         # when the signal lands, so at least `count` in all).
-        held = re.findall(r"(?:SIGTERM|supervisor's order): draining, (\d+) requests in "
+        held = re.findall(r"(?:SIGTERM|supervisor's order): draining, (\d+) requests? in "
                           r"flight", log)
         assert held and sum(map(int, held)) >= count, log
         assert "drained in" in log

@@ -105,9 +105,13 @@ def first_outside_rows(rows: Sequence[Sequence[int]],
     return None
 
 
+# What turns truncation on: each compatible route's own field, the native routes' option.
+TRUNCATE_ADVICE = "set truncate=true (params.options.truncate on /v1/encode and /v1/score)"
+
+
 def over_limit(count: int, limit: int, param: str) -> InputTooLong:
     return InputTooLong(f"{count} tokens exceeds max_seq_length {limit}; shorten the text "
-                        f"or set truncate=true", param)
+                        f"or {TRUNCATE_ADVICE}", param)
 
 
 class TextTokenizer:

@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ember.adapters._images import ItemInput
+from ember.adapters._tokenize import TRUNCATE_ADVICE
 from ember.adapters.base import Encoded, EncodeOptions, ScoreOptions, TaskModel, TaskOutput
 from ember.api.codec import render
 from ember.api.errors import ApiError
@@ -126,7 +127,7 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
         output = await run_task(request, body.model, "encode", encode, len(texts), "texts")
     except ApiError as error:  # the limit's advice in this route's own terms
         if error.kind == "input_too_long":
-            error.message = error.message.replace("set truncate=true", "set truncate to END")
+            error.message = error.message.replace(TRUNCATE_ADVICE, "set truncate to END")
         raise
     vectors = [encoded.dense for encoded in output.values if encoded.dense is not None]
     kinds = dict.fromkeys(body.embedding_types or ["float"])

@@ -64,6 +64,14 @@ class ClientGone(Exception):
     """The client closed the connection before its answer was ready."""
 
 
+class RequestTimeout(TimeoutError):
+    """The request ran past the server's --request-timeout-s (`seconds`)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"{seconds:g} s")
+        self.seconds = seconds
+
+
 def scrub(message: str) -> str:
     """Internal file paths never reach a client."""
     return _PATH.sub("<path>", _QUOTED_PATH.sub("<path>", message))
@@ -130,9 +138,11 @@ def as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, ShuttingDown):
         return ApiError(503, "unavailable", "the server is shutting down; retry on another "
                         "instance", headers={"Retry-After": "5"})
-    if isinstance(exc, TimeoutError):
-        return ApiError(504, "timeout", "the request did not finish within the server's "
-                        "request timeout; its queued work was dropped")
+    if isinstance(exc, TimeoutError):  # here, or in the engine process
+        of = f" of {exc.seconds:g} s" if isinstance(exc, RequestTimeout) else ""
+        return ApiError(504, "timeout", f"the request did not finish within the server's "
+                        f"request timeout{of} (--request-timeout-s); its queued work was "
+                        "dropped")
     # A fault from the engine process is already named by its original type.
     what = str(exc) if isinstance(exc, RemoteFault) else f"{type(exc).__name__}: {exc}"
     log.error("inference failed: %s", what)

@@ -170,7 +170,8 @@ class BodyLimitMiddleware(HttpMiddleware):
         limit = self.state().settings.max_body_bytes
         if _declared_length(scope) > limit:
             await self.refuse("body_too_large", scope, receive, send, 413, "payload_too_large",
-                              f"request body is over the limit of {limit} bytes; send fewer "
+                              f"request body is over the limit of {limit} bytes "
+                              "(--max-body-bytes); send fewer "
                               "or shorter items per request", "body")
             return
         await self.app(scope, self._capped(receive, limit), send)
@@ -184,7 +185,8 @@ class BodyLimitMiddleware(HttpMiddleware):
             seen += len(message.get("body", b""))
             if seen > limit:
                 self.state().metrics.rejected("body_too_large")
-                raise BodyTooLarge(f"request body is over the limit of {limit} bytes")
+                raise BodyTooLarge(f"request body is over the limit of {limit} bytes "
+                                   "(--max-body-bytes)")
             return message
 
         return capped

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from starlette.types import Message
 
 from ember.adapters.base import Encoded, EncodeOptions, TaskModel, TaskOutput
-from ember.api.errors import ApiError, ClientGone, as_api_error
+from ember.api.errors import ApiError, ClientGone, RequestTimeout, as_api_error
 from ember.api.state import ServedModel, server_state
 from ember.engine import RequestTooLarge
 from ember.errors import UnsupportedTask
@@ -70,7 +70,7 @@ def check_text(text: str, limit: int, param: str) -> None:
                        param)
     if len(text) > limit:
         raise ApiError(422, "invalid_request", f"text of {len(text)} characters is over the "
-                       f"limit of {limit}; shorten it", param)
+                       f"limit of {limit} (--max-text-chars); shorten it", param)
 
 
 def requested_model(request: Request, body: BaseModel) -> str:
@@ -128,12 +128,12 @@ async def until_disconnect(request: Request, work: Awaitable[T], timeout: float 
         watcher.add_done_callback(lambda _: end(ClientGone()))
         watchers.append(watcher)
         if timeout is not None:
-            timer = loop.call_later(timeout - WATCH_AFTER_S, end, TimeoutError())
+            timer = loop.call_later(timeout - WATCH_AFTER_S, end, RequestTimeout(timeout))
 
     # One timer a request (most end before it fires): the watch, which then sets the
     # timeout's timer; or the timeout itself when it comes first.
     if timeout is not None and timeout <= WATCH_AFTER_S:
-        timer = loop.call_later(timeout, end, TimeoutError())
+        timer = loop.call_later(timeout, end, RequestTimeout(timeout))
     else:
         timer = loop.call_later(WATCH_AFTER_S, watch)
     try:
