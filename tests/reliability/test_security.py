@@ -1,6 +1,6 @@
 """Security against a real `ember serve` process.
 
-- API key: every route but /healthz and /readyz answers 401 without the right Bearer
+- API key: every route but /healthz, /readyz and /health answers 401 without the right Bearer
   token; the key never reaches the logs or a response.
 - Model sources: a model name is a catalog key, never a path (no `../` walk, no
   absolute path, url-encoded or not); pickled weights do not load unless the model's
