@@ -342,9 +342,12 @@ def serve(settings: ServerSettings) -> int:
     except CatalogError as exc:
         if settings.default_model in known or not hub.parse_hub_id(settings.default_model):
             log.error("%s", exc)
-        else:  # perhaps a catalog name mistyped: say which there are
-            log.error("default model %r is not in the catalog (known: %s); as a Hub id: %s",
-                      settings.default_model, ", ".join(sorted(known)), exc)
+        else:  # the Hub's answer first, then, for a mistyped catalog name, which there are
+            match = closest(settings.default_model, sorted(known))
+            log.error("default model %r: as a Hub id, %s; nor is it in the catalog (%s%s)",
+                      settings.default_model, exc,
+                      f"did you mean {match!r}? " if match else "",
+                      "known: " + ", ".join(sorted(known)))
         return 2
     # From here on a process of this server downloads only what a request may name.
     os.environ[hub.ALLOW_ENV] = "1" if settings.allow_hub_models else "0"

@@ -257,6 +257,15 @@ def test_serve_refuses_an_unknown_default_model() -> None:
     assert "no/such-model" in result.stderr and SYNTH in result.stderr
 
 
+def test_a_default_model_neither_on_the_hub_nor_in_the_catalog_says_why_first() -> None:
+    """Found by a black-box review: the Hub's reason came after the catalog's 26 names."""
+    result = run_ember("serve", "--default-model", "BAAI/bge-small-en-v1.6", "--port", "1")
+    assert result.returncode == 2, result
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.index("not in the Hugging Face cache") < line.index("known: ")
+    assert "did you mean 'BAAI/bge-small-en-v1.5'?" in line
+
+
 def test_the_console_script_is_installed() -> None:
     script = Path(sys.executable).with_name("ember")
     assert script.exists(), "pip install -e . installs the `ember` command"

@@ -381,3 +381,22 @@ async def test_a_vector_size_the_model_cannot_be_cut_to_is_refused_on_every_rout
                          param)
     assert f"{param}=65 is out of range" in error["message"]
     assert "send 1 to 64" in error["message"]
+
+
+@pytest.mark.parametrize(("route", "content", "param", "wanted"), [
+    (f"/v1/encode/{SYNTH}", b'{"items": ["hello"]}', "items[0]",
+     'expected a JSON object like {"text": "..."}, got a string'),
+    (f"/v1/score/{SYNTH}", b'{"query": "q", "items": [{"text": "a"}]}', "query",
+     'expected a JSON object like {"text": "..."}, got a string'),
+    ("/v1/embeddings", b"null", "body",
+     "expected a JSON object with this route's fields (/docs lists them), got null"),
+    (f"/v1/encode/{SYNTH}", b"[1, 2]", "body", "got a list"),
+])
+async def test_a_value_where_an_object_belongs_is_told_what_object(
+        shared: Served, route: str, content: bytes, param: str, wanted: str) -> None:
+    """Found by a black-box review: "Input should be a valid dictionary or instance of
+    Item", the validation library's words and a class name the client never sees."""
+    response = await shared.client.post(route, content=content,
+                                        headers={"content-type": "application/json"})
+    error = assert_error(response, 422, "invalid_request", param)
+    assert wanted in error["message"] and "instance of" not in error["message"], error

@@ -165,6 +165,17 @@ async def test_a_refused_body_is_counted_under_the_model_its_path_names(
         assert 'model=""' not in text
 
 
+async def test_fastapis_own_pages_are_counted_under_their_path(apps: AppFactory) -> None:
+    """Found by a black-box review: /docs was counted as "unrouted", the label of refusals
+    and unknown paths."""
+    async with apps.serve() as served:
+        for path in ("/docs", "/openapi.json", "/no/such/page"):
+            await served.client.get(path)
+        text = await served.metrics()
+        for route, status in (("/docs", 200), ("/openapi.json", 200), ("unrouted", 404)):
+            assert f'route="{route}",status="{status}"}} 1.0' in text, (route, text)
+
+
 async def test_refusals_carry_the_headers_too(apps: AppFactory) -> None:
     async with apps.serve(api_key="k", max_body_bytes=200,
                           worker=WorkerConfig(max_queue_items=1)) as served:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -179,8 +179,35 @@ def validation_error(errors: Sequence[Any]) -> ApiError:
         return ApiError(422, "invalid_request", f"{param}: expected one of "
                         f"{', '.join(forms)}", param)
     param = field_path(loc)
+    if first.get("type") == "model_type":  # pydantic's words name our classes: say it plainly
+        return ApiError(422, "invalid_request", f"{param}: {object_wanted(first)}", param)
     return ApiError(422, "invalid_request", f"{param}: {first.get('msg', 'invalid value')}",
                     param)
+
+
+# What an object field looks like, for a body that sent something else in its place.
+_OBJECT_EXAMPLES = {"Item": '{"text": "..."}',
+                    "ImagePart": '{"data": "<base64 bytes>", "format": "png"}'}
+
+
+def object_wanted(error: Mapping[str, Any]) -> str:
+    context = error.get("ctx")
+    name = context.get("class_name", "") if isinstance(context, dict) else ""
+    like = f" like {_OBJECT_EXAMPLES[name]}" if name in _OBJECT_EXAMPLES else \
+        " with this route's fields (/docs lists them)"
+    return f"expected a JSON object{like}, got {json_kind(error.get('input'))}"
+
+
+def json_kind(value: object) -> str:
+    if value is None:
+        return "null or no body"
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str | bytes):
+        return "a string"
+    return "a list" if isinstance(value, list | tuple) else type(value).__name__
 
 
 # How pydantic names a union's member in an error's location (`input.list[str]`).

@@ -133,7 +133,11 @@ def _route_template(scope: Scope) -> str:
     (401, 413, draining) or matching no route (404)."""
     route = scope.get("route")
     path = getattr(route, "path", None)
-    return path if isinstance(path, str) else "unrouted"
+    if isinstance(path, str):
+        return path
+    # FastAPI's own pages (/docs, /openapi.json) are Starlette routes without parameters:
+    # matched, they set an endpoint and no route, and their path is their template.
+    return str(scope["path"]) if "endpoint" in scope else "unrouted"
 
 
 class DrainMiddleware(HttpMiddleware):
