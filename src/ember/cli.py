@@ -97,26 +97,38 @@ class Parser(argparse.ArgumentParser):
     """argparse with a suggestion for a mistyped flag (`--max-loaded` for
     `--max-loaded-models`), as the YAML fields have."""
 
+    words: Sequence[str] = ()
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        self.words = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(self.words, namespace)
+
     def error(self, message: str) -> NoReturn:
         prefix = "unrecognized arguments: "
         if message.startswith(prefix):
-            known = [flag for action in self._every_action() for flag in action.option_strings]
-            hints = []
-            for word in message[len(prefix):].split():
-                match = closest(word.split("=")[0], known) if word.startswith("--") else None
-                if match:
-                    hints.append(f"{word} (did you mean {match}?)")
+            hints = [hint for word in message[len(prefix):].split()
+                     if word.startswith("--") and (hint := self._hint(word.split("=")[0]))]
             if hints:
                 message += "; " + ", ".join(hints)
         super().error(message)
 
-    def _every_action(self) -> list[argparse.Action]:
-        actions = list(self._actions)
+    def _hint(self, flag: str) -> str | None:
+        """The chosen command's closest flag, or the command that has this one."""
+        commands = self._commands()
+        chosen = next((commands[word] for word in self.words if word in commands), None)
+        own = [name for action in (chosen or self)._actions for name in action.option_strings]
+        for command, parser in commands.items():
+            if parser is not chosen and any(flag in a.option_strings for a in parser._actions):
+                return f"{flag} is a flag of `ember {command}`"
+        match = closest(flag, own)
+        return f"{flag} (did you mean {match}?)" if match else None
+
+    def _commands(self) -> dict[str, argparse.ArgumentParser]:
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
-                for sub in action.choices.values():
-                    actions += sub._actions
-        return actions
+                return dict(action.choices)
+        return {}
 
 
 class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -124,7 +136,8 @@ class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.default is None or "default" in text:
+        # The key's default is EMBER_API_KEY's value: help ends up in logs and tickets.
+        if action.default is None or "default" in text or action.dest == "api_key":
             return text
         return super()._get_help_string(action)
 
@@ -208,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
          "(scheme://host[:port]) call the server, or * for any; preflights pass without "
          "the API key (repeatable; the variable takes a comma-separated list)",
          action=AppendOverEnv)
+    flag("forwarded-allow-ips", str, None, "proxies (comma-separated addresses or "
+         "networks, * for any) whose X-Forwarded-For and X-Forwarded-Proto are believed: "
+         "the access log then names the client behind the proxy (default: believe none)")
     flag("token-ids", str, "refuse", "token-id input on /v1/embeddings: refuse (a 422 "
          "that says to send text: clients such as LangChain send OpenAI's tiktoken ids, "
          "which no other model reads right), or model (read them as ids of the model's own "
@@ -283,7 +299,8 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         max_text_chars=args.max_text_chars, max_images_per_request=args.max_images_per_request,
         request_timeout_s=args.request_timeout_s, max_loaded_models=args.max_loaded_models,
         memory_budget_mb=args.memory_budget_mb, api_key=args.api_key,
-        cors_origins=_list(args.cors_allow_origin, ","), token_ids=args.token_ids,
+        cors_origins=_list(args.cors_allow_origin, ","),
+        forwarded_allow_ips=args.forwarded_allow_ips, token_ids=args.token_ids,
         log_level=args.log_level.lower(), log_format=args.log_format.lower(),
         ray=ray_settings_from(args) if args.ray else None,
     )

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, cast
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -570,7 +571,22 @@ def check_api_key(key: str) -> None:
                          "strip its newline)")
 
 # What a browser sends as `Origin`: scheme, host and port, no path.
-ORIGIN = re.compile(r"\*|https?://[^/\s?#]+")
+ORIGIN = re.compile(r"https?://[^/\s?#*]+", re.IGNORECASE)
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def browser_origin(origin: str) -> str:
+    """`origin` as a browser sends it (lower case, no default port), which is what a CORS
+    check compares with; ValueError for what is no origin."""
+    if origin == "*":
+        return origin
+    if not ORIGIN.fullmatch(origin):
+        raise ValueError("not scheme://host[:port]")
+    parts = urlsplit(origin)
+    host, port = parts.hostname or "", parts.port  # a port that is no number raises
+    host = f"[{host}]" if ":" in host else host
+    kept = f":{port}" if port is not None and port != DEFAULT_PORTS[parts.scheme] else ""
+    return f"{parts.scheme.lower()}://{host}{kept}"
 
 
 @dataclass(frozen=True)
@@ -601,6 +617,7 @@ class ServerSettings:
     memory_budget_mb: int | None = None
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call (CORS); "*": any
+    forwarded_allow_ips: str | None = None  # proxies whose X-Forwarded-For is believed
     token_ids: str = "refuse"  # refuse | model: how /v1/embeddings reads token-id input
     log_level: str = "info"
     log_format: str = "text"  # text | json (one JSON object a line, for log shippers)
@@ -626,11 +643,20 @@ class ServerSettings:
             raise ValueError(f"--memory-budget-mb must be 1 or more, got {self.memory_budget_mb}")
         if self.api_key is not None:
             check_api_key(self.api_key)
+        if self.forwarded_allow_ips is not None and self.ray is not None:
+            raise ValueError("--forwarded-allow-ips sets Ember's own HTTP server; under --ray "
+                             "Ray's proxy takes the connections: leave it out")
         for origin in self.cors_origins:
-            if not ORIGIN.fullmatch(origin):
+            try:
+                sent = browser_origin(origin)
+            except ValueError:
                 raise ValueError(f"--cors-allow-origin {origin!r} is not an origin: give "
                                  "scheme://host[:port] as the browser's address bar shows "
-                                 "it, without a path or a trailing slash, or * for any")
+                                 "it, without a path, a trailing slash or a wildcard, or * "
+                                 "for any") from None
+            if sent != origin:  # it could never match: say what a browser sends
+                raise ValueError(f"--cors-allow-origin {origin!r} is never what a browser "
+                                 f"sends; give {sent!r}")
         kept = dict.fromkeys((self.default_model, *self.preload))
         if len(kept) > self.max_loaded_models:  # the first preloads would be evicted at once
             raise ValueError(f"--preload and the default model name {len(kept)} models, and "

@@ -179,8 +179,8 @@ def access_log(method: str, path: str, route: str, model: str, status: int, item
                queue_ms: float, inference_ms: float, total_ms: float,
                request_id: str, client: str) -> None:
     """One line per request at info (warning for a server fault): refusals included.
-    `client` is the peer's address (a trusted proxy's X-Forwarded-For, as uvicorn reads
-    it), or "-" where the server does not know it."""
+    `client` is the peer's address (behind a proxy of --forwarded-allow-ips, the one in
+    its X-Forwarded-For), or "-" where the server does not know it."""
     level = logging.WARNING if status >= 500 and not (
         status == 503 and path in PROBES) else logging.INFO
     if not access.isEnabledFor(level):

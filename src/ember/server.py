@@ -130,6 +130,8 @@ def run_http(settings: ServerSettings, registry: Models,
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
                             http="httptools", log_level=settings.log_level, access_log=False,
                             log_config=None,  # uvicorn's lines go through Ember's format
-                            proxy_headers=False, timeout_graceful_shutdown=None,
+                            proxy_headers=settings.forwarded_allow_ips is not None,
+                            forwarded_allow_ips=settings.forwarded_allow_ips,
+                            timeout_graceful_shutdown=None,
                             timeout_keep_alive=KEEP_ALIVE_S)
     DrainingServer(config, app.state.ember, managed, on_serving).run(sockets=sockets)

@@ -420,23 +420,38 @@ def test_cors_origins_from_flags_or_the_variable(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize("origin", ["https://a.example/", "a.example", "https://a.example/app",
-                                    "ftp://a.example"])
+                                    "ftp://a.example", "https://*.example.com",
+                                    "https://a.example:abc"])
 def test_a_cors_origin_with_a_path_or_no_scheme_is_refused(origin: str) -> None:
     with pytest.raises(ValueError, match="is not an origin: give scheme://host"):
         parse("--cors-allow-origin", origin)
 
 
-@pytest.mark.parametrize(("typed", "meant"), [("--max-loaded", "--max-loaded-models"),
-                                              ("--defaultmodel", "--default-model"),
-                                              ("--api_key=k", "--api-key")])
-def test_a_mistyped_flag_is_told_the_closest_one(typed: str, meant: str,
+@pytest.mark.parametrize(("origin", "sent"), [("https://App.Example.com", "https://app.example.com"),
+                                              ("https://a.example:443", "https://a.example"),
+                                              ("HTTP://localhost:80", "http://localhost")])
+def test_a_cors_origin_no_browser_sends_is_told_the_one_it_does(origin: str, sent: str) -> None:
+    """Found by a code review: accepted, and then no page ever matched it (browsers send
+    the host in lower case and leave the default port out)."""
+    with pytest.raises(ValueError, match=f"never what a browser sends; give '{sent}'"):
+        parse("--cors-allow-origin", origin)
+
+
+@pytest.mark.parametrize(("argv", "hint"), [
+    (["serve", "--max-loaded", "2"], "--max-loaded (did you mean --max-loaded-models?)"),
+    (["serve", "--defaultmodel", "x"], "--defaultmodel (did you mean --default-model?)"),
+    (["serve", "--api_key=k"], "--api_key (did you mean --api-key?)"),
+    # Found by a code review: "--port (did you mean --port?)", another command's flag.
+    (["models", "--port", "9000"], "--port is a flag of `ember serve`"),
+    (["serve", "--url", "x"], "--url is a flag of `ember models`"),
+])
+def test_a_mistyped_flag_is_told_the_closest_one(argv: list[str], hint: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """Found by a black-box review: a bare "unrecognized arguments", where a YAML field
     gets a suggestion."""
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", typed, "2"] if "=" not in typed else
-                                  ["serve", typed])
-    assert f"{typed} (did you mean {meant}?)" in capsys.readouterr().err
+        build_parser().parse_args(argv)
+    assert hint in capsys.readouterr().err
 
 
 def test_help_gives_each_default_once(capsys: pytest.CaptureFixture[str]) -> None:
@@ -450,7 +465,23 @@ def test_help_gives_each_default_once(capsys: pytest.CaptureFixture[str]) -> Non
     assert "[EMBER_PORT] (default: 8080)" in text
 
 
+def test_help_never_shows_the_api_key(monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a code review: EMBER_API_KEY's value was the flag's shown default."""
+    monkeypatch.setenv("EMBER_API_KEY", "s3cretKEY")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    assert "s3cretKEY" not in capsys.readouterr().out
+
+
 def test_python_dash_m_ember_is_the_ember_command() -> None:
     result = subprocess.run([sys.executable, "-m", "ember", "--version"], capture_output=True,
                             text=True, timeout=60, env=server_env())
     assert result.returncode == 0 and result.stdout.strip() == f"ember {__version__}"
+
+
+def test_forwarded_allow_ips_is_read_and_refused_under_ray() -> None:
+    assert parse("--forwarded-allow-ips", "10.0.0.0/8,127.0.0.1").forwarded_allow_ips == \
+        "10.0.0.0/8,127.0.0.1"
+    with pytest.raises(ValueError, match="under --ray Ray's proxy takes the connections"):
+        parse("--ray", "--forwarded-allow-ips", "127.0.0.1")

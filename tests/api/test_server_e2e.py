@@ -287,6 +287,32 @@ def test_a_path_cannot_write_a_line_of_its_own_into_the_log(live_server: ServerP
     assert "\x00" not in live_server.log_tail(200_000)
 
 
+def access_line(server: ServerProcess, request_id: str) -> str:
+    deadline = time.monotonic() + 5
+    while request_id not in server.log_tail(200_000) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [line] = [line for line in server.log_tail(200_000).splitlines() if request_id in line]
+    return line
+
+
+def test_the_access_line_names_the_client_behind_a_trusted_proxy_only(
+        live_server: ServerProcess, model_dir: Path, tmp_path: Path) -> None:
+    """Found by a code review: the docs said the client behind a proxy was logged, and
+    uvicorn was told to believe no proxy."""
+    headers = {"x-forwarded-for": "203.0.113.9", "x-request-id": "not-trusted-1"}
+    assert httpx.get(f"{live_server.url}/healthz", headers=headers).status_code == 200
+    assert "client=127.0.0.1:" in access_line(live_server, "not-trusted-1")
+    server = start_server(tmp_path / "server.log", [
+        "--model-dir", str(model_dir), "--default-model", SLOW,
+        "--forwarded-allow-ips", "127.0.0.1"], ready_timeout=60)
+    try:
+        headers = {"x-forwarded-for": "203.0.113.9", "x-request-id": "trusted-1"}
+        assert httpx.get(f"{server.url}/healthz", headers=headers).status_code == 200
+        assert "client=203.0.113.9:" in access_line(server, "trusted-1")
+    finally:
+        server.stop()
+
+
 # -- shutdown --------------------------------------------------------------------------------
 
 

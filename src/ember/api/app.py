@@ -28,9 +28,8 @@ from ember.metrics import Metrics, ReportedDepths
 from ember.registry import Registry, preload_models
 
 log = logging.getLogger("ember.api")
-# What a page's script may send, and read of an answer, under --cors-allow-origin.
-CORS_REQUEST_HEADERS = ["authorization", "content-type", "accept", "x-request-id",
-                        "x-sie-request-id"]
+# What a page's script may read of an answer under --cors-allow-origin. It may send any
+# header: the SDKs add their own (x-stainless-*, x-fern-*), and no cookie is allowed.
 CORS_RESPONSE_HEADERS = ["x-request-id", "x-sie-request-id", "x-queue-time-ms",
                          "x-inference-time-ms", "x-total-time-ms", "retry-after"]
 
@@ -59,7 +58,7 @@ class EmberAPI(FastAPI):
         origins = state.settings.cors_origins
         if origins:  # outside the key: a browser's preflight carries none
             app = CORSMiddleware(app, allow_origins=list(origins), allow_methods=["GET", "POST"],
-                                 allow_headers=CORS_REQUEST_HEADERS,
+                                 allow_headers=["*"],
                                  expose_headers=CORS_RESPONSE_HEADERS, max_age=600)
         return RequestContextMiddleware(app, lambda: state)
 

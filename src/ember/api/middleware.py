@@ -1,5 +1,6 @@
 """Cross-cutting HTTP concerns, one small ASGI middleware each (outermost first):
-request context, draining, API key, body size."""
+request context, API key, draining, body size (`api/app.py` puts Starlette's CORS, when
+asked for, between the first two)."""
 
 from __future__ import annotations
 
