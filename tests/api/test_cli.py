@@ -18,7 +18,7 @@ from ember.engine import WorkerConfig
 from tests.api.conftest import BUSY, SLOW, SPACY, SYNTH
 from tests.live_server import REPO, ServerProcess, free_port, server_env
 
-# The flags issue 4 asks for, at least.
+# The flags a user of such a server expects, at least.
 REQUIRED_FLAGS = ["host", "port", "model-dir", "preload", "default-model", "device",
                   "max-batch-tokens", "max-batch-items", "max-batch-wait-ms", "max-padding",
                   "idle-coalesce-ms", "max-queue-items", "max-items-per-request", "api-key"]
