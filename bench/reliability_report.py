@@ -7,7 +7,7 @@ docs/reliability.md:
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 .venv/bin/python bench/reliability_report.py \
         --soak-s 60 --out /tmp/ember-reliability > /tmp/reliability-figures.md
 
-`--no-run` renders an existing folder; `--soak-s 8` is the CI form.
+`--no-run` renders an existing folder; `--soak-s 5` is the CI form.
 """
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ def write_figures(folder: Path, name: str, data: Mapping[str, Any]) -> Path:
 
 def soak_seconds() -> float:
     """Seconds of each load soak: short in CI, EMBER_SOAK_S=60 for the long form."""
-    return float(os.environ.get("EMBER_SOAK_S", "8"))
+    return float(os.environ.get("EMBER_SOAK_S", "5"))
 
 
 def benchmarks_running() -> list[str]:

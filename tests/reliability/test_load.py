@@ -1,7 +1,7 @@
 """Load and overload against a real `ember serve` process.
 
 Soak: the default model (sentence-transformers/all-MiniLM-L6-v2 on CPU) at 32 and at 128
-requests in flight for EMBER_SOAK_S seconds each (8 in CI; the long form is
+requests in flight for EMBER_SOAK_S seconds each (5 in CI; the long form is
 `EMBER_SOAK_S=60`, see docs/reliability.md). No error but deliberate 429s, every vector
 equal (within 1e-5) to the vector of its text sent alone, server RSS growth bounded.
 
