@@ -126,9 +126,8 @@ def ray_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     server = start_ray_server(log, ["--replicas", "2", "--model-dir", str(model_dir),
                                     "--preload", SYNTH, "--preload", BUSY,
                                     "--max-items-per-request", "64",
-                                    # 256 requests a replica and 64 queued before it: 1,000
-                                    # in flight overload two
-                                    "--max-queue-items", "256"])
+                                    # 1,024 requests a replica: 3,000 in flight overload two
+                                    "--max-queue-items", "1024"])
     try:
         wait_replicas(server, 2, 60)
         yield server
