@@ -50,7 +50,7 @@ def test_a_probes_503_while_loading_is_not_a_warning(caplog: pytest.LogCaptureFi
                                                       path: str, status: int,
                                                       level: int) -> None:
     with caplog.at_level(logging.INFO, logger="ember.access"):
-        access_log("GET", path, path, "", status, 0, 0.0, 0.0, 1.0, "r1", "-")
+        access_log("GET", path, path, "", status, 0, 0.0, 0.0, 1.0, "r1", None)
     assert [r.levelno for r in caplog.records] == [level]
 
 

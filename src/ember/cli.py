@@ -30,10 +30,11 @@ from ember.config import (
 )
 from ember.engine import WorkerConfig
 from ember.engine.config import DISPATCH_MODES, LEAD_RATIO, SettingError
-from ember.errors import closest
+from ember.errors import closest, did_you_mean
 from ember.logs import FORMATS, LEVELS
 
 log = logging.getLogger("ember")
+
 
 def number(text: str) -> float:
     """A flag's finite number: float() reads "nan" and "inf", which no setting means."""
@@ -360,11 +361,9 @@ def serve(settings: ServerSettings) -> int:
         if settings.default_model in known or not hub.parse_hub_id(settings.default_model):
             log.error("%s", exc)
         else:  # the Hub's answer first, then, for a mistyped catalog name, which there are
-            match = closest(settings.default_model, sorted(known))
-            log.error("default model %r: as a Hub id, %s; nor is it in the catalog (%s%s)",
-                      settings.default_model, exc,
-                      f"did you mean {match!r}? " if match else "",
-                      "known: " + ", ".join(sorted(known)))
+            log.error("default model %r: as a Hub id, %s; nor is it in the catalog (%sknown: "
+                      "%s)", settings.default_model, exc,
+                      did_you_mean(settings.default_model, sorted(known)), ", ".join(sorted(known)))
         return 2
     # From here on a process of this server downloads only what a request may name.
     os.environ[hub.ALLOW_ENV] = "1" if settings.allow_hub_models else "0"

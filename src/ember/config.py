@@ -570,6 +570,7 @@ def check_api_key(key: str) -> None:
                          "as typed: use printable ASCII only (a secret read from a file: "
                          "strip its newline)")
 
+
 # What a browser sends as `Origin`: scheme, host and port, no path.
 ORIGIN = re.compile(r"https?://[^/\s?#*]+", re.IGNORECASE)
 DEFAULT_PORTS = {"http": 80, "https": 443}

@@ -17,6 +17,12 @@ def closest(word: str, choices: Sequence[str]) -> str | None:
     return close[0] if close else None
 
 
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """"did you mean 'x'? " for the closest choice, or "" where none is close."""
+    match = closest(word, choices)
+    return f"did you mean {match!r}? " if match else ""
+
+
 class EmberError(Exception):
     """Base of Ember's user-facing errors."""
 
@@ -41,8 +47,7 @@ class ModelNotFound(EmberError):
         self.name = name
         self.available = list(available)
         self.why = why  # where the name was looked for beyond the catalog, and what to do
-        match = closest(name, self.available)
-        hint = f"did you mean {match!r}? " if match else ""
+        hint = did_you_mean(name, self.available)
         super().__init__(why or f"model {name!r} is not in the catalog; {hint}available: "
                                 f"{', '.join(self.available) or 'none'}")
 

@@ -177,10 +177,10 @@ def _relay(read_end: int, out: IO[str]) -> None:
 
 def access_log(method: str, path: str, route: str, model: str, status: int, items: int,
                queue_ms: float, inference_ms: float, total_ms: float,
-               request_id: str, client: str) -> None:
+               request_id: str, client: tuple[str, int] | None) -> None:
     """One line per request at info (warning for a server fault): refusals included.
-    `client` is the peer's address (behind a proxy of --forwarded-allow-ips, the one in
-    its X-Forwarded-For), or "-" where the server does not know it."""
+    `client` is the ASGI scope's peer (behind a proxy of --forwarded-allow-ips, the one in
+    its X-Forwarded-For), None where the server does not know it."""
     level = logging.WARNING if status >= 500 and not (
         status == 503 and path in PROBES) else logging.INFO
     if not access.isEnabledFor(level):
@@ -188,12 +188,12 @@ def access_log(method: str, path: str, route: str, model: str, status: int, item
     fields = {"method": method, "path": path, "route": route, "model": model or None,
               "status": status, "items": items, "queue_ms": round(queue_ms, 2),
               "inference_ms": round(inference_ms, 2), "total_ms": round(total_ms, 2),
-              "request_id": request_id, "client": client}
+              "request_id": request_id, "client": peer(client)}
     # The path is the client's, percent-decoded: a newline in it must not start a line.
     access.log(level, "%s %s %d model=%s items=%d queue_ms=%.1f inference_ms=%.1f "
                "total_ms=%.1f request_id=%s client=%s", method, printable(path), status,
-               model or "-", items, queue_ms, inference_ms, total_ms, request_id, client,
-               extra={"fields": fields})
+               model or "-", items, queue_ms, inference_ms, total_ms, request_id,
+               fields["client"], extra={"fields": fields})
 
 
 def peer(address: tuple[str, int] | None) -> str:

@@ -24,6 +24,7 @@ from ember.api.codec import render
 from ember.api.errors import ApiError
 from ember.api.images import check_image_count, data_uri, image_model, takes_images
 from ember.api.model_task import (
+    CUT_HELP,
     check_count,
     check_inputs,
     check_query,
@@ -58,8 +59,7 @@ class CohereEmbedRequest(Strict):
     embedding_types: list[EmbeddingType] | None = Field(None, description="default: float")
     truncate: Literal["NONE", "START", "END"] = "END"
     max_tokens: int | None = None
-    output_dimension: StrictInt | None = Field(
-        None, description="keep the first N of the model's dimensions (Matryoshka models)")
+    output_dimension: StrictInt | None = Field(None, description=CUT_HELP)
     priority: int | None = None
 
 

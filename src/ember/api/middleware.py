@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api.errors import CLIENT_CLOSED_REQUEST, BodyTooLarge, error_response
 from ember.api.state import ServerState
-from ember.logs import REQUEST_ID, access_log, handling, peer
+from ember.logs import REQUEST_ID, access_log, handling
 from ember.metrics import labelled
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
@@ -106,7 +106,7 @@ class RequestContextMiddleware(HttpMiddleware):
         queue_ms, inference_ms = state.get("timing", (0.0, 0.0))
         access_log(scope["method"], scope["path"], route, model, status,
                    state.get("items", 0), queue_ms, inference_ms, seconds * 1e3,
-                   state["request_id"], peer(scope.get("client")))
+                   state["request_id"], scope.get("client"))
 
 
 # A client's request id is echoed in two headers and every log line of its request.

@@ -225,6 +225,12 @@ def require_output(model: ServedModel, route: str, kind: str) -> None:
                        f"/v1/encode/{name} with params.output_types {list(outputs)}", "model")
 
 
+# The shorter-vector fields' description (OpenAI and TEI `dimensions`, Cohere's
+# `output_dimension`): what `cut_dense` does with them.
+CUT_HELP = "keep the first N of the model's dimensions (Matryoshka models); unit again if " \
+    "normalized"
+
+
 def require_dense(model: ServedModel, route: str, dims: int | None = None,
                   param: str = "dimensions") -> None:
     """Routes that answer with plain vectors serve only models that make dense ones; a

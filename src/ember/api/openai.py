@@ -32,6 +32,7 @@ from ember.api.codec import render
 from ember.api.errors import ApiError
 from ember.api.images import IMAGE_FAMILIES, is_image_data_uri
 from ember.api.model_task import (
+    CUT_HELP,
     check_count,
     check_inputs,
     cut_dense,
@@ -57,8 +58,7 @@ class EmbeddingsRequest(BaseModel):
     model: str | None = Field(None, description="catalog name; omitted: the server's default "
                               "model")
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: StrictInt | None = Field(None, description="keep the first N of the model's "
-                                     "dimensions (Matryoshka models); unit again if normalized")
+    dimensions: StrictInt | None = Field(None, description=CUT_HELP)
     user: str | None = None
 
     @field_validator("input", mode="wrap")

@@ -35,6 +35,7 @@ from ember.adapters.base import (
 from ember.api.codec import render
 from ember.api.errors import ApiError, validation_error
 from ember.api.model_task import (
+    CUT_HELP,
     ParamNames,
     check_count,
     check_inputs,
@@ -76,8 +77,7 @@ class EmbedRequest(Strict):
     truncation_direction: Direction | None = None
     prompt_name: str | None = Field(None, description="query, or document (passage, corpus): "
                                     "the side of an asymmetric model")
-    dimensions: StrictInt | None = Field(None, description="keep the first N of the model's "
-                                     "dimensions (Matryoshka models); unit again if normalized")
+    dimensions: StrictInt | None = Field(None, description=CUT_HELP)
 
 
 class TeiRerankRequest(Strict):

@@ -355,13 +355,11 @@ class EngineClient:
         calls it holds once it wakes, for callers already answered: it is told to drop
         them (R9), a message it reads before anything sent after."""
         for call in self._waiting.values():
-            if call.reply.done():
-                continue
-            call.reply.set_exception(error)
-            if call.engine is not None:  # sent to an engine
+            if call.engine is not None and not call.reply.done():  # sent to an engine
                 cancel = pack({"op": "cancel", "id": call.id})
                 sent = cast("asyncio.Future[Any]", self._socket.send(cancel, flags=zmq.DONTWAIT))
                 sent.add_done_callback(_ignore_outcome)
+        self._fail_waiting(error)
 
     def _fail_waiting(self, error: Exception) -> None:
         for call in self._waiting.values():

@@ -71,13 +71,10 @@ def held_for_child() -> Iterator[None]:
     # A spawn starts the resource tracker the first time, and unblocks SIGINT and SIGTERM
     # after it: started first, it leaves the mask alone. The tracker ignores those two
     # but not a hang-up: started with it blocked, it keeps it blocked.
-    hangup = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
     try:
         resource_tracker.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, hangup)
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {*STOP_SIGNALS, DRAIN_ORDER})
-    try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {*STOP_SIGNALS, DRAIN_ORDER})
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
