@@ -311,11 +311,13 @@ def test_a_clip_or_siglip_directory_is_the_clip_family(tmp_path: Path) -> None:
     assert FAMILY_OUTPUTS["clip"] == ("dense",)
 
 
-@pytest.mark.parametrize(("adapter", "options"), [
-    ("cross_encoder", "{activaton: none}"), ("gliner", "{treshold: 0.4}"),
-    ("spacy", "{ner: false}"), ("sparse", "{topk: 5}")])
-def test_each_familys_options_are_its_own(tmp_path: Path, adapter: str, options: str) -> None:
-    (tmp_path / "bad.yaml").write_text(f"name: me/x\nadapter: {adapter}\ntasks: [score]\n"
+@pytest.mark.parametrize(("adapter", "task", "options"), [
+    ("cross_encoder", "score", "{activaton: none}"), ("gliner", "extract", "{treshold: 0.4}"),
+    ("spacy", "extract", "{ner: false}"), ("sparse", "encode", "{topk: 5}"),
+    ("cross_encoder", "score", "{dims: 384}")])  # a bi-encoder's option, not a reranker's
+def test_each_familys_options_are_its_own(tmp_path: Path, adapter: str, task: str,
+                                          options: str) -> None:
+    (tmp_path / "bad.yaml").write_text(f"name: me/x\nadapter: {adapter}\ntasks: [{task}]\n"
                                        f"{HUB}options: {options}\n")
     with pytest.raises(CatalogError, match=r"bad\.yaml: unknown field options\."):
         load_catalog([tmp_path])

@@ -96,6 +96,7 @@ async def test_a_line_written_for_a_request_names_it(json_lines: bool) -> None:
         await worker
     finally:
         logger.removeHandler(handler)
+        logger.propagate = True
     lines = stream.getvalue().splitlines()
     if json_lines:
         records = [json.loads(line) for line in lines]

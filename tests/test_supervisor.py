@@ -44,14 +44,16 @@ SYNTH = "ember/synthetic"
 
 def api_pids(server: ServerProcess) -> set[int]:
     """The supervisor's children that serve HTTP, by their process titles."""
-    pids = set()
-    for child in psutil.Process(server.pid).children():
-        try:
-            if child.cmdline()[:1] and child.cmdline()[0].startswith("ember: api"):
-                pids.add(child.pid)
-        except psutil.Error:
-            pass  # gone meanwhile
-    return pids
+    return {child.pid for child in children_titled(server, "ember: api")}
+
+
+def wait_serving(server: ServerProcess, index: int | str, pid: int) -> None:
+    """Until API process `index` (`pid`) says it serves: one that never served has
+    nothing to drain, and its death is a failed start."""
+    deadline = time.monotonic() + 60
+    while f"API process {index} (pid {pid}) serves" not in server.log_text():
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.05)
 
 
 def encode(url: str, text: str, model: str = SYNTH) -> httpx.Response:
@@ -166,7 +168,10 @@ def test_a_stop_signal_to_every_process_at_once_drains_them_in_order(
 
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(clients, i) for i in range(8)]
-        time.sleep(0.3)
+        deadline = time.monotonic() + 60  # the clients are at work: the drain meets them
+        while outcomes.count(200) < 8:
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.02)
         everyone = [psutil.Process(server.pid), *psutil.Process(server.pid).children()]
         for process in everyone:
             process.send_signal(sig)
@@ -174,7 +179,7 @@ def test_a_stop_signal_to_every_process_at_once_drains_them_in_order(
             future.result()
     assert server.process.wait(60) == 0, server.log_tail()
     log = server.log_text()
-    assert set(outcomes) <= {200, 503} and outcomes.count(200) >= 8, outcomes
+    assert set(outcomes) <= {200, 503}, outcomes
     assert "the engine process died" not in log and "ended its drain" not in log, log[-3000:]
     assert log.count("engine drained") == 1, log[-3000:]
 
@@ -186,12 +191,8 @@ def test_api_processes_that_served_are_replaced_however_often(
     Such deaths in a row are replaced after a growing pause (0, 0, 1, 2 s here)."""
     server = two_api_processes
     for _ in range(5):
-        [victim] = [pid for pid in api_pids(server)
-                    if psutil.Process(pid).cmdline()[0] == "ember: api 0"]
-        deadline = time.monotonic() + 60
-        while f"API process 0 (pid {victim}) serves" not in server.log_text():
-            assert time.monotonic() < deadline, server.log_tail()
-            time.sleep(0.05)
+        [victim] = [child.pid for child in children_titled(server, "ember: api 0")]
+        wait_serving(server, 0, victim)
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + 60
         while victim in api_pids(server) or len(api_pids(server)) < 2:
@@ -207,10 +208,7 @@ def test_a_process_that_fails_its_drain_is_named_and_the_exit_is_1(
     victim = min(api_pids(server))
     title = psutil.Process(victim).cmdline()[0]  # "ember: api N"
     index = title.rsplit(" ", 1)[-1]
-    deadline = time.monotonic() + 60  # one that never served had nothing to drain
-    while f"API process {index} (pid {victim}) serves" not in server.log_text():
-        assert time.monotonic() < deadline, server.log_tail()
-        time.sleep(0.05)
+    wait_serving(server, index, victim)
     server.process.send_signal(signal.SIGTERM)
     os.kill(victim, signal.SIGKILL)  # dies mid-drain, as a crash in its shutdown would
     assert server.process.wait(60) == 1, server.log_tail()
@@ -557,12 +555,15 @@ def test_an_engine_that_dies_on_every_load_ends_the_server_with_exit_1(
     assert time.monotonic() - started < 200
 
 
-def test_a_runtime_folder_left_by_a_killed_supervisor_is_swept(tmp_path: Path) -> None:
+def test_a_runtime_folder_left_by_a_killed_supervisor_is_swept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by a black-box review: a supervisor killed outright left its folder (the
     engine's socket, the metrics files) in the temporary directory for good."""
     import tempfile
 
     from ember.supervisor import OWNER_FILE, claim, sweep_stale_runtime_dirs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the sweep, here alone
 
     folders = {name: Path(tempfile.mkdtemp(prefix="ember-")) for name in
                ("stale", "alive", "not-a-supervisor's")}

@@ -15,7 +15,7 @@ import pytest
 from sentence_transformers import SentenceTransformer
 
 from bench.retrieval import cosines, retrieval_set, top_k_overlap
-from ember.adapters import cross_encoder, multivector, sparse, transformer
+from ember.adapters import _onnx, cross_encoder, multivector, sparse, transformer
 from ember.adapters._backend import choose_backend
 from ember.adapters.base import EncodeOptions, Runtime, ScoreOptions
 from ember.adapters.transformer import TransformerAdapter
@@ -288,6 +288,17 @@ def test_a_cache_folder_that_cannot_be_written_is_named(
     with pytest.raises(ModelLoadError, match="cannot write its ONNX export under") as caught:
         load_bi(tiny["bi"], cache)
     assert "--cache-dir (or EMBER_CACHE_DIR)" in str(caught.value)
+
+
+def test_an_export_that_fails_otherwise_says_to_serve_it_on_torch(
+        tmp_path: Path, tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(name: str, plan: object, target: Path) -> None:
+        raise RuntimeError("the tracer met an op it cannot export")
+
+    monkeypatch.setattr(_onnx, "export", failing)  # a fault of the exporter's own
+    with pytest.raises(ModelLoadError, match=r"cannot export to ONNX \(RuntimeError: the "
+                       r"tracer met an op it cannot export\); serve it with backend: torch"):
+        load_bi(tiny["bi"], tmp_path / "cache")
 
 
 def test_loras_run_on_torch_or_are_refused_on_onnx(tiny: dict[str, Path]) -> None:

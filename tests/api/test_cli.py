@@ -246,8 +246,8 @@ def test_models_with_a_broken_yaml_names_the_file(tmp_path: Path,
     assert "bad.yaml" in err and "adapter" in err
 
 
-def run_ember(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ember.cli", *argv], capture_output=True,
+def run_ember(*argv: str, module: str = "ember.cli") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True,
                           text=True, env=server_env(), cwd=REPO, timeout=120)
 
 
@@ -475,8 +475,7 @@ def test_help_never_shows_the_api_key(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_python_dash_m_ember_is_the_ember_command() -> None:
-    result = subprocess.run([sys.executable, "-m", "ember", "--version"], capture_output=True,
-                            text=True, timeout=60, env=server_env())
+    result = run_ember("--version", module="ember")
     assert result.returncode == 0 and result.stdout.strip() == f"ember {__version__}"
 
 
@@ -485,3 +484,18 @@ def test_forwarded_allow_ips_is_read_and_refused_under_ray() -> None:
         "10.0.0.0/8,127.0.0.1"
     with pytest.raises(ValueError, match="under --ray Ray's proxy takes the connections"):
         parse("--ray", "--forwarded-allow-ips", "127.0.0.1")
+
+
+@pytest.mark.parametrize(("key", "says"), [
+    # Found by a black-box review: an empty EMBER_API_KEY (a missing secret) served
+    # without a key, saying nothing.
+    ("", "is empty"), ("  ", "is empty"),
+    # Found by a code review: a key with a newline at its end (a secret read from a file)
+    # served, and every request got a 401, the client's header being stripped.
+    ("s3cret\n", "use printable ASCII only"), (" s3cret", "use printable ASCII only"),
+    ("two words", "use printable ASCII only"), ("cl\u00e9", "use printable ASCII only")])
+def test_an_api_key_no_client_can_send_stops_the_start(
+        key: str, says: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBER_API_KEY", key)
+    with pytest.raises(ValueError, match=f"--api-key \\(or EMBER_API_KEY\\).*{says}"):
+        parse()
