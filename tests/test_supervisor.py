@@ -257,8 +257,8 @@ def test_the_server_suites_pass_against_api_processes() -> None:
     `--workers 2` (tests/live_server.py reads EMBER_TEST_WORKERS)."""
     env = {**os.environ, TEST_WORKERS: "2"}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             "-m", "not own_mode", *SUITES], capture_output=True, text=True,
-                            env=env, cwd=REPO, timeout=1500)
+                             "-m", "not own_mode and not one_mode", *SUITES],
+                            capture_output=True, text=True, env=env, cwd=REPO, timeout=1500)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
@@ -393,7 +393,7 @@ def test_an_engine_killed_after_it_loaded_and_served_is_replaced_every_time(
     server = start_server(tmp_path / "server.log", args)
     try:
         [engine] = children_titled(server, "ember: engine")
-        kills = 3 if failed_preload else 4  # the old guard stopped the server at the 3rd
+        kills = 3  # the old guard stopped the server at the 3rd
         for i in range(kills):
             assert encode(server.url, f"served before kill {i}").status_code == 200
             time.sleep(0.5)  # a moment after it served, as in the review's repro

@@ -138,7 +138,8 @@ def minilm_refs(minilm_server: ServerProcess) -> dict[str, np.ndarray]:
     return references(minilm_server.url, MINILM, text_pool(36))
 
 
-@pytest.mark.parametrize("concurrency", [32, 128])
+# The mode rerun soaks at 128 in flight alone: the same path, harder.
+@pytest.mark.parametrize("concurrency", [pytest.param(32, marks=pytest.mark.one_mode), 128])
 async def test_soak_default_model(minilm_server: ServerProcess,
                                   minilm_refs: dict[str, np.ndarray], concurrency: int,
                                   figures: Record) -> None:

@@ -290,6 +290,9 @@ def sources(module_servers: ServerPool, tmp_path_factory: pytest.TempPathFactory
     return Sources(server, root, markers, dirs)
 
 
+# The engine's loader decides, whatever the mode; a failed load's 502 over the wire is
+# checked in both modes by test_faults.
+@pytest.mark.one_mode
 def test_pickled_weights_do_not_load_by_default(sources: Sources, figures: Record) -> None:
     leaks = [str(sources.root), "/tmp/"]
     with httpx.Client(base_url=sources.server.url, timeout=120) as client:
@@ -306,6 +309,7 @@ def test_pickled_weights_do_not_load_by_default(sources: Sources, figures: Recor
                                 "allow_pickle_true": {"status": allowed.status_code}})
 
 
+@pytest.mark.one_mode  # as above
 def test_remote_code_does_not_run_unless_trusted(sources: Sources, figures: Record) -> None:
     leaks = [str(sources.root), "/tmp/"]
     results: dict[str, Any] = {}
