@@ -184,6 +184,7 @@ def test_concurrent_requests_each_get_their_own_vectors(live_server: ServerProce
     assert 1 <= forwards - before <= len(batches)
 
 
+@pytest.mark.one_mode  # every mode's uvicorn gets its keep-alive from server.run_http
 def test_an_idle_keep_alive_connection_outlives_client_pools(live_server: ServerProcess) -> None:
     """A connection idle for longer than httpx keeps one (5 s) still takes a request: the
     server never closes a connection a client's pool may still hand out."""
