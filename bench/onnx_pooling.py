@@ -6,7 +6,8 @@
    adapter and batches (one short text, 16 short, 16 long), alternating each round.
    The models are MiniLM-sized: the default model's encoder with a masked-LM head over
    its 30,522-entry vocabulary (sparse) or a random 128-wide projection (ColBERT), built
-   in a temporary folder and loaded through Ember's own loader.
+   in a temporary folder and loaded through Ember's own loader (`--quick`: the encoder's
+   first 2 layers of 6).
 2. **numpy's BLAS threads.** The default model's one-text forward with a MaxSim
    (a 32-token query against a 300-token document: a ColBERT `score`) between
    forwards, with numpy's BLAS as a fresh process has it (a thread a core) and on one
@@ -164,10 +165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts = ({"1 short": 5, "16 short": 2, "16 long": 1} if args.quick
               else {"1 short": 40, "16 short": 8, "16 long": 4})
     began = time.perf_counter()
+    layers = 2 if args.quick else None
     data: Json = {"meta": benchlib.meta(sys.argv),
-                  "settings": {"rounds": args.reps, "forwards": counts}}
+                  "settings": {"rounds": args.reps, "forwards": counts,
+                               "encoder_layers": layers or "all"}}
     with tempfile.TemporaryDirectory() as tmp:
-        folders = build_models(Path(tmp), 2 if args.quick else None)
+        folders = build_models(Path(tmp), layers)
         cache = Path(tmp) / "cache"
         data["pooling"] = pooling_paths(folders, cache, args.reps, counts)
         data["blas"] = blas_threads(args.reps, 10 if args.quick else 200)

@@ -254,7 +254,8 @@ SUITES = ["tests/api/test_server_e2e.py", "tests/reliability"]
 
 def test_the_server_suites_pass_against_api_processes() -> None:
     """The end-to-end and reliability suites again, every server they start with
-    `--workers 2` (tests/live_server.py reads EMBER_TEST_WORKERS)."""
+    `--workers 2` (tests/live_server.py reads EMBER_TEST_WORKERS), less the tests marked
+    own_mode or one_mode (pyproject.toml says why each is left out)."""
     env = {**os.environ, TEST_WORKERS: "2"}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              "-m", "not own_mode and not one_mode", *SUITES],
