@@ -576,5 +576,3 @@ def test_a_runtime_folder_left_by_a_killed_supervisor_is_swept(
         assert folders["alive"].exists() and folders["not-a-supervisor's"].exists()
     finally:
         owner.close()
-        for folder in folders.values():
-            shutil.rmtree(folder, ignore_errors=True)

@@ -47,8 +47,8 @@ class ModelNotFound(EmberError):
         self.name = name
         self.available = list(available)
         self.why = why  # where the name was looked for beyond the catalog, and what to do
-        hint = did_you_mean(name, self.available)
-        super().__init__(why or f"model {name!r} is not in the catalog; {hint}available: "
+        super().__init__(why or f"model {name!r} is not in the catalog; "
+                                f"{did_you_mean(name, self.available)}available: "
                                 f"{', '.join(self.available) or 'none'}")
 
 

@@ -38,7 +38,7 @@ max_seq_length: 16
 """
 SMALL_CLIENTS = 4
 PHASE_S = 1.5
-PHASES = 2  # baseline and load phases each, alternating
+PHASES = 3  # baseline and load phases each, alternating
 BIG_TEXTS, BIG_CHARS = 5, 200_000  # 1 MB: five texts at the server's per-text limit
 # Slack for a shared 2-core machine, where the large request's tokenizing takes its share
 # of a core beside the small ones and other suites run alongside; a stall is ~6x this.

@@ -35,8 +35,6 @@ async def test_paths_route_the_same_before_and_after_the_match_cache_fills(
 async def test_a_body_that_stops_coming_is_a_408_that_closes_the_connection() -> None:
     """Found by a black-box review: a client that sent part of its body and then nothing
     held its connection open for good."""
-
-
     parts = [{"type": "http.request", "body": b'{"items": [', "more_body": True}]
 
     async def receive() -> dict[str, object]:
@@ -60,7 +58,6 @@ async def test_a_body_that_stops_coming_is_a_408_that_closes_the_connection() ->
 
 async def trickle() -> dict[str, object]:
     """A body that comes a byte at a time, for ever."""
-
     await asyncio.sleep(0.02)
     return {"type": "http.request", "body": b" ", "more_body": True}
 
@@ -68,8 +65,6 @@ async def trickle() -> dict[str, object]:
 async def test_a_body_that_trickles_is_a_408_once_it_took_too_long() -> None:
     """Found by a black-box review: a byte every few seconds never let the idle wait run
     out, so a client held its connection, and a drain, as long as it pleased."""
-
-
     with pytest.raises(ApiError) as caught:
         await asyncio.wait_for(routing.read_body(trickle, idle_s=0.5, whole_s=0.2), 5)
     assert caught.value.status == 408 and "did not arrive whole within" in \
@@ -78,8 +73,6 @@ async def test_a_body_that_trickles_is_a_408_once_it_took_too_long() -> None:
 
 async def test_a_drain_gives_a_body_still_arriving_a_short_while(
         monkeypatch: pytest.MonkeyPatch) -> None:
-
-
     monkeypatch.setattr(routing, "DRAIN_BODY_S", 0.1)
     state = SimpleNamespace(drain_started=None)
 
