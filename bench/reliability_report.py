@@ -64,7 +64,9 @@ def soak(figures: Mapping[str, Figures]) -> list[str]:
             f"{r.get('other_processes_cpu_cores', '-')} of {r.get('machine_cores', '-')} |")
     lines += ["", f"Errors other than 429: {sum(r['transport_or_other_errors'] for r in rows)}."
               f" Tolerance {rows[0]['tolerance']}; RSS growth bound "
-              f"{rows[0]['rss_growth_bound_mb']:.0f} MB per soak.", ""]
+              f"{rows[0]['rss_growth_bound_mb']:.0f} MB per soak. RSS and server CPU count "
+              "every process of the server (with --workers, its API and engine processes).",
+              ""]
     return lines
 
 

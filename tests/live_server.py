@@ -3,22 +3,24 @@ once /readyz answers 200, stopped with SIGTERM. Every wait is bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import psutil  # type: ignore[import-untyped]
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_WORKERS = "EMBER_TEST_WORKERS"  # API processes of every server the tests start
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -70,14 +72,18 @@ class ServerProcess:
     def log_size(self) -> int:
         return len(self.log_text())
 
+    def processes(self) -> list[psutil.Process]:
+        """The server's process and, with --workers, its API and engine processes."""
+        root = psutil.Process(self.pid)
+        return [root, *root.children(recursive=True)]
+
     def rss_bytes(self) -> int:
-        rss: int = psutil.Process(self.pid).memory_info().rss
-        return rss
+        """Resident memory of every process of the server, summed."""
+        return sum(_each(self.processes(), lambda p: p.memory_info().rss))
 
     def cpu_seconds(self) -> float:
-        """User and system CPU time of the server process and its threads."""
-        times = psutil.Process(self.pid).cpu_times()
-        return float(times.user + times.system)
+        """User and system CPU time of every process of the server and their threads."""
+        return sum(_each(self.processes(), lambda p: sum(p.cpu_times()[:2])))
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -100,6 +106,15 @@ class ServerProcess:
             self.process.kill()
             self.process.wait()
             return None
+
+
+def _each(processes: Sequence[psutil.Process], read: Callable[[psutil.Process], T]) -> list[T]:
+    """`read(process)` for each process still there (one may end while it is read)."""
+    values = []
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            values.append(read(process))
+    return values
 
 
 def start_server(log: Path, args: Sequence[str], *, env: Mapping[str, str] | None = None,

@@ -1,11 +1,13 @@
 """A request's objects in the engine are freed by refcounting when it resolves: none is
 left in a reference cycle for the garbage collector (a cycle a request made the server's
-collections walk and free them in bursts: p99 outliers under load)."""
+collections walk and free them in bursts: p99 outliers under load), and none is kept by
+the idle engine once its caller lets the answer go."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -54,3 +56,14 @@ async def test_failed_and_cancelled_requests_leave_no_cycle() -> None:
             await asyncio.sleep(0.05)
             del failing, queued
     assert ENGINE_TYPES.isdisjoint(garbage), garbage
+
+
+async def test_an_idle_engine_keeps_no_answer_its_caller_let_go() -> None:
+    # The forward thread used to keep its last forward (the batch, its requests and their
+    # values) until the next one: a large answer stayed resident while the server idled.
+    async with running(WorkerConfig(max_batch_items=2)) as (worker, _):
+        answer = await (await worker.submit(items(1, 1, 1), "p"))  # two forwards
+        values = [weakref.ref(value) for value in answer.values]
+        del answer
+        await asyncio.sleep(0.05)  # the thread waits for the next batch
+        assert [ref() is not None for ref in values] == [False] * 3  # none is alive

@@ -472,6 +472,8 @@ class ModelWorker:
             with self._lock:
                 self._in_flight = None
                 self._finished.append(forward)
+            # Not kept while this thread waits: through its requests, the whole answer.
+            del forward, batch
             if not self._tell_loop(loop):
                 return
 
