@@ -72,10 +72,14 @@ class ServerProcess:
     def log_size(self) -> int:
         return len(self.log_text())
 
+    def descendants(self) -> list[psutil.Process]:
+        """With --workers, the API and engine processes (and whatever they started)."""
+        children: list[psutil.Process] = psutil.Process(self.pid).children(recursive=True)
+        return children
+
     def processes(self) -> list[psutil.Process]:
-        """The server's process and, with --workers, its API and engine processes."""
-        root = psutil.Process(self.pid)
-        return [root, *root.children(recursive=True)]
+        """The server's process and its descendants."""
+        return [psutil.Process(self.pid), *self.descendants()]
 
     def rss_bytes(self) -> int:
         """Resident memory of every process of the server, summed."""

@@ -140,7 +140,7 @@ def test_metrics_report_every_process(two_api_processes: ServerProcess) -> None:
 
 def test_ctrl_c_drains_every_process_then_exits_0(two_api_processes: ServerProcess) -> None:
     server = two_api_processes
-    children = psutil.Process(server.pid).children(recursive=True)
+    children = server.descendants()
     assert encode(server.url, "before the signal").status_code == 200
     server.process.send_signal(signal.SIGINT)
     assert server.process.wait(60) == 0, server.log_tail()
@@ -488,7 +488,7 @@ def test_a_request_that_kills_the_engine_fails_with_a_503_after_two_engines(
 def test_a_killed_supervisor_takes_every_process_with_it_and_frees_the_port(
         two_api_processes: ServerProcess) -> None:
     server = two_api_processes
-    tree = psutil.Process(server.pid).children(recursive=True)
+    tree = server.descendants()
     assert len(children_titled(server, "ember: ")) == 3, tree  # two API processes, an engine
     assert encode(server.url, "before the kill").status_code == 200
     server.process.kill()

@@ -71,7 +71,7 @@ def stop_ray_server(server: ServerProcess) -> int | None:
 
 def descendants(server: ServerProcess) -> list[psutil.Process]:
     try:
-        return list(psutil.Process(server.pid).children(recursive=True))
+        return server.descendants()
     except psutil.Error:
         return []
 

@@ -114,7 +114,7 @@ def test_big_extract_and_model_loads_leave_small_requests_alone(servers: ServerP
 @pytest.fixture
 def multi_process(servers: ServerPool) -> Iterator[tuple[str, psutil.Process]]:
     server = servers.start("--default-model", SYNTH, "--workers", "1", name="wedged")
-    engine = next(p for p in psutil.Process(server.pid).children(recursive=True)
+    engine = next(p for p in server.descendants()
                   if "engine" in " ".join(p.cmdline()) or "engine" in p.name())
     yield server.url, engine
     if engine.is_running():
