@@ -23,10 +23,20 @@ def test_rows_are_right_padded_with_a_mask_of_their_own_tokens() -> None:
     assert arrays.padded(ROWS, 3)[0][1].tolist() == [101, 102, 3, 3, 3, 3, 3]
 
 
+def test_array_rows_and_mixed_rows_pad_as_lists_do() -> None:
+    block = np.array([i for row in ROWS for i in row], dtype=np.int32)
+    views = [block[0:4], block[4:6], block[6:13]]  # as the front end and the wire make them
+    expected = [a.tolist() for a in arrays.padded(ROWS, 0)]
+    for rows in (views, [views[0], ROWS[1], views[2]], [np.array(r) for r in ROWS]):
+        ids, mask = arrays.padded(rows, 0)
+        assert ids.dtype == np.int64 and [ids.tolist(), mask.tolist()] == expected
+
+
 def test_the_torch_helpers_pad_the_same() -> None:
     cpu = torch.device("cpu")
     assert common.pad(ROWS, 9, cpu).tolist() == arrays.padded(ROWS, 9)[0].tolist()
-    assert common.attention_mask(ROWS, cpu).tolist() == arrays.padded(ROWS, 0)[1].tolist()
+    ids, mask = common.pad_with_mask(ROWS, 9, cpu)
+    assert [ids.tolist(), mask.tolist()] == [a.tolist() for a in arrays.padded(ROWS, 9)]
 
 
 @pytest.mark.parametrize("mode", ["mean", "cls"])

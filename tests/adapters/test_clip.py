@@ -23,7 +23,7 @@ from transformers import AutoModel, AutoProcessor
 from ember.adapters._images import ImageInput, ItemInput
 from ember.adapters._tokenize import OFFLOAD_CHARS
 from ember.adapters.base import EncodeOptions, Runtime, ScoreOptions
-from ember.adapters.clip import ClipAdapter, ClipParams
+from ember.adapters.clip import ClipAdapter, ClipParams, is_pixels
 from ember.config import load_catalog
 from ember.engine import WorkerConfig
 from ember.errors import InvalidInput
@@ -137,7 +137,7 @@ async def test_mixed_batches_equal_the_reference(tiny: Tiny,
     forward = tiny.adapter.forward
 
     def recording(prepared: Any, params: Any) -> Any:
-        batches.append(["image" if isinstance(p.payload, np.ndarray) else "text"
+        batches.append(["image" if is_pixels(p.payload) else "text"
                         for p in prepared])
         return forward(prepared, params)
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from ember.adapters import cross_encoder
@@ -73,9 +76,30 @@ def test_documents_are_truncated_first(reranker: CrossEncoderAdapter) -> None:
     items = reranker.prepare(QUERY, ["paris", LONG], truncate=True)
     assert [i.cost for i in items] == [10, 64]
     query_ids = reranker.tokenizer(QUERY, add_special_tokens=False)["input_ids"]
-    assert items[1].payload.input_ids[1:1 + len(query_ids)] == query_ids  # query kept whole
+    assert items[1].payload.input_ids[1:1 + len(query_ids)].tolist() == query_ids  # kept whole
     # A query that fills the limit alone is cut too rather than refused.
     assert [i.cost for i in reranker.prepare(LONG, ["paris"], truncate=True)] == [64]
+
+
+def test_a_bulk_rerank_holds_its_pairs_ids_in_compact_blocks(
+        reranker: CrossEncoderAdapter) -> None:
+    docs = [f"{DOCS[i % len(DOCS)]} {LONG[:20 + i % 120]}" for i in range(800)]
+    want = reranker.tokenizer([QUERY] * len(docs), docs, truncation="only_second",
+                              max_length=64)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        items = reranker.prepare(QUERY, docs, truncate=True)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert [np.asarray(i.payload.input_ids).tolist() for i in items] == want["input_ids"]
+    assert [np.asarray(i.payload.token_type_ids).tolist() for i in items] == want[
+        "token_type_ids"]
+    # Lists of Python ints hold ~48 bytes a token (ids and types); the blocks 8.
+    tokens = sum(item.cost for item in items)
+    assert held < 16 * tokens + 400 * len(items), (held, tokens)
 
 
 def test_truncate_false_refuses_long_pairs(reranker: CrossEncoderAdapter) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -109,6 +111,25 @@ def test_padding_does_not_change_an_embedding(minilm: TransformerAdapter) -> Non
     assert float(np.abs(alone - batched[0]).max()) <= 1e-5
     # And a long text in the middle of a batch matches itself alone.
     assert float(np.abs(minilm.forward(items[1:2], params)[0] - batched[1]).max()) <= 1e-5
+
+
+def test_a_bulk_request_holds_its_ids_in_one_compact_block(minilm: TransformerAdapter) -> None:
+    texts = [f"passage {i}: {PROSE[i % 200:][:300]}" for i in range(1024)]
+    expected = [minilm.tokenizer(t, truncation=True, max_length=256)["input_ids"]
+                for t in texts]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        items, _ = minilm.prepare(texts, EncodeOptions())
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert [np.asarray(item.payload).tolist() for item in items] == expected
+    assert [item.cost for item in items] == [len(ids) for ids in expected]
+    # A list of Python ints holds ~40 bytes a token; the block 4, plus a view an item.
+    tokens = sum(item.cost for item in items)
+    assert held < 8 * tokens + 300 * len(items), (held, tokens)
 
 
 async def test_long_text_is_truncated_by_default(minilm: TransformerAdapter,

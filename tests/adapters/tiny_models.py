@@ -39,9 +39,11 @@ def vocabulary(extra: Sequence[str] = ()) -> list[str]:
     return [*SPECIALS, *WORDS, *SUFFIXES, *".,?!", *extra]
 
 
-def write_tokenizer(directory: Path, max_length: int, extra: Sequence[str] = ()) -> None:
+def write_tokenizer(directory: Path, max_length: int, extra: Sequence[str] = (),
+                    token_types: bool = False) -> None:
     """A lower-casing WordPiece tokenizer with BERT's special-token template (`extra`
-    tokens at the end of its vocabulary)."""
+    tokens at the end of its vocabulary); with `token_types`, its model reads each
+    token's segment too, as a BERT reranker's does."""
     vocab = {token: i for i, token in enumerate(vocabulary(extra))}
     tok = Tokenizer(WordPiece(vocab, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
@@ -51,9 +53,11 @@ def write_tokenizer(directory: Path, max_length: int, extra: Sequence[str] = ())
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    inputs = ["input_ids", *(["token_type_ids"] if token_types else []), "attention_mask"]
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-        sep_token="[SEP]", mask_token="[MASK]", model_max_length=max_length)
+        sep_token="[SEP]", mask_token="[MASK]", model_max_length=max_length,
+        model_input_names=inputs)
     fast.save_pretrained(str(directory))
 
 
@@ -100,7 +104,7 @@ def build_cross_encoder(directory: Path, *, seed: int = 0, max_seq_length: int =
     # A wider init than BERT's 0.02 so that different pairs get visibly different scores.
     model = BertForSequenceClassification(bert_config(num_labels=1, initializer_range=0.2))
     model.save_pretrained(str(directory), safe_serialization=True)
-    write_tokenizer(directory, max_seq_length)
+    write_tokenizer(directory, max_seq_length, token_types=True)
     return directory
 
 

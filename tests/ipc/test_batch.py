@@ -30,6 +30,27 @@ def test_token_rows_travel_as_one_array_with_offsets() -> None:
     assert [(item.cost, item.index) for item in back] == [(3, 0), (4, 1), (1, 2)]
 
 
+def test_array_rows_travel_as_one_array_too() -> None:
+    block = np.array([101, 7, 102, 101, 9, 8, 102], dtype=np.int32)
+    items = [PreparedItem(block[:3], 3, 0), PreparedItem(block[3:], 4, 1)]
+    payloads = items_to_wire(items)[0]
+    assert payloads[0] == "tokens" and payloads[2].tolist() == [0, 3, 7]
+    back = items_from_wire(crossed(items_to_wire(items)))
+    assert [item.payload.tolist() for item in back] == [[101, 7, 102], [101, 9, 8, 102]]
+    wide = [PreparedItem(np.array([1, 2**40], dtype=np.int64), 2, 0)]
+    assert items_to_wire(wide)[0][1].dtype == np.int64  # not cut to int32
+    pair = Pair(block[:3], np.zeros(3, dtype=np.int32))  # a reranker's pair, as arrays
+    crossed_pair = items_from_wire(crossed(items_to_wire([PreparedItem(pair, 3, 0)])))[0]
+    assert crossed_pair.payload.input_ids.tolist() == [101, 7, 102]
+    assert crossed_pair.payload.token_type_ids.tolist() == [0, 0, 0]
+    for odd in ([np.array([1, 2]), np.array([], dtype=np.int32)], [np.array([1.5, 2.0])],
+                [np.array([1, 2]), [3, 4]]):
+        listed = items_to_wire([PreparedItem(p, 1, i) for i, p in enumerate(odd)])
+        assert listed[0][0] == "list"
+        assert [np.asarray(item.payload).tolist() for item in
+                items_from_wire(crossed(listed))] == [np.asarray(p).tolist() for p in odd]
+
+
 def test_texts_pairs_and_empty_rows_travel_as_a_list() -> None:
     for payloads in (["a text", "another"], [Pair((1, 2), None), Pair((3,), (0,))],
                      [[1, 2], []], [[1.5, 2.0]]):

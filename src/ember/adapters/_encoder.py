@@ -16,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from ember.adapters import _torch as common
 from ember.adapters._backend import Forward
-from ember.adapters._tokenize import OFFLOAD_US, TextTokenizer, off_loop, off_loop_if
+from ember.adapters._tokenize import OFFLOAD_US, TextTokenizer, id_rows, off_loop, off_loop_if
 from ember.adapters.base import (
     Encoded,
     EncodeOptions,
@@ -110,7 +110,7 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         call; over-long texts are cut or refused. The first `queries` texts are queries
         (a family may treat the sides apart). Any thread may call it."""
         encodings = self.tokens.encode(texts, truncate, where)
-        return [PreparedItem(e.ids, len(e), i) for i, e in enumerate(encodings)]
+        return [PreparedItem(row, len(row), i) for i, row in enumerate(id_rows(encodings))]
 
     # -- the request path (event loop) ----------------------------------------------
 

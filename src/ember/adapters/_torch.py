@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ember.adapters._arrays import padded
+from ember.adapters._arrays import IdRow, padded
 from ember.adapters._tokenize import TextTokenizer, off_loop
 from ember.adapters.base import (
     DOCUMENT_PROMPTS,
@@ -196,13 +196,16 @@ class TorchForward:
         self._peft = None
 
 
-def pad(rows: Sequence[Sequence[int]], value: int, device: torch.device) -> torch.Tensor:
+def pad(rows: Sequence[IdRow], value: int, device: torch.device) -> torch.Tensor:
     """Right-pad rows of token ids to the longest row (dynamic padding)."""
     return torch.from_numpy(padded(rows, value)[0]).to(device)
 
 
-def attention_mask(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(padded(rows, 0)[1]).to(device)
+def pad_with_mask(rows: Sequence[IdRow], value: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pad`'s ids and their attention mask (1 on a row's own tokens), padded once."""
+    ids, mask = padded(rows, value)
+    return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
 
 def require_items(count: int, param: str = "items") -> None:

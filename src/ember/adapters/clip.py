@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ember.adapters import _torch as common
 from ember.adapters._backend import ForwardElsewhere, choose_backend
 from ember.adapters._images import ItemInput, Preprocessor, decode
-from ember.adapters._tokenize import TextTokenizer, off_loop, pool
+from ember.adapters._tokenize import TextTokenizer, id_rows, off_loop, pool
 from ember.adapters.base import (
     Encoded,
     EncodeOptions,
@@ -133,14 +133,13 @@ class ClipAdapter(common.TorchModel):
     def _texts(self, towers: Any, items: Sequence[PreparedItem]) -> torch.Tensor | None:
         if not items:
             return None
-        rows = [list(item.payload) for item in items]
+        rows = [item.payload for item in items]
         if self.pad_to is not None:
             ids = torch.full((len(rows), self.pad_to), self.pad_id, dtype=torch.long)
             for i, row in enumerate(rows):
                 ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
             return features(towers.get_text_features(input_ids=ids.to(self.device)))
-        ids = common.pad(rows, self.pad_id, self.device)
-        mask = common.attention_mask(rows, self.device)
+        ids, mask = common.pad_with_mask(rows, self.pad_id, self.device)
         return features(towers.get_text_features(input_ids=ids, attention_mask=mask))
 
     def _images(self, towers: Any, items: Sequence[PreparedItem]) -> torch.Tensor | None:
@@ -169,9 +168,8 @@ class ClipAdapter(common.TorchModel):
         if texts:
             encodings = self.tokens.encode([t or "" for _, t in texts], truncate,
                                            [f"{where[i]}.text" for i, _ in texts])
-            for (i, _), encoding in zip(texts, encodings, strict=True):
-                cost = self.pad_to or len(encoding)
-                prepared[i] = PreparedItem(encoding.ids, cost, i)
+            for (i, _), row in zip(texts, id_rows(encodings), strict=True):
+                prepared[i] = PreparedItem(row, self.pad_to or len(row), i)
         for i, item in enumerate(inputs):
             if item.images:
                 prepared[i] = self.prepare_image(item, i, where[i])

@@ -21,7 +21,7 @@ import torch
 from ember.adapters import _arrays as arrays
 from ember.adapters import _torch as common
 from ember.adapters._backend import FEEDABLE, Forward, load_model
-from ember.adapters._tokenize import TextTokenizer, off_loop, over_limit
+from ember.adapters._tokenize import TextTokenizer, id_rows, off_loop, over_limit
 from ember.adapters.base import (
     Encoded,
     EncodeOptions,
@@ -60,8 +60,8 @@ class ScoreParams:
 class Pair:
     """A tokenized (query, document) pair: the payload of one prepared item."""
 
-    input_ids: list[int]
-    token_type_ids: list[int] | None
+    input_ids: arrays.IdRow
+    token_type_ids: arrays.IdRow | None
 
 
 class CrossEncoderAdapter(common.TorchModel):
@@ -98,17 +98,15 @@ class CrossEncoderAdapter(common.TorchModel):
             ids, mask = arrays.padded(rows, self.pad_id)
             feeds = {"input_ids": ids, "attention_mask": mask}
             if typed:
-                feeds["token_type_ids"] = arrays.padded([p.token_type_ids or [] for p in pairs],
-                                                        0)[0]
+                feeds["token_type_ids"] = arrays.padded(type_rows(pairs), 0)[0]
             scores = self.model.run_arrays(feeds)[:, 0].astype(np.float32)
             return arrays.sigmoid(scores) if params.activation == "sigmoid" else [
                 float(s) for s in scores]
         with torch.inference_mode():
-            inputs = {"input_ids": common.pad(rows, self.pad_id, self.device),
-                      "attention_mask": common.attention_mask(rows, self.device)}
+            id_tensor, mask_tensor = common.pad_with_mask(rows, self.pad_id, self.device)
+            inputs = {"input_ids": id_tensor, "attention_mask": mask_tensor}
             if typed:
-                types = [p.token_type_ids or [] for p in pairs]
-                inputs["token_type_ids"] = common.pad(types, 0, self.device)
+                inputs["token_type_ids"] = common.pad(type_rows(pairs), 0, self.device)
             logits = self.model(inputs)[:, 0].float()
             if params.activation == "sigmoid":
                 logits = torch.sigmoid(logits)
@@ -126,13 +124,13 @@ class CrossEncoderAdapter(common.TorchModel):
         # only_second fails when the query alone fills the limit; then cut both.
         strategy = "only_second" if query_tokens + self.specials < limit else "longest_first"
         encodings = self.tokens.encode_pairs(query, docs, strategy if truncate else None)
-        items = []
         for i, encoding in enumerate(encodings):
             if len(encoding) > limit:
                 raise over_limit(len(encoding), limit, f"items[{i}].text")
-            types = encoding.type_ids if self.tokens.token_types else None
-            items.append(PreparedItem(Pair(encoding.ids, types), len(encoding), i))
-        return items
+        ids = id_rows(encodings)
+        types = id_rows(encodings, types=True) if self.tokens.token_types else None
+        return [PreparedItem(Pair(row, types[i] if types else None), len(row), i)
+                for i, row in enumerate(ids)]
 
     async def score(self, submit: Submit, query: str, docs: Sequence[str],
                     options: ScoreOptions) -> TaskOutput[list[float]]:
@@ -149,6 +147,11 @@ class CrossEncoderAdapter(common.TorchModel):
     async def encode(self, submit: Submit, texts: Sequence[str],
                      options: EncodeOptions) -> TaskOutput[list[Encoded]]:
         raise UnsupportedTask(self.spec.name, "encode", self.info.tasks)
+
+
+def type_rows(pairs: Sequence[Pair]) -> list[arrays.IdRow]:
+    """The pairs' token type ids, for a batch whose pairs all have them."""
+    return [p.token_type_ids for p in pairs if p.token_type_ids is not None]
 
 
 def activation_of(spec: ModelSpec, directory: Path, config: Any) -> Activation:

@@ -130,7 +130,7 @@ class SparseAdapter(BiEncoder[SparseParams, SparseVector]):
 
     def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[SparseVector]:
         assert isinstance(params, SparseParams)
-        rows: list[list[int]] = [item.payload for item in items]
+        rows: list[arrays.IdRow] = [item.payload for item in items]
         longest = max(len(row) for row in rows)
         step = max(1, self.logit_budget // (longest * self.vocab_size))
         pooled = self._pooled_arrays if self.model.backend == "onnx" else self._pooled_torch
@@ -140,10 +140,9 @@ class SparseAdapter(BiEncoder[SparseParams, SparseVector]):
             out.extend(self.pruning.apply(row, self.vocab_size) for row in weights)
         return out
 
-    def _pooled_torch(self, rows: Sequence[list[int]]) -> npt.NDArray[np.float32]:
+    def _pooled_torch(self, rows: Sequence[arrays.IdRow]) -> npt.NDArray[np.float32]:
         with torch.inference_mode():
-            ids = common.pad(rows, self.pad_id, self.device)
-            mask = common.attention_mask(rows, self.device)
+            ids, mask = common.pad_with_mask(rows, self.pad_id, self.device)
             logits = self.model({"input_ids": ids, "attention_mask": mask})
             # log1p(relu(.)) is monotone, so the max of the logits pools the same.
             logits.masked_fill_(mask.unsqueeze(-1) == 0, float("-inf"))
@@ -151,7 +150,7 @@ class SparseAdapter(BiEncoder[SparseParams, SparseVector]):
             weights: npt.NDArray[np.float32] = pooled.cpu().numpy()
         return weights
 
-    def _pooled_arrays(self, rows: Sequence[list[int]]) -> npt.NDArray[np.float32]:
+    def _pooled_arrays(self, rows: Sequence[arrays.IdRow]) -> npt.NDArray[np.float32]:
         """ONNX Runtime's logits pooled in numpy: no torch between the graph and the
         weights (each small torch op costs tens of microseconds on CPU)."""
         ids, mask = arrays.padded(rows, self.pad_id)

@@ -223,8 +223,7 @@ class TransformerAdapter(BiEncoder[EncodeParams, Vector]):
         if self.model.backend == "onnx":  # no torch between the graph and the vectors
             return self._forward_arrays(rows, params)
         with torch.inference_mode():
-            ids = common.pad(rows, self.pad_id, self.device)
-            mask = common.attention_mask(rows, self.device)
+            ids, mask = common.pad_with_mask(rows, self.pad_id, self.device)
             hidden = self.model({"input_ids": ids, "attention_mask": mask})
             if params.skip:
                 mask = mask.clone()
@@ -237,7 +236,7 @@ class TransformerAdapter(BiEncoder[EncodeParams, Vector]):
             array = vectors.cpu().numpy().astype(np.float32)
         return list(array)
 
-    def _forward_arrays(self, rows: Sequence[list[int]], params: EncodeParams) -> list[Vector]:
+    def _forward_arrays(self, rows: Sequence[arrays.IdRow], params: EncodeParams) -> list[Vector]:
         ids, mask = arrays.padded(rows, self.pad_id)
         hidden = self.model.run_arrays({"input_ids": ids, "attention_mask": mask})
         if params.skip:

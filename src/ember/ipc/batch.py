@@ -34,16 +34,28 @@ def items_to_wire(items: Sequence[PreparedItem]) -> list[Any]:
 
 def _payloads(items: Sequence[PreparedItem]) -> list[Any]:
     payloads = [item.payload for item in items]
-    if all(type(p) is list or type(p) is tuple for p in payloads):
-        lengths = [len(p) for p in payloads]
-        if all(lengths):
-            flat = np.asarray(list(itertools.chain.from_iterable(payloads)))
-            if flat.ndim == 1 and flat.dtype.kind in "iu":
-                small = flat.size == 0 or (flat.min() >= 0 and flat.max() <= INT32_MAX)
-                offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-                np.cumsum(lengths, out=offsets[1:])
-                return [TOKENS, flat.astype(np.int32) if small else flat, offsets]
-    return [LIST, payloads]
+    flat = _id_block(payloads)
+    if flat is None:
+        return [LIST, payloads]
+    small = flat.min() >= 0 and flat.max() <= INT32_MAX
+    offsets = np.zeros(len(payloads) + 1, dtype=np.int64)
+    np.cumsum([len(p) for p in payloads], out=offsets[1:])
+    return [TOKENS, flat.astype(np.int32, copy=False) if small else flat, offsets]
+
+
+def _id_block(payloads: list[Any]) -> np.ndarray | None:
+    """Every payload's ids end to end when each is a non-empty row of integers (an
+    array, as the front end tokenizes, or a list, as a client sends ids), else None."""
+    if not payloads:
+        return None
+    if all(type(p) is np.ndarray and p.ndim == 1 and p.dtype.kind in "iu" and p.size
+           for p in payloads):
+        return np.concatenate(payloads)
+    if all((type(p) is list or type(p) is tuple) and p for p in payloads):
+        flat = np.asarray(list(itertools.chain.from_iterable(payloads)))
+        if flat.ndim == 1 and flat.dtype.kind in "iu":
+            return flat
+    return None
 
 
 def items_from_wire(block: Any) -> list[PreparedItem]:
