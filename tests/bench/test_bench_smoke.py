@@ -219,6 +219,24 @@ def test_tokenizing_quick_run_in_process_writes_json_and_tables(tmp_path: Path) 
     assert report.stdout.strip() == run.stdout.strip()
 
 
+def test_token_rows_quick_run_writes_json_and_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "token_rows.json"
+    run = bench("token_rows.py", "--quick", "--landed-src", str(ROOT / "src"), "--out",
+                str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    result = strict_json(out)["result"]
+    (rep,) = result["reps"]
+    assert set(rep) == {"landed", "this"}
+    assert all(value > 0 for tree in rep.values() for value in tree.values())
+    assert set(result["this_over_landed"]) == set(rep["this"])
+    assert "| pad_engine_us |" in run.stdout
+
+    report = bench("token_rows.py", "--report", str(out))
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert report.stdout.strip() == run.stdout.strip()
+
+
 def test_engine_quick_run_writes_json_and_its_table(tmp_path: Path) -> None:
     out = tmp_path / "engine.json"
     run = bench("engine.py", "--quick", "--requests", "32", "--out", str(out))
