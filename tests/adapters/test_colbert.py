@@ -16,9 +16,11 @@ import pytest
 
 from ember.adapters import multivector
 from ember.adapters.base import EncodeOptions, Runtime, ScoreOptions
-from ember.adapters.multivector import MultiVectorAdapter
+from ember.adapters.multivector import MultiVectorAdapter, MultiVectorParams
 from ember.config import load_catalog
 from ember.errors import InvalidInput, ModelLoadError
+from ember.ipc.batch import items_from_wire, items_to_wire
+from ember.ipc.wire import pack, unpack
 from tests.adapters.serving import ServeFactory
 from tests.adapters.tiny_models import (
     build_pylate_colbert,
@@ -116,18 +118,34 @@ async def test_expansion_pads_queries_with_mask_tokens_every_position_scored(
     adapter = load(directory)
     short, long = adapter.tokenize(["paris", QUERIES[2]], True, ["q0", "q1"], queries=2)
     mask_id = adapter.tokenizer.mask_token_id
-    assert len(short.payload.ids) == 12 and short.payload.ids[3:] == [mask_id] * 9
-    assert short.payload.attend == [1, 1, 1] + [0] * 9 and sum(short.payload.keep) == 12
+    assert len(short.payload.ids) == 12 and short.payload.ids[3:].tolist() == [mask_id] * 9
+    assert short.payload.attend.tolist() == [1, 1, 1] + [0] * 9
+    assert short.payload.keep.sum() == 12
     assert len(long.payload.ids) == 12 and long.payload.attend is None  # cut at 12
     with pytest.raises(InvalidInput, match="exceeds max_seq_length 12") as caught:
         adapter.tokenize([QUERIES[2]], False, ["query.text"], queries=1)
     assert caught.value.param == "query.text"
     doc = adapter.tokenize(["paris, france."], True, ["d"])[0].payload
-    assert doc.keep == [1, 1, 0, 1, 0, 1]  # [CLS] and [SEP] kept, punctuation not
+    assert doc.keep.tolist() == [1, 1, 0, 1, 0, 1]  # [CLS] and [SEP] kept, punctuation not
     assert adapter.info.extra["colbert"] == {
         "layout": "sentence-transformers", "markers": {}, "query_tokens": 12,
         "document_tokens": 20, "query_expansion": {"strategy": "fixed", "attend": False,
                                                    "length": 12}, "skiplist": 4}
+
+
+def test_token_rows_cross_the_process_wire_as_arrays(base: Path, tmp_path: Path) -> None:
+    """Queries (expanded, attending as the checkpoint says) and documents (skiplist)
+    after the IPC wire, as an engine process gets them, give the same vectors."""
+    directory = build_st_colbert(tmp_path / "st", base, document_length=20, expansion={
+        "strategy": "fixed", "attend": False, "length": 12})
+    adapter = load(directory, backend="torch")
+    items = adapter.tokenize([*QUERIES[:2], *DOCS], True, ["t"] * (2 + len(DOCS)), queries=2)
+    crossed = items_from_wire(unpack(pack(items_to_wire(items))))
+    assert all(isinstance(item.payload.ids, np.ndarray) for item in crossed)
+    params = MultiVectorParams("", True)
+    for mine, theirs in zip(adapter.forward(items, params), adapter.forward(crossed, params),
+                            strict=True):
+        assert mine.shape == theirs.shape and np.allclose(mine, theirs, atol=1e-6)
 
 
 # -- PyLate's layout ---------------------------------------------------------------------
@@ -155,8 +173,8 @@ def test_a_marker_becomes_one_token_before_the_text(tmp_path: Path) -> None:
     items, params = adapter.prepare(["paris"], EncodeOptions(is_query=False))
     marker = adapter.tokenizer.convert_tokens_to_ids("[unused1]")
     assert params.prefix == "[unused1]"
-    assert items[0].payload.ids[:3] == [adapter.tokenizer.cls_token_id, marker,
-                                        adapter.tokenizer.convert_tokens_to_ids("paris")]
+    assert items[0].payload.ids[:3].tolist() == [
+        adapter.tokenizer.cls_token_id, marker, adapter.tokenizer.convert_tokens_to_ids("paris")]
     # A request's instruction goes after the marker (this model has no prompts: refused).
     with pytest.raises(InvalidInput, match="takes no instruction"):
         adapter.prepare(["paris"], EncodeOptions(is_query=True, instruction="find"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -85,17 +86,23 @@ def encode_batch(tokenizer: Tokenizer, inputs: list[EncodeInput],
     return tokenizer.encode_batch_fast(inputs, add_special_tokens=add_special_tokens)
 
 
-def id_rows(encodings: Sequence[Encoding], types: bool = False) -> list[npt.NDArray[np.int32]]:
-    """Each encoding's ids (or, with `types`, its token type ids) as a view of one int32
-    block. A 2,048-text request then holds one buffer and 2,048 small views, not 2,048
-    lists of Python ints: those filled the heap's arenas, and what outlived the request
-    kept them (docs/bench/notes.md, "Resident memory after abandoned bulk requests")."""
+def id_rows(encodings: Sequence[Encoding],
+            field: str = "ids") -> list[npt.NDArray[np.int32]]:
+    """Each encoding's ids (or its `type_ids`, `special_tokens_mask`) as a view of one
+    int32 block. A 2,048-text request then holds one buffer and 2,048 small views, not
+    2,048 lists of Python ints: those filled the heap's arenas, and what outlived the
+    request kept them (docs/bench/notes.md, "Resident memory after abandoned bulk
+    requests")."""
+    values = operator.attrgetter(field)
     if len(encodings) == 1:  # the lone text of most requests: no block to cut (2 us less)
-        return [np.array(encodings[0].type_ids if types else encodings[0].ids, np.int32)]
-    lengths = [len(encoding) for encoding in encodings]
-    rows = (e.type_ids if types else e.ids for e in encodings)
-    block = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32,
-                        count=sum(lengths))
+        return [np.array(values(encodings[0]), np.int32)]
+    return cut(np.fromiter(itertools.chain.from_iterable(map(values, encodings)),
+                           dtype=np.int32, count=sum(map(len, encodings))),
+               [len(encoding) for encoding in encodings])
+
+
+def cut(block: npt.NDArray[np.int32], lengths: Sequence[int]) -> list[npt.NDArray[np.int32]]:
+    """`block` as consecutive views of `lengths`."""
     bounds = list(itertools.accumulate(lengths, initial=0))
     return [block[start:stop] for start, stop in itertools.pairwise(bounds)]
 

@@ -128,7 +128,7 @@ class CrossEncoderAdapter(common.TorchModel):
             if len(encoding) > limit:
                 raise over_limit(len(encoding), limit, f"items[{i}].text")
         ids = id_rows(encodings)
-        types = id_rows(encodings, types=True) if self.tokens.token_types else None
+        types = id_rows(encodings, "type_ids") if self.tokens.token_types else None
         return [PreparedItem(Pair(row, types[i] if types else None), len(row), i)
                 for i, row in enumerate(ids)]
 

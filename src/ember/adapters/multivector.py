@@ -61,7 +61,7 @@ from ember.adapters._colbert import (
 )
 from ember.adapters._dense_layers import DenseLayer
 from ember.adapters._encoder import BiEncoder
-from ember.adapters._tokenize import TextTokenizer
+from ember.adapters._tokenize import TextTokenizer, cut, id_rows
 from ember.adapters.base import Encoded, EncodeOptions, Runtime
 from ember.config import FAMILY_OPTIONS, ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
@@ -92,9 +92,9 @@ class TokenRow:
     positions whose vectors are returned; `attend` 1 where the encoder attends (None:
     everywhere), 0 at a query's expansion tokens where the checkpoint says so."""
 
-    ids: list[int]
-    keep: list[int]
-    attend: list[int] | None = None
+    ids: arrays.IdRow
+    keep: arrays.IdRow
+    attend: arrays.IdRow | None = None
 
 
 @dataclass(frozen=True)
@@ -111,17 +111,30 @@ class SideRows:
     def rows(self, texts: Sequence[str], truncate: bool,
              where: Sequence[str]) -> list[TokenRow]:
         encodings = self.tokens.encode(texts, truncate, where)
+        if not encodings:
+            return []
         if not self.colbert:
-            return [TokenRow(e.ids, [1 - s for s in e.special_tokens_mask]) for e in encodings]
-        out, expansion = [], self.expansion
-        for encoding in encodings:
-            ids, attend = list(encoding.ids), None
-            missing = expansion.length - len(ids) if expansion is not None else 0
-            if expansion is not None and missing > 0:
-                attend = [1] * len(ids) + [int(expansion.attend)] * missing
-                ids += [self.expansion_id] * missing
-            out.append(TokenRow(ids, [int(i not in self.skip) for i in ids], attend))
-        return out
+            specials = id_rows(encodings, "special_tokens_mask")
+            return [TokenRow(ids, 1 - special)
+                    for ids, special in zip(id_rows(encodings), specials, strict=True)]
+        expanded = [self.expanded(ids) for ids in id_rows(encodings)]
+        # One lookup for the whole request: which positions are not in the skiplist.
+        kept = np.isin(np.concatenate([ids for ids, _ in expanded]),
+                       np.fromiter(self.skip, np.int64, len(self.skip)), invert=True)
+        keeps = cut(kept.astype(np.int32), [len(ids) for ids, _ in expanded])
+        return [TokenRow(ids, keep, attend)
+                for (ids, attend), keep in zip(expanded, keeps, strict=True)]
+
+    def expanded(self, ids: npt.NDArray[np.int32]) -> tuple[npt.NDArray[np.int32],
+                                                            npt.NDArray[np.int32] | None]:
+        """A query's ids filled up to the expansion length with the expansion token, and
+        where the encoder attends (None: everywhere)."""
+        missing = self.expansion.length - len(ids) if self.expansion is not None else 0
+        if self.expansion is None or missing <= 0:
+            return ids, None
+        attend = np.ones(len(ids) + missing, np.int32)
+        attend[len(ids):] = int(self.expansion.attend)
+        return np.concatenate([ids, np.full(missing, self.expansion_id, np.int32)]), attend
 
 
 def maxsim(query: Matrix, doc: Matrix) -> float:
@@ -260,14 +273,16 @@ class MultiVectorAdapter(BiEncoder[MultiVectorParams, Matrix]):
         rows: list[TokenRow] = [item.payload for item in items]
         kept = self._kept_arrays if self.model.backend == "onnx" else self._kept_torch
         flat = kept(rows, params.normalize)
-        return list(np.split(flat, np.cumsum([sum(row.keep) for row in rows])[:-1]))
+        counts = [int(np.count_nonzero(row.keep)) for row in rows]
+        return list(np.split(flat, np.cumsum(counts)[:-1]))
 
     def _padded(self, rows: Sequence[TokenRow]) -> tuple[npt.NDArray[np.int64], ...]:
         """The rows' ids, attention mask (a query's expansion tokens as its row says) and
         kept positions, padded; padding is 0 in `keep` as well, so one gather drops it."""
         ids, mask = arrays.padded([row.ids for row in rows], self.pad_id)
         if any(row.attend is not None for row in rows):
-            mask = arrays.padded([row.attend or [1] * len(row.ids) for row in rows], 0)[0]
+            mask = arrays.padded([np.ones(len(row.ids), np.int32) if row.attend is None
+                                  else row.attend for row in rows], 0)[0]
         return ids, mask, arrays.padded([row.keep for row in rows], 0)[0]
 
     def _kept_torch(self, rows: Sequence[TokenRow], normalize: bool) -> Matrix:
