@@ -89,6 +89,13 @@ def run_child(src: Path, scale: float) -> Json:
     return figures
 
 
+def commit_of(src: Path) -> str:
+    """The commit a tree's checkout is at ("" when it is not a git checkout)."""
+    done = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=False)
+    return done.stdout.strip()
+
+
 def measure(landed: Path, reps: int, scale: float) -> Json:
     runs = []
     for rep in range(reps):
@@ -132,6 +139,8 @@ def main() -> int:
     began = time.perf_counter()
     data: Json = {"meta": benchlib.meta(sys.argv),
                   "landed_src": str(args.landed_src),
+                  "commits": {"landed": commit_of(args.landed_src),
+                              "this": commit_of(REPO / "src")},
                   "result": measure(args.landed_src.resolve(), args.reps,
                                     0.02 if args.quick else 1.0)}
     return benchlib.finish(args.out, data, began, report(data), "token_rows")
