@@ -29,6 +29,7 @@ from ember.adapters.transformer import TransformerAdapter, Vector
 from ember.config import DEFAULT_MODEL, load_catalog, resolve_source
 from ember.engine import WorkerConfig
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
+from ember.ipc.batch import items_to_wire
 from tests.adapters.serving import ServeFactory
 from tests.adapters.tiny_models import (
     build_bi_encoder,
@@ -119,6 +120,7 @@ def test_a_bulk_request_holds_its_ids_in_one_compact_block(minilm: TransformerAd
                 for t in texts]
     # Counted where Ember's adapters allocate, so no other thread of the process adds to it.
     adapters = [tracemalloc.Filter(True, "*/ember/adapters/*")]
+    minilm.prepare(texts[:8], EncodeOptions())  # caches of a first call are not the request's
     gc.collect()
     tracemalloc.start()
     try:
@@ -133,6 +135,24 @@ def test_a_bulk_request_holds_its_ids_in_one_compact_block(minilm: TransformerAd
     # A list of Python ints holds ~40 bytes a token; the block 4, plus a view an item.
     tokens = sum(item.cost for item in items)
     assert held < 8 * tokens + 300 * len(items), (held, tokens)
+
+
+async def test_token_ids_encode_as_their_text_and_pack_with_texts(
+        minilm: TransformerAdapter, serve: ServeFactory) -> None:
+    text = "search engines rank documents"
+    ids = minilm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    sent: list[Any] = []
+    async with serve(minilm) as served:
+        async def submit(items: Any, params: Any, lora: str | None) -> Any:
+            sent.extend(items)
+            return await served.submit(items, params, lora)
+
+        by_ids = await minilm.encode_ids(submit, [ids], EncodeOptions())
+        by_text = await minilm.encode(served.submit, [text], EncodeOptions())
+    assert np.allclose(dense(by_ids)[0], dense(by_text)[0], atol=1e-6)
+    # A client's ids and tokenized texts gathered in one message still cross as one block.
+    texts, _ = minilm.prepare([text, "more"], EncodeOptions())
+    assert items_to_wire([*sent, *texts])[0][0] == "tokens"
 
 
 async def test_long_text_is_truncated_by_default(minilm: TransformerAdapter,

@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 
 from ember.adapters.cross_encoder import Pair
+from ember.adapters.multivector import TokenRow
 from ember.engine import PreparedItem
 from ember.ipc.batch import items_from_wire, items_to_wire, values_from_wire, values_to_wire
 from ember.ipc.wire import pack, unpack
+
+PAIR = "ember.adapters.cross_encoder:Pair"
 
 
 def crossed(value: Any) -> Any:
@@ -39,10 +42,6 @@ def test_array_rows_travel_as_one_array_too() -> None:
     assert [item.payload.tolist() for item in back] == [[101, 7, 102], [101, 9, 8, 102]]
     wide = [PreparedItem(np.array([1, 2**40], dtype=np.int64), 2, 0)]
     assert items_to_wire(wide)[0][1].dtype == np.int64  # not cut to int32
-    pair = Pair(block[:3], np.zeros(3, dtype=np.int32))  # a reranker's pair, as arrays
-    crossed_pair = items_from_wire(crossed(items_to_wire([PreparedItem(pair, 3, 0)])))[0]
-    assert crossed_pair.payload.input_ids.tolist() == [101, 7, 102]
-    assert crossed_pair.payload.token_type_ids.tolist() == [0, 0, 0]
     for odd in ([np.array([1, 2]), np.array([], dtype=np.int32)], [np.array([1.5, 2.0])],
                 [np.array([1, 2]), [3, 4]]):
         listed = items_to_wire([PreparedItem(p, 1, i) for i, p in enumerate(odd)])
@@ -51,9 +50,30 @@ def test_array_rows_travel_as_one_array_too() -> None:
                 items_from_wire(crossed(listed))] == [np.asarray(p).tolist() for p in odd]
 
 
-def test_texts_pairs_and_empty_rows_travel_as_a_list() -> None:
-    for payloads in (["a text", "another"], [Pair((1, 2), None), Pair((3,), (0,))],
-                     [[1, 2], []], [[1.5, 2.0]]):
+def test_pairs_and_multivector_rows_travel_as_one_column_a_field() -> None:
+    block = np.array([101, 7, 102, 101, 9, 8, 102], dtype=np.int32)
+    types = np.array([0, 0, 0, 0, 0, 1, 1], dtype=np.int32)
+    pairs = [Pair(block[:3], types[:3]), Pair(block[3:], types[3:])]
+    wire = items_to_wire([PreparedItem(p, len(p.input_ids), i) for i, p in enumerate(pairs)])
+    assert wire[0][0] == "fields" and wire[0][1] == "ember.adapters.cross_encoder:Pair"
+    back = [item.payload for item in items_from_wire(crossed(wire))]
+    assert [(p.input_ids.tolist(), p.token_type_ids.tolist()) for p in back] == [
+        ([101, 7, 102], [0, 0, 0]), ([101, 9, 8, 102], [0, 0, 1, 1])]
+    # A field some rows lack (an expanded query's attention beside documents) stays None.
+    rows = [TokenRow(block[:3], np.ones(3, np.int32), np.array([1, 1, 0], np.int32)),
+            TokenRow(block[3:], np.ones(4, np.int32), None)]
+    back_rows = [item.payload for item in items_from_wire(crossed(items_to_wire(
+        [PreparedItem(r, 3, i) for i, r in enumerate(rows)])))]
+    assert back_rows[0].attend.tolist() == [1, 1, 0] and back_rows[1].attend is None
+    assert [r.ids.tolist() for r in back_rows] == [[101, 7, 102], [101, 9, 8, 102]]
+    # Client-sent lists cross the same way; a pair with no rows at all goes as a list.
+    listed = items_from_wire(crossed(items_to_wire([PreparedItem(Pair([1, 2], None), 2, 0)])))
+    assert listed[0].payload.input_ids.tolist() == [1, 2]
+    assert listed[0].payload.token_type_ids is None
+
+
+def test_texts_and_empty_rows_travel_as_a_list() -> None:
+    for payloads in (["a text", "another"], [[1, 2], []], [[1.5, 2.0]]):
         items = [PreparedItem(p, 1, i) for i, p in enumerate(payloads)]
         block = items_to_wire(items)
         assert block[0][0] == "list"
@@ -83,6 +103,21 @@ def test_vectors_of_one_shape_travel_as_rows_of_one_array() -> None:
     (("list", ("a", "b")), np.array([1.0, 1.0]), np.array([0, 1])),
     (("list", ("a", "b")), np.array([1, 1]), np.array([0])),
     (("pickle", b"..."), np.array([1]), np.array([0])),
+    # Field columns: a class outside the wire types, the wrong number of columns, no
+    # rows at all, offsets past the block, an empty row not flagged missing, bad flags.
+    (("fields", "os:system", ((np.arange(2), np.array([0, 1, 2]), None),)),
+     np.array([1, 1]), np.array([0, 1])),
+    (("fields", PAIR, ((np.arange(2), np.array([0, 1, 2]), None),)),
+     np.array([1, 1]), np.array([0, 1])),
+    (("fields", PAIR, (None, None)), np.array([1, 1]), np.array([0, 1])),
+    (("fields", PAIR, ((np.arange(2), np.array([0, 1, 5]), None), None)),
+     np.array([1, 1]), np.array([0, 1])),
+    (("fields", PAIR, ((np.arange(2), np.array([0, 2, 2]), None), None)),
+     np.array([1, 1]), np.array([0, 1])),
+    (("fields", PAIR, ((np.arange(2), np.array([0, 2, 2]), np.array([1, 0])), None)),
+     np.array([1, 1]), np.array([0, 1])),
+    (("fields", PAIR, ((np.arange(2.0), np.array([0, 1, 2]), None), None)),
+     np.array([1, 1]), np.array([0, 1])),
 ])
 def test_a_hostile_items_block_is_refused(block: Any) -> None:
     with pytest.raises(ValueError):

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
+import numpy as np
+
 from ember.adapters import _torch as common
 from ember.adapters._backend import Forward
 from ember.adapters._tokenize import OFFLOAD_US, TextTokenizer, id_rows, off_loop, off_loop_if
@@ -166,7 +168,9 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         self._require("encode")
         common.require_items(len(rows))
         self.model.check_lora(options.lora)
-        items = [PreparedItem(row, len(row), i) for i, row in
+        # Arrays, as tokenized texts are, so a batch of both still packs and pads as one
+        # block; the route checked the ids against the vocabulary, so int32 holds them.
+        items = [PreparedItem(np.asarray(row, np.int32), len(row), i) for i, row in
                  enumerate(self.tokens.wrap_ids(rows, options.truncate, "input"))]
         result = await submit(items, self.params(options), options.lora)
         return TaskOutput([self.encoded(v) for v in result.values], result.queue_ms,

@@ -151,7 +151,9 @@ class CrossEncoderAdapter(common.TorchModel):
 
 def type_rows(pairs: Sequence[Pair]) -> list[arrays.IdRow]:
     """The pairs' token type ids, for a batch whose pairs all have them."""
-    return [p.token_type_ids for p in pairs if p.token_type_ids is not None]
+    rows = [p.token_type_ids for p in pairs]
+    assert all(row is not None for row in rows), "a pair without token type ids"
+    return [row for row in rows if row is not None]
 
 
 def activation_of(spec: ModelSpec, directory: Path, config: Any) -> Activation:

@@ -2,9 +2,11 @@
 turn of its event loop, and the results of every call one forward finished.
 
 Items travel as blocks, not per-item lists: token-id rows as one flat int array and
-its offsets, costs and indices as int arrays; other payloads (texts, pairs, images) as
-one list. Results that are vectors of one dtype and length travel as one 2-D array;
-each call's values are its rows, views of it. Anything else goes as a list.
+its offsets, costs and indices as int arrays; rows of a wire dataclass whose fields are
+token-id rows (a reranker's pairs, multi-vector rows) as one such column a field; other
+payloads (texts, images) as one list. Results that are vectors of one dtype and length
+travel as one 2-D array; each call's values are its rows, views of it. Anything else goes
+as a list.
 
 `items_from_wire` and `values_from_wire` check what a peer sent (offsets inside the
 block, counts that add up) and raise ValueError before anything is built from it.
@@ -12,6 +14,7 @@ block, counts that add up) and raise ValueError before anything is built from it
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -19,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from ember.engine import PreparedItem
+from ember.ipc.wire import wire_class, wire_name
 
-TOKENS, LIST, ROWS = "tokens", "list", "rows"
+TOKENS, FIELDS, LIST, ROWS = "tokens", "fields", "list", "rows"
 INT32_MAX = 2**31 - 1
 PARAMS_UNKNOWN = "ParamsUnknown"  # the error for a call whose parameter group is not held
 
@@ -34,40 +38,93 @@ def items_to_wire(items: Sequence[PreparedItem]) -> list[Any]:
 
 def _payloads(items: Sequence[PreparedItem]) -> list[Any]:
     payloads = [item.payload for item in items]
-    flat = _id_block(payloads)
-    if flat is None:
-        return [LIST, payloads]
-    small = flat.min() >= 0 and flat.max() <= INT32_MAX
-    offsets = np.zeros(len(payloads) + 1, dtype=np.int64)
-    np.cumsum([len(p) for p in payloads], out=offsets[1:])
-    return [TOKENS, flat.astype(np.int32, copy=False) if small else flat, offsets]
+    tokens = _column(payloads, allow_missing=False)
+    if tokens is not None:
+        return [TOKENS, *tokens]
+    fields = _field_columns(payloads)
+    if fields is not None:
+        return fields
+    return [LIST, payloads]
 
 
-def _id_block(payloads: list[Any]) -> np.ndarray | None:
-    """Every payload's ids end to end when each is a non-empty row of integers (an
-    array, as the front end tokenizes, or a list, as a client sends ids), else None."""
-    if not payloads:
+def _column(rows: list[Any], allow_missing: bool) -> list[Any] | None:
+    """[ids, offsets(, missing)] when every row is a non-empty row of integers (an array,
+    as the front end tokenizes, or a list, as a client sends ids), else None. With
+    `allow_missing`, None rows are allowed too: empty in the block, flagged in `missing`."""
+    if not rows:
         return None
-    if all(type(p) is np.ndarray and p.ndim == 1 and p.dtype.kind in "iu" and p.size
-           for p in payloads):
-        return np.concatenate(payloads)
-    if all((type(p) is list or type(p) is tuple) and p for p in payloads):
-        flat = np.asarray(list(itertools.chain.from_iterable(payloads)))
-        if flat.ndim == 1 and flat.dtype.kind in "iu":
-            return flat
-    return None
+    present = [row for row in rows if row is not None] if allow_missing else rows
+    if not present:
+        return None
+    if all(type(r) is np.ndarray and r.ndim == 1 and r.dtype.kind in "iu" and r.size
+           for r in present):
+        flat = np.concatenate(present)
+    elif all((type(r) is list or type(r) is tuple) and r for r in present):
+        flat = np.asarray(list(itertools.chain.from_iterable(present)))
+        if not (flat.ndim == 1 and flat.dtype.kind in "iu"):
+            return None
+    else:
+        return None
+    if flat.min() >= 0 and flat.max() <= INT32_MAX:
+        flat = flat.astype(np.int32, copy=False)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([0 if row is None else len(row) for row in rows], out=offsets[1:])
+    if not allow_missing:
+        return [flat, offsets]
+    missing = np.fromiter((row is None for row in rows), dtype=bool, count=len(rows))
+    return [flat, offsets, missing if missing.any() else None]
+
+
+def _field_columns(payloads: list[Any]) -> list[Any] | None:
+    """[fields, wire name, columns] when every payload is a wire dataclass of one class
+    (a reranker's pair, a multi-vector row) whose fields are rows of integers or None:
+    each field's rows as one column, none where no payload has it."""
+    kind = type(payloads[0]) if payloads else None
+    if kind is None or not dataclasses.is_dataclass(kind) or any(
+            type(p) is not kind for p in payloads):
+        return None
+    columns: list[Any] = []
+    for field in dataclasses.fields(kind):
+        values = [getattr(p, field.name) for p in payloads]
+        column = _column(values, allow_missing=True)
+        if column is None and any(v is not None for v in values):
+            return None
+        columns.append(column)
+    if all(column is None for column in columns):
+        return None
+    try:
+        return [FIELDS, wire_name(kind), columns]
+    except TypeError:  # not a wire type: the list path says so when it is packed
+        return None
 
 
 def items_from_wire(block: Any) -> list[PreparedItem]:
     """Every item of a message's [payloads, costs, indices], in order."""
     payloads, costs, indices = _checked_items(block)
+    count = len(costs)
     if payloads[0] == TOKENS:
-        flat, bounds = payloads[1], payloads[2].tolist()
-        rows: list[Any] = [flat[bounds[i]:bounds[i + 1]] for i in range(len(costs))]
+        rows: list[Any] = _rows(payloads[1], payloads[2], None, count)
+    elif payloads[0] == FIELDS:
+        kind = wire_class(payloads[1])
+        columns = [[None] * count if column is None
+                   else _rows(column[0], column[1], column[2], count)
+                   for column in payloads[2]]
+        rows = [kind(*fields) for fields in zip(*columns, strict=True)]
     else:
         rows = list(payloads[1])
     return [PreparedItem(row, cost, index) for row, cost, index
             in zip(rows, costs.tolist(), indices.tolist(), strict=True)]
+
+
+def _rows(flat: np.ndarray, offsets: np.ndarray, missing: np.ndarray | None,
+          count: int) -> list[Any]:
+    """A checked column's rows, views of its block (None where `missing`)."""
+    bounds = offsets.tolist()
+    rows: list[Any] = [flat[bounds[i]:bounds[i + 1]] for i in range(count)]
+    if missing is not None:
+        for i in np.flatnonzero(missing).tolist():
+            rows[i] = None
+    return rows
 
 
 def _checked_items(block: Any) -> tuple[Any, np.ndarray, np.ndarray]:
@@ -84,15 +141,16 @@ def _checked_items(block: Any) -> tuple[Any, np.ndarray, np.ndarray]:
     if payloads[0] == TOKENS:
         if len(payloads) != 3:
             raise ValueError("token payloads are [tokens, ids, offsets]")
-        flat, offsets = payloads[1], payloads[2]
-        if not all(isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.kind in "iu"
-                   for a in (flat, offsets)):
-            raise ValueError("token ids and offsets must be 1-D integer arrays")
-        if len(offsets) != len(costs) + 1 or (len(offsets) and (
-                offsets[0] != 0 or offsets[-1] != len(flat)
-                or bool(np.any(np.diff(offsets) <= 0)))):
-            raise ValueError("token offsets must rise from 0 to the number of ids, one "
-                             "row per item")
+        _check_column(payloads[1:], len(costs), allow_missing=False)
+    elif payloads[0] == FIELDS:
+        if len(payloads) != 3 or not isinstance(payloads[2], tuple):
+            raise ValueError("field payloads are [fields, wire name, columns]")
+        fields = dataclasses.fields(wire_class(payloads[1]))
+        if len(payloads[2]) != len(fields) or all(c is None for c in payloads[2]):
+            raise ValueError(f"{len(fields)} columns expected, some of them rows")
+        for column in payloads[2]:
+            if column is not None:
+                _check_column(column, len(costs), allow_missing=True)
     elif payloads[0] == LIST:
         if len(payloads) != 2 or not isinstance(payloads[1], tuple) or (
                 len(payloads[1]) != len(costs)):
@@ -100,6 +158,31 @@ def _checked_items(block: Any) -> tuple[Any, np.ndarray, np.ndarray]:
     else:
         raise ValueError(f"unknown payload kind {payloads[0]!r}")
     return payloads, costs, indices
+
+
+def _check_column(column: Any, count: int, allow_missing: bool) -> None:
+    """A column's ids and offsets (and, where allowed, its missing rows) fit together:
+    one row an item, each inside the block, and only a missing row empty."""
+    if not (isinstance(column, tuple) and len(column) == (3 if allow_missing else 2)):
+        raise ValueError("a column is [ids, offsets" + (", missing]" if allow_missing else "]"))
+    flat, offsets = column[0], column[1]
+    if not all(isinstance(a, np.ndarray) and a.ndim == 1 and a.dtype.kind in "iu"
+               for a in (flat, offsets)):
+        raise ValueError("token ids and offsets must be 1-D integer arrays")
+    missing = column[2] if allow_missing else None
+    if missing is not None and not (isinstance(missing, np.ndarray) and missing.dtype == bool
+                                    and missing.shape == (count,)):
+        raise ValueError("missing rows must be one boolean an item")
+    if len(offsets) != count + 1 or (len(offsets) and (
+            offsets[0] != 0 or offsets[-1] != len(flat))):
+        raise ValueError("token offsets must rise from 0 to the number of ids, one "
+                         "row per item")
+    lengths = np.diff(offsets)
+    empty = lengths <= 0
+    if bool(np.any(lengths < 0)) or bool(np.any(empty & ~missing if missing is not None
+                                                else empty)):
+        raise ValueError("token offsets must rise from 0 to the number of ids, one "
+                         "row per item")
 
 
 def values_to_wire(values: Sequence[Any]) -> list[Any]:

@@ -61,14 +61,18 @@ def _default(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        kind = type(value)
-        name = f"{kind.__module__}:{kind.__qualname__}"
-        if name not in WIRE_TYPES:
-            raise TypeError(f"{kind.__qualname__} is not one of Ember's wire types "
-                            "(ember.ipc.wire.WIRE_TYPES)")
         fields = [getattr(value, f.name) for f in dataclasses.fields(value)]
-        return msgpack.ExtType(EXT_DATACLASS, pack([name, fields]))
+        return msgpack.ExtType(EXT_DATACLASS, pack([wire_name(type(value)), fields]))
     raise TypeError(f"{type(value).__name__} cannot cross the process boundary")
+
+
+def wire_name(kind: type) -> str:
+    """The name a dataclass crosses the wire by; TypeError for one not in WIRE_TYPES."""
+    name = f"{kind.__module__}:{kind.__qualname__}"
+    if name not in WIRE_TYPES:
+        raise TypeError(f"{kind.__qualname__} is not one of Ember's wire types "
+                        "(ember.ipc.wire.WIRE_TYPES)")
+    return name
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
@@ -78,7 +82,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
         name, fields = unpack(data)
         if not isinstance(fields, tuple):
             raise ValueError(f"the fields of {name!r} are not a list")
-        return _class(name)(*fields)
+        return wire_class(name)(*fields)
     raise ValueError(f"unknown extension type {code} on the wire")
 
 
@@ -96,7 +100,8 @@ def _array(data: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
-def _class(name: str) -> type:
+def wire_class(name: str) -> type:
+    """The dataclass a wire name names; ValueError for any name not in WIRE_TYPES."""
     if not isinstance(name, str) or name not in WIRE_TYPES:
         raise ValueError(f"refusing to rebuild {name!r}: not one of Ember's wire types")
     module, _, qualname = name.partition(":")
