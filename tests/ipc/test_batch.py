@@ -118,6 +118,8 @@ def test_vectors_of_one_shape_travel_as_rows_of_one_array() -> None:
      np.array([1, 1]), np.array([0, 1])),
     (("fields", PAIR, ((np.arange(2.0), np.array([0, 1, 2]), None), None)),
      np.array([1, 1]), np.array([0, 1])),
+    (("fields", PAIR, ((np.arange(2), np.array([0, 1, 2]), np.array([True, False])), None)),
+     np.array([1, 1]), np.array([0, 1])),
 ])
 def test_a_hostile_items_block_is_refused(block: Any) -> None:
     with pytest.raises(ValueError):

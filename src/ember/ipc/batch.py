@@ -178,11 +178,10 @@ def _check_column(column: Any, count: int, allow_missing: bool) -> None:
         raise ValueError("token offsets must rise from 0 to the number of ids, one "
                          "row per item")
     lengths = np.diff(offsets)
-    empty = lengths <= 0
-    if bool(np.any(lengths < 0)) or bool(np.any(empty & ~missing if missing is not None
-                                                else empty)):
+    flagged = missing if missing is not None else np.zeros(count, dtype=bool)
+    if bool(np.any(lengths < 0)) or bool(np.any((lengths == 0) != flagged)):
         raise ValueError("token offsets must rise from 0 to the number of ids, one "
-                         "row per item")
+                         "row per item, empty only where the row is missing")
 
 
 def values_to_wire(values: Sequence[Any]) -> list[Any]:
