@@ -9,7 +9,10 @@ weights), the best of 5 timings of many calls:
 - `prepare_2048_us`: 2,048 such texts in one request;
 - `pad_in_process_us`: 64 prepared rows padded for a forward, as in one process;
 - `pad_engine_us`: the same rows after the IPC wire, as an engine process pads them;
-- `to_wire_2048_us`: the 2,048 items packed into one message, as an API process sends.
+- `to_wire_2048_us`: the 2,048 items packed into one message, as an API process sends;
+- `pairs_to_wire_us`, `pairs_from_wire_us`: one message of 1,000 reranker pairs (a query
+  with each text, tokenized as pairs), packed, then unpacked and rebuilt, as each tree
+  makes pairs (lists of ids before the trees that keep them as arrays).
 
     python bench/token_rows.py --landed-src /tmp/ember-landed/src   # ~1 min on 2 cores
     python bench/token_rows.py --quick --landed-src src             # smoke run
@@ -33,7 +36,7 @@ import benchlib
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "bench" / "token_rows.json"
 METRICS = ("prepare_1_us", "prepare_2048_us", "pad_in_process_us", "pad_engine_us",
-           "to_wire_2048_us")
+           "to_wire_2048_us", "pairs_to_wire_us", "pairs_from_wire_us")
 TREES = ("landed", "this")
 Json = dict[str, Any]
 
@@ -68,6 +71,9 @@ def child(scale: float) -> Json:
     engine_rows = [item.payload for item in items_from_wire(unpack(pack(
         items_to_wire(bulk[:64]))))]
 
+    pairs = reranker_pairs(adapter.tokenizer, texts[:1000])
+    pairs_message = pack(items_to_wire(pairs))
+
     def calls(count: int) -> int:
         return max(1, int(count * scale))
 
@@ -77,7 +83,28 @@ def child(scale: float) -> Json:
         "pad_in_process_us": best_us(lambda: arrays.padded(rows, 0), calls(2000)),
         "pad_engine_us": best_us(lambda: arrays.padded(engine_rows, 0), calls(2000)),
         "to_wire_2048_us": best_us(lambda: pack(items_to_wire(bulk)), calls(20)),
+        "pairs_to_wire_us": best_us(lambda: pack(items_to_wire(pairs)), calls(20)),
+        "pairs_from_wire_us": best_us(lambda: items_from_wire(unpack(pairs_message)),
+                                      calls(20)),
     }
+
+
+def reranker_pairs(wrapper: Any, docs: list[str]) -> list[Any]:
+    """Prepared items of (query, doc) pairs as the tree's reranker makes them: views of
+    one block where the tree has `id_rows`, lists of ids before it."""
+    from ember.adapters import _tokenize
+    from ember.adapters.cross_encoder import Pair
+    from ember.engine import PreparedItem
+
+    tokens = _tokenize.TextTokenizer(wrapper, 256, pairs=True)
+    encodings = tokens.encode_pairs("how do search engines rank documents", docs,
+                                    "only_second")
+    if hasattr(_tokenize, "id_rows"):
+        rows = zip(_tokenize.id_rows(encodings), _tokenize.id_rows(encodings, "type_ids"),
+                   strict=True)
+    else:
+        rows = ((e.ids, e.type_ids) for e in encodings)
+    return [PreparedItem(Pair(ids, types), len(ids), i) for i, (ids, types) in enumerate(rows)]
 
 
 def run_child(src: Path, scale: float) -> Json:
