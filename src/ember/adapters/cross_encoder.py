@@ -93,12 +93,13 @@ class CrossEncoderAdapter(common.TorchModel):
         assert isinstance(params, ScoreParams)
         pairs: list[Pair] = [item.payload for item in items]
         rows = [p.input_ids for p in pairs]
-        typed = all(p.token_type_ids is not None for p in pairs)
+        types = [p.token_type_ids for p in pairs if p.token_type_ids is not None]
+        typed = len(types) == len(pairs)  # fed only when every pair has them
         if self.model.backend == "onnx":  # no torch between the graph and the scores
             ids, mask = arrays.padded(rows, self.pad_id)
             feeds = {"input_ids": ids, "attention_mask": mask}
             if typed:
-                feeds["token_type_ids"] = arrays.padded(type_rows(pairs), 0)[0]
+                feeds["token_type_ids"] = arrays.padded(types, 0)[0]
             scores = self.model.run_arrays(feeds)[:, 0].astype(np.float32)
             return arrays.sigmoid(scores) if params.activation == "sigmoid" else [
                 float(s) for s in scores]
@@ -106,7 +107,7 @@ class CrossEncoderAdapter(common.TorchModel):
             id_tensor, mask_tensor = common.pad_with_mask(rows, self.pad_id, self.device)
             inputs = {"input_ids": id_tensor, "attention_mask": mask_tensor}
             if typed:
-                inputs["token_type_ids"] = common.pad(type_rows(pairs), 0, self.device)
+                inputs["token_type_ids"] = common.pad(types, 0, self.device)
             logits = self.model(inputs)[:, 0].float()
             if params.activation == "sigmoid":
                 logits = torch.sigmoid(logits)
@@ -147,13 +148,6 @@ class CrossEncoderAdapter(common.TorchModel):
     async def encode(self, submit: Submit, texts: Sequence[str],
                      options: EncodeOptions) -> TaskOutput[list[Encoded]]:
         raise UnsupportedTask(self.spec.name, "encode", self.info.tasks)
-
-
-def type_rows(pairs: Sequence[Pair]) -> list[arrays.IdRow]:
-    """The pairs' token type ids, for a batch whose pairs all have them."""
-    rows = [p.token_type_ids for p in pairs]
-    assert all(row is not None for row in rows), "a pair without token type ids"
-    return [row for row in rows if row is not None]
 
 
 def activation_of(spec: ModelSpec, directory: Path, config: Any) -> Activation:

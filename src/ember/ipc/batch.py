@@ -100,12 +100,11 @@ def _field_columns(payloads: list[Any]) -> list[Any] | None:
 
 def items_from_wire(block: Any) -> list[PreparedItem]:
     """Every item of a message's [payloads, costs, indices], in order."""
-    payloads, costs, indices = _checked_items(block)
+    payloads, costs, indices, kind = _checked_items(block)
     count = len(costs)
     if payloads[0] == TOKENS:
         rows: list[Any] = _rows(payloads[1], payloads[2], None, count)
-    elif payloads[0] == FIELDS:
-        kind = wire_class(payloads[1])
+    elif kind is not None:
         columns = [[None] * count if column is None
                    else _rows(column[0], column[1], column[2], count)
                    for column in payloads[2]]
@@ -127,7 +126,8 @@ def _rows(flat: np.ndarray, offsets: np.ndarray, missing: np.ndarray | None,
     return rows
 
 
-def _checked_items(block: Any) -> tuple[Any, np.ndarray, np.ndarray]:
+def _checked_items(block: Any) -> tuple[Any, np.ndarray, np.ndarray, type | None]:
+    """The block's parts, checked, and the dataclass of its field columns (if it has them)."""
     if not (isinstance(block, tuple) and len(block) == 3):
         raise ValueError("items are [payloads, costs, indices]")
     payloads, costs, indices = block
@@ -138,6 +138,7 @@ def _checked_items(block: Any) -> tuple[Any, np.ndarray, np.ndarray]:
         raise ValueError(f"{len(costs)} costs for {len(indices)} indices")
     if not (isinstance(payloads, tuple) and payloads):
         raise ValueError("payloads are [kind, ...]")
+    kind = None
     if payloads[0] == TOKENS:
         if len(payloads) != 3:
             raise ValueError("token payloads are [tokens, ids, offsets]")
@@ -145,7 +146,8 @@ def _checked_items(block: Any) -> tuple[Any, np.ndarray, np.ndarray]:
     elif payloads[0] == FIELDS:
         if len(payloads) != 3 or not isinstance(payloads[2], tuple):
             raise ValueError("field payloads are [fields, wire name, columns]")
-        fields = dataclasses.fields(wire_class(payloads[1]))
+        kind = wire_class(payloads[1])
+        fields = dataclasses.fields(kind)
         if len(payloads[2]) != len(fields) or all(c is None for c in payloads[2]):
             raise ValueError(f"{len(fields)} columns expected, some of them rows")
         for column in payloads[2]:
@@ -157,7 +159,7 @@ def _checked_items(block: Any) -> tuple[Any, np.ndarray, np.ndarray]:
             raise ValueError("list payloads are [list, payloads], one per item")
     else:
         raise ValueError(f"unknown payload kind {payloads[0]!r}")
-    return payloads, costs, indices
+    return payloads, costs, indices, kind
 
 
 def _check_column(column: Any, count: int, allow_missing: bool) -> None:
