@@ -384,7 +384,10 @@ def test_a_hang_up_drains_as_sigterm_does(model_dir: Path, tmp_path: Path) -> No
         with ThreadPoolExecutor(3) as pool:
             futures = send_in_flight(server, pool, 3)
             server.process.send_signal(signal.SIGHUP)
-            assert all(future.result().status_code == 200 for future in futures)
+            statuses = [future.result().status_code for future in futures]
+        # The wait knows 2 were accepted (the third may still be on its way, then refused by
+        # the drain, as it should be: a lone request counts as pending until its forward).
+        assert statuses.count(200) >= 2 and set(statuses) <= {200, 503}, statuses
         assert server.process.wait(30) == 0, server.log_tail()
         assert "drained in" in server.log_text()
     finally:
