@@ -131,6 +131,7 @@ def test_metrics_report_every_process(two_api_processes: ServerProcess) -> None:
     assert requests and float(requests.group(1)) >= 30, text  # from the API processes
     assert items and float(items.group(1)) >= 30, text  # from the engine process
     assert re.search(rf'ember_pending_items{{model="{SYNTH}"}} 0\.0', text), text
+    assert re.search(rf'ember_running_items{{model="{SYNTH}"}} 0\.0', text), text
     # The engine process's learned cost and windows reach /metrics and the model's info.
     assert re.search(rf'ember_dispatch_fixed_cost_seconds{{lora="",model="{SYNTH}"}} '
                      r'[\d.e-]+', text), text

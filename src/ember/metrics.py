@@ -40,6 +40,8 @@ class ReportedDepths(Protocol):
 
     def pending(self) -> Mapping[str, int]: ...
 
+    def running(self) -> Mapping[str, int]: ...
+
     def dispatches(self) -> Mapping[str, Mapping[str, Any]]: ...
 
     async def refresh(self) -> None: ...
@@ -54,22 +56,29 @@ def labelled(metric: Counter | Histogram, *values: str) -> Any:
 
 
 class _PendingCollector(Collector):
-    """Queue depth of each loaded model, read at scrape time."""
+    """Queue depth and the forward's size of each loaded model, read at scrape time."""
 
     def __init__(self, pending: Callable[[], PendingSource],
+                 running: Callable[[], PendingSource] = lambda: dict,
                  dispatch: Callable[[], DispatchSource] = lambda: dict) -> None:
         self.pending = pending
+        self.running = running
         self.dispatch = dispatch
 
     def collect(self) -> Iterator[Metric]:
         items = GaugeMetricFamily("ember_pending_items", "Items queued, not yet dispatched",
                                   labels=["model"])
+        running = GaugeMetricFamily("ember_running_items", "Items in the forward on the "
+                                    "device now", labels=["model"])
         loaded = GaugeMetricFamily("ember_model_loaded", "1 when the model is in memory",
                                    labels=["model"])
+        in_forward = self.running()()
         for name, count in self.pending()().items():
             items.add_metric([name], count)
+            running.add_metric([name], in_forward.get(name, 0))
             loaded.add_metric([name], 1)
         yield items
+        yield running
         yield loaded
         yield from dispatch_metrics(self.dispatch()())
 
@@ -110,11 +119,11 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.pending: PendingSource = dict
+        self.running: PendingSource = dict
         self.dispatch: DispatchSource = dict
         self.multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
         if not self.multiprocess:
-            self.registry.register(_PendingCollector(lambda: self.pending,
-                                                     lambda: self.dispatch))
+            self.registry.register(self._live())
         reg = self.registry
         self.requests = Counter("ember_requests", "HTTP requests by route, model and status, "
                                 "refusals included", ["route", "model", "status"],
@@ -175,6 +184,13 @@ class Metrics:
                                  for name, m in registry.loaded.items()}
         self.pending = lambda: {name: m.worker.pending_items
                                 for name, m in registry.loaded.items()}
+        self.running = lambda: {name: m.worker.running_items
+                                for name, m in registry.loaded.items()}
+
+    def report(self, depths: ReportedDepths) -> None:
+        """Read the live gauges from models whose workers run in another process."""
+        self.pending, self.running = depths.pending, depths.running
+        self.dispatch = depths.dispatches
 
     def exposition(self) -> CollectorRegistry:
         """What a scrape reports: this process's metrics, or every process's."""
@@ -182,8 +198,13 @@ class Metrics:
             return self.registry
         combined = CollectorRegistry()
         MultiProcessCollector(combined)  # type: ignore[no-untyped-call]
-        combined.register(_PendingCollector(lambda: self.pending, lambda: self.dispatch))
+        combined.register(self._live())
         return combined
+
+    def _live(self) -> _PendingCollector:
+        """The gauges read at scrape time, from whichever sources are set by then."""
+        return _PendingCollector(lambda: self.pending, lambda: self.running,
+                                 lambda: self.dispatch)
 
     def rejected(self, reason: str) -> None:
         labelled(self.rejections, reason).inc()

@@ -204,6 +204,7 @@ async def test_metrics_after_traffic(apps: AppFactory) -> None:
         assert value(found, "ember_batch_requests_count", model=SYNTH) == requests
         assert value(found, "ember_forward_failures_total", model=SYNTH) == 1
         assert value(found, "ember_pending_items", model=SYNTH) == 0
+        assert value(found, "ember_running_items", model=SYNTH) == 0
         assert value(found, "ember_model_loaded", model=SYNTH) == 1
         assert value(found, "ember_model_loads_total", model=SYNTH) == 1
         assert value(found, "ember_model_load_duration_seconds_count", model=SYNTH) == 1

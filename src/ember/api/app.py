@@ -72,8 +72,7 @@ def create_app(settings: ServerSettings, registry: Models) -> EmberAPI:
     if isinstance(registry, Registry):
         metrics.attach(registry)
     elif isinstance(registry, ReportedDepths):
-        metrics.pending = registry.pending
-        metrics.dispatch = registry.dispatches
+        metrics.report(registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

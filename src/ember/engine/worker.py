@@ -168,6 +168,12 @@ class ModelWorker:
                 + (len(handed.items) if handed is not None else 0))
 
     @property
+    def running_items(self) -> int:
+        """Items in the forward on the device now (0 while it idles)."""
+        forward = self._in_flight
+        return len(forward.batch.items) if forward is not None else 0
+
+    @property
     def pending_requests(self) -> int:
         return sum(self._lane_requests(lora) for lora in self._lanes)
 

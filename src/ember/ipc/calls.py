@@ -42,6 +42,7 @@ class RegistryCalls:
         loaded = registry.loaded
         return {"states": {name: registry.state(name) for name in registry.names},
                 "pending": self.pending(),
+                "running": {name: m.worker.running_items for name, m in loaded.items()},
                 "info": {name: m.adapter.info for name, m in loaded.items()},
                 "forwards": {name: [m.worker.stats.batches, m.worker.stats.items]
                              for name, m in loaded.items()},

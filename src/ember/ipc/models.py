@@ -100,6 +100,7 @@ class RemoteModels(CatalogLookup):
     _states: dict[str, str] = field(default_factory=dict)
     _info: dict[str, ModelInfo] = field(default_factory=dict)
     _pending: dict[str, int] = field(default_factory=dict)
+    _running: dict[str, int] = field(default_factory=dict)
     _dispatch: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def state(self, name: str) -> str:
@@ -110,6 +111,9 @@ class RemoteModels(CatalogLookup):
 
     def pending(self) -> dict[str, int]:
         return dict(self._pending)
+
+    def running(self) -> dict[str, int]:
+        return dict(self._running)
 
     def dispatch(self, name: str) -> dict[str, Any] | None:
         return self._dispatch.get(name)
@@ -125,6 +129,7 @@ class RemoteModels(CatalogLookup):
             self._adopt(name)
         self._info = dict(status["info"])
         self._pending = dict(status["pending"])
+        self._running = dict(status["running"])
         self._dispatch = dict(status.get("dispatch") or {})
 
     def _adopt(self, name: str) -> None:
