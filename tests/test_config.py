@@ -231,6 +231,7 @@ MODEL_CARDS: dict[str, tuple[str, dict[str, str], str | None, int | None]] = {
     "BAAI/bge-reranker-v2-m3": ("cross_encoder", {}, None, 512),
     "naver/splade-cocondenser-ensembledistil": ("sparse", {}, None, 512),
     "colbert-ir/colbertv2.0": ("multivector", {}, None, 512),
+    "BAAI/bge-m3": ("m3", {}, None, 8192),
     "answerdotai/answerai-colbert-small-v1": ("multivector", {}, None, 512),
     "urchade/gliner_small-v2.1": ("gliner", {}, None, None),
     "urchade/gliner_medium-v2.1": ("gliner", {}, None, None),
@@ -255,8 +256,10 @@ def test_every_catalog_entry_parses_names_a_revision_and_follows_its_model_card(
             assert spec.normalize is True and spec.tasks == ("encode", "score"), name
     gliner = [s for s in specs.values() if s.adapter == "gliner"]
     assert gliner and all(s.tasks == ("extract",) for s in gliner)
-    # Pickle weights are allowed only where the repository has nothing else, and said so.
-    assert {s.name for s in specs.values() if s.allow_pickle} == {s.name for s in gliner}
+    # Pickle weights are allowed only where the repository has nothing else, and said so:
+    # GLiNER's weights and BGE-M3's heads.
+    assert {s.name for s in specs.values() if s.allow_pickle} == {
+        s.name for s in specs.values() if s.adapter in ("gliner", "m3")}
     assert not any(s.trust_remote_code for s in specs.values())
 
 

@@ -24,6 +24,7 @@ SLOW = "someone/slow-encoder"  # its weights come late: a large download
 DENSE = "someone/tiny-encoder-dense"
 GLINER = "someone/gliner-tiny"
 COLBERTS = {"stanford": "someone/tiny-colbert-stanford", "pylate": "someone/tiny-colbert-pylate"}
+M3S = {".pt": "someone/tiny-m3-pickled-heads", ".safetensors": "someone/tiny-m3"}
 TEXTS = ["How do I reset my password?", "Paris is the capital of France."]
 
 
@@ -54,6 +55,12 @@ def standin(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubStandIn]:
                   if layout == "stanford" else build(root / layout))
         hub.notes[layout] = str(folder)
         hub.add(COLBERTS[layout], folder)
+    # M3 models: their heads as BAAI/bge-m3 ships them (pickles) and as safetensors.
+    from tests.adapters.tiny_models import build_m3
+
+    for heads, repo in M3S.items():
+        hub.notes[repo] = str(build_m3(root / repo.split("/")[1], seed=7, heads=heads))
+        hub.add(repo, Path(hub.notes[repo]))
     pickled = root / "pickled"
     pickled.mkdir()
     (pickled / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
@@ -295,6 +302,63 @@ def test_a_colbert_by_hub_id_is_fetched_whole_and_served_as_sentence_transformer
                                reference.encode_document([document])[0].numpy(), atol=2e-5)
     fetched = "artifact.metadata" if layout == "stanford" else "1_Dense/model.safetensors"
     assert standin.gets(fetched) == 1
+
+
+M3_BY_ID = """
+import json
+from ember.adapters import m3
+from ember.adapters.base import EncodeOptions, Runtime
+from ember.config import load_catalog
+spec = load_catalog(model_paths=[{repo!r}])[{repo!r}]
+out = {{"adapter": spec.adapter}}
+if spec.adapter == "m3":
+    adapter = m3.load(spec, Runtime())
+    items, params = adapter.prepare([{text!r}], EncodeOptions(output_types=("sparse",)))
+    out["sparse"] = adapter.forward(items, params)[0].sparse.indices.tolist()
+print(json.dumps(out))
+"""
+
+
+M3_CURATED = """
+import json
+from ember import hub
+from ember.adapters import m3
+from ember.adapters.base import EncodeOptions, Runtime
+from ember.config import ModelSpec, Source, hub_wanted
+spec = ModelSpec(name={repo!r}, adapter="m3", source=Source(hub={repo!r}),
+                 tasks=("encode",), allow_pickle=True)
+hub.snapshot(hub.HubRef({repo!r}, None), hub_wanted(spec), download=True)
+adapter = m3.load(spec, Runtime())
+items, params = adapter.prepare([{text!r}], EncodeOptions(output_types=("sparse",)))
+print(json.dumps({{"sparse": adapter.forward(items, params)[0].sparse.indices.tolist()}}))
+"""
+
+
+def test_an_m3_model_by_hub_id_brings_its_heads_where_they_need_no_pickle(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    """Heads in safetensors come with a bare Hub id and make it an M3 model; pickled heads
+    (BAAI/bge-m3's) are fetched only for a spec that allows pickles, as its catalog entry
+    does, beside safetensors weights too; a bare id of such a repository is served by its
+    encoder alone."""
+    from ember.adapters import m3
+    from ember.adapters.base import EncodeOptions, Runtime
+    from tests.adapters.tiny_models import spec_for
+
+    text = "the cat and the dog"
+    safe = run(standin, tmp_path / "hf", M3_BY_ID.format(repo=M3S[".safetensors"], text=text),
+               extra={"EMBER_ALLOW_HUB_MODELS": "1"})
+    local = m3.load(spec_for(Path(standin.notes[M3S[".safetensors"]]), "m3", ("encode",)),
+                    Runtime())
+    items, params = local.prepare([text], EncodeOptions(output_types=("sparse",)))
+    wanted = local.forward(items, params)[0].sparse
+    assert wanted is not None and safe == {"adapter": "m3", "sparse": wanted.indices.tolist()}
+    pickled = M3S[".pt"]
+    bare = run(standin, tmp_path / "hf2", M3_BY_ID.format(repo=pickled, text=text),
+               extra={"EMBER_ALLOW_HUB_MODELS": "1"})
+    assert bare == {"adapter": "transformer"} and standin.gets("sparse_linear.pt") == 0
+    curated = run(standin, tmp_path / "hf3", M3_CURATED.format(repo=pickled, text=text))
+    assert curated["sparse"] == wanted.indices.tolist()  # the same seed's heads
+    assert standin.gets("sparse_linear.pt") == standin.gets("colbert_linear.pt") == 1
 
 
 def test_two_processes_starting_together_download_each_file_once(

@@ -24,10 +24,11 @@ BUILTIN_CATALOG = Path(__file__).parent / "catalog"
 # Adapter family named in a model YAML -> its module under ember.adapters.
 ADAPTERS = {"transformer": "transformer", "cross_encoder": "cross_encoder",
             "gliner": "gliner", "clip": "clip", "spacy": "spacy_ner", "sparse": "sparse",
-            "multivector": "multivector", "synthetic": "synthetic"}
+            "multivector": "multivector", "m3": "m3", "synthetic": "synthetic"}
 # What each family's encode returns (before it is loaded; after, its ModelInfo says).
 FAMILY_OUTPUTS: dict[str, tuple[str, ...]] = {
     "transformer": ("dense",), "sparse": ("sparse",), "multivector": ("multivector",),
+    "m3": ("dense", "sparse", "multivector"),
     "clip": ("dense",), "gliner": (), "synthetic": ("dense",), "cross_encoder": (),
     "spacy": ()}
 # The `options` each family reads; another would be ignored, so a misspelt one is refused.
@@ -35,7 +36,7 @@ FAMILY_OUTPUTS: dict[str, tuple[str, ...]] = {
 # /v1/embeddings on the query side.
 _ENCODING = ("dims", "embeddings_side")
 FAMILY_OPTIONS: dict[str, tuple[str, ...]] = {
-    "transformer": _ENCODING, "clip": _ENCODING,
+    "transformer": _ENCODING, "clip": _ENCODING, "m3": _ENCODING,
     "sparse": ("top_k", "threshold", *_ENCODING),
     "multivector": ("projection", "projection_key", *_ENCODING),
     "cross_encoder": ("activation",), "gliner": ("threshold", "labels", "flat_ner",
@@ -43,8 +44,10 @@ FAMILY_OPTIONS: dict[str, tuple[str, ...]] = {
     "spacy": ("ner_only",),
     "synthetic": ("overhead_ms", "per_token_us", "mode", "fault_marker", "test_crash_marker",
                   *_ENCODING)}
+# An M3 model's two heads beside its encoder (FlagEmbedding's file names, less the suffix).
+M3_HEADS = ("sparse_linear", "colbert_linear")
 # Families the ONNX backend runs (a Hub download then includes onnx/model.onnx).
-ONNX_FAMILIES = frozenset({"transformer", "cross_encoder", "sparse", "multivector"})
+ONNX_FAMILIES = frozenset({"transformer", "cross_encoder", "sparse", "multivector", "m3"})
 TASKS = ("encode", "score", "extract")
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 Backend = Literal["torch", "onnx"]
@@ -391,6 +394,9 @@ def _detect_family(path: Path) -> tuple[str, tuple[str, ...]]:
         return "spacy", ("extract",)
     if (path / "gliner_config.json").is_file():
         return "gliner", ("extract",)
+    if all(any((path / f"{head}{suffix}").is_file() for suffix in (".safetensors", ".pt"))
+           for head in M3_HEADS):
+        return "m3", ("encode", "score")
     if (path / "colbert_linear.safetensors").is_file():  # the multivector family's layout
         return "multivector", ("encode", "score")
     st_config = path / "config_sentence_transformers.json"
@@ -469,8 +475,10 @@ def hub_wanted(spec: ModelSpec, backend: Backend | None = None, device: str = "c
     runs_onnx = (spec.adapter in ONNX_FAMILIES and not spec.loras
                  and (spec.backend or backend or "onnx") == "onnx"
                  and device.startswith("cpu"))
+    heads = (tuple(f"{head}.pt" for head in M3_HEADS)
+             if spec.adapter == "m3" and spec.allow_pickle else ())
     return Wanted(allow_pickle=spec.allow_pickle, trust_remote_code=spec.trust_remote_code,
-                  onnx=runs_onnx)
+                  onnx=runs_onnx, extra_files=heads)
 
 
 def spec_from_hub(ref: HubRef, download: bool | None = None, base: ModelSpec | None = None,

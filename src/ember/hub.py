@@ -89,9 +89,13 @@ class Wanted:
     trust_remote_code: bool = False
     onnx: bool = False
     weights: bool = True  # False: config and tokenizer only (a GLiNER model's backbone)
+    # Files fetched whatever weights the repository has: an M3 model's pickled heads,
+    # where its spec allows pickles (beside safetensors weights, the pickles are not).
+    extra_files: tuple[str, ...] = ()
 
     def patterns(self, pickle: bool) -> list[str]:
         patterns = [p for p in BASE_FILES if self.weights or p != "*.safetensors"]
+        patterns += self.extra_files
         if pickle:
             patterns += PICKLE_FILES
         if self.onnx:

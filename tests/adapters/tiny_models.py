@@ -306,3 +306,43 @@ def build_stanford_colbert(directory: Path, *, metadata: Mapping[str, Any] | Non
     if metadata is not None:
         _write_json(directory / "artifact.metadata", dict(metadata))
     return directory
+
+
+XLMR_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # XLM-RoBERTa's ids 0-4
+
+
+def build_m3(directory: Path, *, seed: int = 0, max_seq_length: int = 64,
+             token_dims: int = 16, heads: str = ".pt") -> Path:
+    """A tiny XLMRobertaModel with BGE-M3's two heads beside it (`heads`: the files'
+    suffix, ".pt" as FlagEmbedding saves them or ".safetensors"), and a WordPiece
+    tokenizer with XLM-RoBERTa's special tokens and template."""
+    from safetensors.torch import save_file
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+
+    vocab = {token: i for i, token in enumerate([*XLMR_SPECIALS, *vocabulary()[5:]])}
+    torch.manual_seed(seed)
+    config = XLMRobertaConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2,
+                              num_attention_heads=2, intermediate_size=64,
+                              max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1,
+                              bos_token_id=0, eos_token_id=2)
+    XLMRobertaModel(config, add_pooling_layer=False).save_pretrained(
+        str(directory), safe_serialization=True)
+    for name, out_features in (("sparse_linear", 1), ("colbert_linear", token_dims)):
+        state = torch.nn.Linear(32, out_features).state_dict()
+        if heads == ".pt":
+            torch.save(state, directory / f"{name}.pt")
+        else:
+            save_file({k: v.contiguous() for k, v in state.items()},
+                      str(directory / f"{name}.safetensors"))
+    tok = Tokenizer(WordPiece(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
+        special_tokens=[("<s>", vocab["<s>"]), ("</s>", vocab["</s>"])])
+    PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", cls_token="<s>",
+        sep_token="</s>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
+        model_max_length=max_seq_length).save_pretrained(str(directory))
+    return directory

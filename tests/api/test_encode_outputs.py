@@ -13,12 +13,18 @@ import pytest_asyncio
 
 from ember.config import ServerSettings
 from ember.outputs import dequantize_int8, hamming
-from tests.adapters.tiny_models import build_bi_encoder, build_colbert, build_sparse_encoder
+from tests.adapters.tiny_models import (
+    build_bi_encoder,
+    build_colbert,
+    build_m3,
+    build_sparse_encoder,
+    vocabulary,
+)
 from tests.api.conftest import MINILM, SYNTH, Served, assert_error, serving
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-SPARSE, COLBERT, PROMPTED = "tiny/sparse", "tiny/colbert", "tiny/prompted"
+SPARSE, COLBERT, PROMPTED, M3 = "tiny/sparse", "tiny/colbert", "tiny/prompted", "tiny/m3"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -30,7 +36,8 @@ async def tiny(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Served
     builds = {SPARSE: ("sparse", build_sparse_encoder(root / "sparse"), ""),
               COLBERT: ("multivector", build_colbert(root / "colbert"), ""),
               PROMPTED: ("transformer", build_bi_encoder(root / "prompted"),
-                         'prompts: {query: "query: ", document: "passage: "}\n')}
+                         'prompts: {query: "query: ", document: "passage: "}\n'),
+              M3: ("m3", build_m3(root / "m3"), "allow_pickle: true\n")}
     for name, (adapter, path, extra) in builds.items():
         (yamls / f"{name.split('/')[1]}.yaml").write_text(
             f"name: {name}\nadapter: {adapter}\nsource: {{path: {path}}}\n"
@@ -62,6 +69,30 @@ async def test_multivector_output_in_the_native_wire_shape(tiny: Served) -> None
     values = np.array(multi["values"], dtype=np.float32)
     assert values.shape == (multi["num_tokens"], multi["token_dims"])
     assert np.allclose(np.linalg.norm(values, axis=1), 1.0, atol=1e-5)
+
+
+async def test_an_m3_model_answers_the_outputs_asked_for_from_one_forward(
+        tiny: Served) -> None:
+    texts = ["hello world", "the cat and the dog"]
+    both = await encode(tiny, M3, texts, output_types=["dense", "sparse", "multivector"])
+    assert both.status_code == 200, both.text
+    for item in both.json()["items"]:
+        assert set(item) == {"dense", "sparse", "multivector"}
+        assert item["dense"]["dims"] == 32
+        assert item["sparse"]["indices"] == sorted(set(item["sparse"]["indices"]))
+        assert item["multivector"]["token_dims"] == 16
+    plain = (await encode(tiny, M3, texts)).json()["items"]
+    assert all(set(item) == {"dense"} for item in plain)
+    assert [i["dense"]["values"] for i in plain] == [
+        i["dense"]["values"] for i in both.json()["items"]]
+    bits = await encode(tiny, M3, texts, output_types=["sparse"], output_dtype="binary")
+    assert_error(bits, 422, "invalid_request", "params.output_dtype")
+    listed = (await tiny.client.get(f"/v1/models/{M3}")).json()
+    assert listed["output_types"] == ["dense", "sparse", "multivector"]
+    assert listed["dims"] == {"dense": 32, "sparse": len(vocabulary()), "multivector": 16}
+    scored = await tiny.client.post(f"/v1/score/{M3}", json={
+        "query": {"text": "hello"}, "items": [{"text": t} for t in texts]})
+    assert scored.status_code == 200 and len(scored.json()["scores"]) == 2
 
 
 async def test_msgpack_carries_sparse_and_multivector_as_numpy(tiny: Served) -> None:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     # Static proof that every family satisfies the ModelAdapter protocol.
     from ember.adapters import (
         cross_encoder,
+        m3,
         multivector,
         spacy_ner,
         sparse,
@@ -25,4 +26,4 @@ if TYPE_CHECKING:
 
     _FAMILIES: tuple[Callable[[ModelSpec, Runtime], ModelAdapter], ...] = (
         transformer.load, cross_encoder.load, spacy_ner.load, synthetic.load, sparse.load,
-        multivector.load)
+        multivector.load, m3.load)

@@ -90,7 +90,7 @@ def read_dense(folder: Path, model: str, config: dict[str, Any], in_features: in
     if name not in ACTIVATIONS:
         raise ModelLoadError(model, f"{where}: activation {name!r} is not supported; "
                                     f"Ember runs {sorted(ACTIVATIONS)}")
-    tensors = _weights(folder, model, allow_pickle)
+    tensors = read_weights(folder, model, allow_pickle)
     weight = tensors.get("linear.weight")
     bias = tensors.get("linear.bias") if config.get("bias", True) else None
     declared = (_count(config, "out_features", where, model),
@@ -118,8 +118,11 @@ def _count(config: dict[str, Any], key: str, where: str, model: str) -> int:
     return value
 
 
-def _weights(folder: Path, model: str, allow_pickle: bool) -> dict[str, Floats]:
-    safe, pickled = folder / SAFE_WEIGHTS, folder / PICKLE_WEIGHTS
+def read_weights(folder: Path, model: str, allow_pickle: bool, safe_name: str = SAFE_WEIGHTS,
+                 pickle_name: str = PICKLE_WEIGHTS) -> dict[str, Floats]:
+    """The tensors of `safe_name` in `folder`, else of the pickle `pickle_name` where the
+    spec allows pickles (through torch's weights-only unpickler), as float32 arrays."""
+    safe, pickled = folder / safe_name, folder / pickle_name
     if safe.is_file():
         from safetensors import SafetensorError
         from safetensors.numpy import load_file
@@ -127,23 +130,23 @@ def _weights(folder: Path, model: str, allow_pickle: bool) -> dict[str, Floats]:
         try:  # the library checks the header's size and every offset against the file
             return dict(load_file(str(safe)))
         except SafetensorError as error:
-            raise ModelLoadError(model, f"{folder.name}/{SAFE_WEIGHTS} is not a readable "
+            raise ModelLoadError(model, f"{folder.name}/{safe_name} is not a readable "
                                         f"safetensors file: {error}") from None
     if pickled.is_file():
         if not allow_pickle:
-            raise ModelLoadError(model, f"{folder.name}/{PICKLE_WEIGHTS} is a pickle; Ember "
+            raise ModelLoadError(model, f"{folder.name}/{pickle_name} is a pickle; Ember "
                                         "loads it only where the model's spec sets "
                                         "allow_pickle: true (a pickle can run code when "
                                         "loaded), or convert it to safetensors")
         try:  # torch's weights-only unpickler: tensors and plain containers, nothing callable
             state = torch.load(str(pickled), map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
-            raise ModelLoadError(model, f"{folder.name}/{PICKLE_WEIGHTS} was refused by "
+            raise ModelLoadError(model, f"{folder.name}/{pickle_name} was refused by "
                                         f"torch's weights-only unpickler: {error}") from error
         if not isinstance(state, dict):
-            raise ModelLoadError(model, f"{folder.name}/{PICKLE_WEIGHTS} holds no state dict")
+            raise ModelLoadError(model, f"{folder.name}/{pickle_name} holds no state dict")
         return {str(k): v.float().numpy() for k, v in state.items()
                 if isinstance(v, torch.Tensor)}
-    raise ModelLoadError(model, f"{folder.name} holds no weights ({SAFE_WEIGHTS} or "
-                                f"{PICKLE_WEIGHTS}); a Hub download fetches a pickle only "
+    raise ModelLoadError(model, f"{folder.name} holds no weights ({safe_name} or "
+                                f"{pickle_name}); a Hub download fetches a pickle only "
                                 "where the spec sets allow_pickle: true")

@@ -1,4 +1,4 @@
-"""What the bi-encoder families (transformer, sparse, multivector) share: the encode
+"""What the bi-encoder families (transformer, sparse, multivector, m3) share: the encode
 and score flow around one family's forward.
 
 Each text becomes one value (a dense vector, a sparse vector, a token matrix). A
@@ -101,6 +101,11 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         """Score's value for each document against the query."""
         raise NotImplementedError
 
+    def score_output_types(self) -> tuple[str, ...]:
+        """The outputs score's forwards make: every one the model has, unless a family
+        compares by fewer."""
+        return self.info.output_types
+
     def similarity_us(self, query: ValueT, docs: Sequence[ValueT]) -> float:
         """About how long `similarity` takes, in microseconds: a long one runs off the
         event loop. Dense cosines take ~1 us a document (2 cores, 384 dimensions)."""
@@ -145,7 +150,7 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         self._require("score")
         common.require_items(len(docs))
         self.model.check_lora(options.lora)
-        output_types = self.info.output_types
+        output_types = self.score_output_types()
         q_params = self.params(EncodeOptions(is_query=True, output_types=output_types))
         d_params = self.params(EncodeOptions(is_query=False, output_types=output_types))
         where = ["query.text", *(f"items[{i}].text" for i in range(len(docs)))]

@@ -73,6 +73,8 @@ def model_entry(registry: Models, name: str) -> dict[str, Any]:
                      output_types=list(info.output_types) if "encode" in info.tasks else [])
         if info.labels:
             entry["labels"] = list(info.labels)
+        if isinstance(by_output := info.extra.get("output_dims"), dict):
+            entry["output_dims"] = dict(by_output)  # outputs of different sizes (an M3's)
     entry["dispatch"] = registry.dispatch(name)  # the learned cost and windows in use
     entry["output_dtypes"] = list(DTYPES) if entry["output_types"] else []
     entry["outputs"] = entry["output_types"]
@@ -83,8 +85,10 @@ def model_entry(registry: Models, name: str) -> dict[str, Any]:
 def sie_shape(entry: dict[str, Any]) -> dict[str, Any]:
     """`dims` as SIE gives it, by output type (`{"dense": 384}`); Ember's plain number
     stays as `dimensions`."""
-    dims = entry["dims"]
-    by_type = {kind: dims for kind in entry["output_types"]} if dims is not None else {}
+    entry = dict(entry)
+    dims, by_type = entry["dims"], entry.pop("output_dims", None)
+    if by_type is None:
+        by_type = {kind: dims for kind in entry["output_types"]} if dims is not None else {}
     return {**entry, "dims": by_type, "dimensions": dims}
 
 

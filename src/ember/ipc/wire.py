@@ -36,6 +36,7 @@ WIRE_TYPES = frozenset({
     "ember.adapters.gliner:Words",
     "ember.adapters.cross_encoder:ScoreParams", "ember.adapters.cross_encoder:Pair",
     "ember.adapters.multivector:MultiVectorParams", "ember.adapters.multivector:TokenRow",
+    "ember.adapters.m3:M3Params",
     "ember.adapters.spacy_ner:NerParams", "ember.adapters.sparse:SparseParams",
     "ember.adapters.sparse:Pruning", "ember.adapters.transformer:EncodeParams",
     "ember.outputs:Quantized",

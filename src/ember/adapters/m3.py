@@ -1,0 +1,212 @@
+"""M3 encoders (BGE-M3): a dense, a sparse and a multi-vector output from one forward.
+
+A model directory is a transformers encoder (`AutoModel`: config, safetensors weights
+unless the spec sets `allow_pickle`, a fast tokenizer) with two linear heads beside it,
+as FlagEmbedding saves them:
+
+    sparse_linear.safetensors | sparse_linear.pt    weight (1, hidden), bias (1,)
+    colbert_linear.safetensors | colbert_linear.pt  weight (token_dims, hidden), bias
+
+(the `.pt` files, which BAAI/bge-m3 ships, are pickles: read only where the spec sets
+`allow_pickle`, and then through torch's weights-only unpickler). Over the encoder's
+last hidden states h of an input of n tokens:
+
+- dense: h[0] (the CLS position), L2-normalized;
+- sparse: w_t = relu(h_t . sparse_weight + bias) for each token, and for each vocabulary
+  id the largest w_t of its occurrences, leaving out the CLS, EOS, padding and unknown
+  tokens and weights of 0 (FlagEmbedding's lexical weights), as a `SparseVector` over
+  the vocabulary;
+- multivector: colbert_linear(h_t) for the n - 1 tokens after CLS (EOS included), each
+  row L2-normalized.
+
+A request's `params.output_types` picks any of them (none: dense); only those are
+computed. `normalize: false` returns dense and multi-vector outputs unnormalized (sparse
+weights never are). `score` is the cosine of the dense vectors, as FlagEmbedding's
+default; a client that wants the sparse or multi-vector scores (or their weighted sum)
+asks encode for those outputs. Spec `prompts` and a request's `instruction` go before the
+text as in the transformer family. LoRA adapters are not supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.nn.functional as F
+
+from ember.adapters import _arrays as arrays
+from ember.adapters import _torch as common
+from ember.adapters._backend import Forward, load_model
+from ember.adapters._dense_layers import DenseLayer, read_weights
+from ember.adapters._encoder import BiEncoder
+from ember.adapters._tokenize import TextTokenizer
+from ember.adapters.base import Encoded, EncodeOptions, Runtime, SparseVector
+from ember.config import M3_HEADS, ModelSpec, resolve_source
+from ember.engine.types import PreparedItem
+from ember.errors import ModelLoadError
+
+OUTPUT_TYPES = ("dense", "sparse", "multivector")
+Floats = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class M3Params:
+    """The parameter group of one forward (R6): the prefix, and which outputs it makes."""
+
+    prefix: str
+    normalize: bool
+    output_types: tuple[str, ...] = ("dense",)
+
+
+def read_head(spec: ModelSpec, model_dir: Path, head: str, hidden_size: int,
+              out_features: int | None, activation: str) -> DenseLayer:
+    """One head as a linear layer from `hidden_size` (to `out_features` where fixed), its
+    shapes checked before any forward."""
+    tensors = read_weights(model_dir, spec.name, spec.allow_pickle, f"{head}.safetensors",
+                           f"{head}.pt")
+    weight, bias = tensors.get("weight"), tensors.get("bias")
+    rows = out_features if out_features is not None else (
+        int(weight.shape[0]) if weight is not None and weight.ndim == 2 else -1)
+    if weight is None or bias is None or tuple(weight.shape) != (rows, hidden_size) \
+            or tuple(bias.shape) != (rows,):
+        shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+        wanted = "(1" if out_features == 1 else "(token_dims"
+        raise ModelLoadError(spec.name, f"{head}: expected tensors weight {wanted}, "
+                                        f"{hidden_size}) and bias, got {shapes}")
+    return DenseLayer(np.ascontiguousarray(weight, dtype=np.float32),
+                      np.ascontiguousarray(bias, dtype=np.float32), activation)
+
+
+def lexical_weights(ids: npt.NDArray[Any], weights: Floats, unused: npt.NDArray[np.int64],
+                    vocab_size: int) -> SparseVector:
+    """Each vocabulary id's largest weight over its occurrences, without the `unused` ids
+    and weights of 0, by ascending id."""
+    keep = (weights > 0) & ~np.isin(ids, unused)
+    ids, weights = ids[keep], weights[keep]
+    order = np.lexsort((-weights, ids))  # by id, the largest weight first
+    ids, weights = ids[order], weights[order]
+    first = np.ones(len(ids), dtype=bool)
+    first[1:] = ids[1:] != ids[:-1]
+    return SparseVector(ids[first].astype(np.int32), weights[first].astype(np.float32),
+                        vocab_size)
+
+
+class M3Adapter(BiEncoder[M3Params, Encoded]):
+    """One M3 encoder over an encoder directory and its two heads."""
+
+    def __init__(self, spec: ModelSpec, model: Forward, config: Any, tokenizer: Any,
+                 runtime: Runtime, heads: tuple[DenseLayer, DenseLayer]) -> None:
+        super().__init__(spec, "m3", tokenizer, runtime, model)
+        self.sparse_head, self.colbert_head = heads
+        self.hidden_size = int(config.hidden_size)
+        self.vocab_size = int(config.vocab_size)
+        self.token_dims = self.colbert_head.out_features
+        self.max_seq_length = common.model_max_length(spec, config, tokenizer)
+        self.tokens = TextTokenizer(tokenizer, self.max_seq_length)
+        self.prompts = dict(spec.prompts)
+        specials = (tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                    tokenizer.unk_token_id)
+        self.unused = np.array(sorted({int(i) for i in specials if i is not None}), np.int64)
+        self.info = self.describe(self.hidden_size, OUTPUT_TYPES, {
+            "token_dims": self.token_dims, "vocab_size": self.vocab_size,
+            "output_dims": {"dense": self.hidden_size, "sparse": self.vocab_size,
+                            "multivector": self.token_dims},
+            "scoring": "dense cosine", "backend": model.backend})
+
+    # -- the worker thread --------------------------------------------------------
+
+    def forward(self, items: Sequence[PreparedItem], params: Hashable) -> list[Encoded]:
+        assert isinstance(params, M3Params)
+        rows: list[arrays.IdRow] = [item.payload for item in items]
+        lengths = [len(row) for row in rows]
+        ids, mask = arrays.padded(rows, self.pad_id)
+        with torch.inference_mode():
+            if self.model.backend == "onnx":
+                hidden = torch.from_numpy(self.model.run_arrays(
+                    {"input_ids": ids, "attention_mask": mask}).astype(np.float32, copy=False))
+            else:
+                # In the encoder's dtype (fp16 on CUDA): each output casts up only its part.
+                hidden = self.model({"input_ids": torch.from_numpy(ids).to(self.device),
+                                     "attention_mask": torch.from_numpy(mask).to(self.device)})
+            wanted = params.output_types
+            dense = self._dense(hidden, params.normalize) if "dense" in wanted else None
+            sparse = self._sparse(hidden, ids, lengths) if "sparse" in wanted else None
+            multi = (self._multivector(hidden, mask, lengths, params.normalize)
+                     if "multivector" in wanted else None)
+        return [Encoded(dense=None if dense is None else dense[i],
+                        sparse=None if sparse is None else sparse[i],
+                        multivector=None if multi is None else multi[i])
+                for i in range(len(rows))]
+
+    def _dense(self, hidden: torch.Tensor, normalize: bool) -> Floats:
+        cls = hidden[:, 0].float()
+        out: Floats = (F.normalize(cls, p=2, dim=-1) if normalize else cls).cpu().numpy()
+        return out
+
+    def _sparse(self, hidden: torch.Tensor, ids: npt.NDArray[np.int64],
+                lengths: Sequence[int]) -> list[SparseVector]:
+        weights = self.sparse_head.tensors(hidden).squeeze(-1).float().cpu().numpy()
+        return [lexical_weights(ids[i, :n], weights[i, :n], self.unused, self.vocab_size)
+                for i, n in enumerate(lengths)]
+
+    def _multivector(self, hidden: torch.Tensor, mask: npt.NDArray[np.int64],
+                     lengths: Sequence[int], normalize: bool) -> list[Floats]:
+        keep = mask.astype(bool)
+        keep[:, 0] = False  # not the CLS position
+        kept = hidden[torch.from_numpy(keep).to(hidden.device)].float()
+        vectors = self.colbert_head.tensors(kept)
+        if normalize:
+            vectors = F.normalize(vectors, p=2, dim=-1)
+        flat: Floats = vectors.cpu().numpy()
+        counts = [max(n - 1, 0) for n in lengths]
+        return list(np.split(flat, np.cumsum(counts)[:-1]))
+
+    # -- the request path (event loop) ----------------------------------------------
+
+    def params(self, options: EncodeOptions) -> M3Params:
+        output_types = common.check_output_types(options.output_types, OUTPUT_TYPES)
+        normalize = True if options.normalize is None else options.normalize
+        return M3Params(self.side_prefix(options), normalize, output_types)
+
+    def score_output_types(self) -> tuple[str, ...]:
+        return ("dense",)
+
+    def encoded(self, value: Encoded) -> Encoded:
+        return value
+
+    def similarity(self, query: Encoded, docs: Sequence[Encoded]) -> list[float]:
+        assert query.dense is not None
+        matrix = np.stack([doc.dense for doc in docs if doc.dense is not None])
+        return [float(s) for s in matrix.astype(np.float64) @ query.dense.astype(np.float64)]
+
+    def memory_bytes(self) -> int:
+        heads = (self.sparse_head, self.colbert_head)
+        return super().memory_bytes() + sum(h.weight.nbytes for h in heads)
+
+
+def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> M3Adapter:
+    """Load an encoder directory and its two heads, offline (the heads first, so a bad file
+    fails the load before the encoder is read)."""
+    from transformers import AutoConfig, AutoModel
+
+    common.refuse_loras(spec, "m3")
+    model_dir = resolve_source(spec)
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True,
+                                        trust_remote_code=spec.trust_remote_code)
+    hidden_size = int(config.hidden_size)
+    sparse, colbert = M3_HEADS
+    heads = (read_head(spec, model_dir, sparse, hidden_size, 1, "relu"),
+             read_head(spec, model_dir, colbert, hidden_size, None, "identity"))
+    model, config, tokenizer = load_model(spec, model_dir, runtime, AutoModel,
+                                          "last_hidden_state", weights=weights)
+    return M3Adapter(spec, model, config, tokenizer, runtime, heads)
+
+
+def load_front(spec: ModelSpec, runtime: Runtime) -> M3Adapter:
+    """The request path alone (tokenizer, heads' shapes), without the encoder's weights."""
+    return load(spec, runtime, weights=False)

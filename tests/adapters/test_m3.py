@@ -1,0 +1,232 @@
+"""The M3 family (BGE-M3's dense, sparse and multi-vector outputs) on a tiny XLM-RoBERTa
+built locally with FlagEmbedding's two heads beside it, loaded through `load` on both
+backends and driven through a real worker. The reference is transformers' own model
+with the heads applied as FlagEmbedding's M3 embedder applies them."""
+
+from __future__ import annotations
+
+import pickle
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel, AutoTokenizer
+
+from ember.adapters import m3
+from ember.adapters.base import Encoded, EncodeOptions, Runtime, ScoreOptions, TaskOutput
+from ember.adapters.m3 import M3Adapter, lexical_weights
+from ember.config import spec_from_directory
+from ember.errors import InvalidInput, ModelLoadError
+from ember.ipc.batch import items_from_wire, items_to_wire
+from ember.ipc.wire import pack, unpack
+from tests.adapters.serving import ServeFactory
+from tests.adapters.tiny_models import build_m3, spec_for
+
+TEXTS = ["the cat", "paris is the capital of france", "what is the weather in london?",
+         "a big dog and a small dog and a big cat", "music", "zzqx unknown words"]
+ALL = EncodeOptions(output_types=("dense", "sparse", "multivector"))
+TOKEN_DIMS = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_m3(tmp_path_factory.mktemp("tiny-m3") / "m3", token_dims=TOKEN_DIMS)
+
+
+def load(model_dir: Path, backend: str = "torch", **fields: Any) -> M3Adapter:
+    spec = spec_for(model_dir, "m3", ("encode", "score"), **{"allow_pickle": True, **fields})
+    return m3.load(spec, Runtime(backend=backend))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module", params=["torch", "onnx"])
+def adapter(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[M3Adapter]:
+    loaded = load(model_dir, request.param)
+    assert loaded.model.backend == request.param
+    yield loaded
+    loaded.close()
+
+
+def reference(model_dir: Path, texts: list[str]) -> dict[str, list[Any]]:
+    """FlagEmbedding's M3 outputs, from transformers' model and torch's Linear heads."""
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModel.from_pretrained(str(model_dir)).eval()
+    heads = {}
+    for name, out in (("sparse_linear", 1), ("colbert_linear", TOKEN_DIMS)):
+        heads[name] = torch.nn.Linear(32, out)
+        heads[name].load_state_dict(torch.load(model_dir / f"{name}.pt", weights_only=True))
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = model(**batch).last_hidden_state
+        dense = F.normalize(hidden[:, 0], dim=-1).numpy()
+        token_weights = torch.relu(heads["sparse_linear"](hidden)).squeeze(-1).numpy()
+        colbert = heads["colbert_linear"](hidden[:, 1:]) * batch["attention_mask"][:, 1:, None]
+        colbert = F.normalize(colbert, dim=-1).numpy()
+    unused = {tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
+              tokenizer.unk_token_id}
+    sparse, multi = [], []
+    for i, ids in enumerate(batch["input_ids"].tolist()):
+        count = int(batch["attention_mask"][i].sum())
+        weights: dict[int, float] = defaultdict(float)
+        for weight, token in zip(token_weights[i][:count], ids[:count], strict=True):
+            if token not in unused and weight > 0 and weight > weights[token]:
+                weights[token] = float(weight)
+        sparse.append(dict(weights))
+        multi.append(colbert[i][:count - 1])
+    return {"dense": list(dense), "sparse": sparse, "multivector": multi}
+
+
+async def test_every_output_matches_flagembeddings_formulas(
+        adapter: M3Adapter, model_dir: Path, serve: ServeFactory) -> None:
+    async with serve(adapter) as served:
+        out = await adapter.encode(served.submit, TEXTS, ALL)
+    wanted = reference(model_dir, TEXTS)
+    assert len(out.values) == len(TEXTS)
+    for i, encoded in enumerate(out.values):
+        assert encoded.dense is not None and encoded.sparse is not None
+        assert encoded.multivector is not None
+        np.testing.assert_allclose(encoded.dense, wanted["dense"][i], atol=1e-5)
+        assert np.isclose(np.linalg.norm(encoded.dense), 1.0, atol=1e-5)
+        got = dict(zip(encoded.sparse.indices.tolist(), encoded.sparse.values.tolist(),
+                       strict=True))
+        assert got.keys() == wanted["sparse"][i].keys()
+        np.testing.assert_allclose([got[k] for k in sorted(got)],
+                                   [wanted["sparse"][i][k] for k in sorted(got)], atol=1e-5)
+        assert encoded.sparse.dims == adapter.vocab_size
+        assert list(encoded.sparse.indices) == sorted(set(encoded.sparse.indices.tolist()))
+        assert encoded.multivector.shape == wanted["multivector"][i].shape
+        np.testing.assert_allclose(encoded.multivector, wanted["multivector"][i], atol=1e-5)
+    # The repeated words keep their largest weight once; unknown words and specials none.
+    assert adapter.tokenizer.unk_token_id not in out.values[5].sparse.indices  # type: ignore[union-attr]
+
+
+async def test_only_the_outputs_asked_for_are_made(adapter: M3Adapter,
+                                                   serve: ServeFactory) -> None:
+    async with serve(adapter) as served:
+        default = await adapter.encode(served.submit, TEXTS[:2], EncodeOptions())
+        sparse = await adapter.encode(served.submit, TEXTS[:2],
+                                      EncodeOptions(output_types=("sparse",)))
+        raw = await adapter.encode(served.submit, TEXTS[:2],
+                                   EncodeOptions(output_types=("dense", "multivector"),
+                                                 normalize=False))
+    assert all(e.dense is not None and e.sparse is None and e.multivector is None
+               for e in default.values)
+    assert all(e.sparse is not None and e.dense is None and e.multivector is None
+               for e in sparse.values)
+    for e in raw.values:
+        assert e.dense is not None and e.multivector is not None and e.sparse is None
+        assert not np.isclose(np.linalg.norm(e.dense), 1.0, atol=1e-3)
+        assert not np.allclose(np.linalg.norm(e.multivector, axis=1), 1.0, atol=1e-3)
+    with pytest.raises(InvalidInput) as refused:
+        adapter.params(EncodeOptions(output_types=("dense", "colour")))
+    assert refused.value.param == "params.output_types"
+
+
+async def test_score_is_the_cosine_of_the_dense_vectors(adapter: M3Adapter,
+                                                        serve: ServeFactory) -> None:
+    docs = TEXTS[1:]
+    async with serve(adapter) as served:
+        scored = await adapter.score(served.submit, TEXTS[0], docs, ScoreOptions())
+        encoded: TaskOutput[list[Encoded]] = await adapter.encode(served.submit, TEXTS, ALL)
+    query = encoded.values[0].dense
+    assert query is not None
+    wanted = [float(np.dot(query, e.dense)) for e in encoded.values[1:] if e.dense is not None]
+    np.testing.assert_allclose(scored.values, wanted, atol=1e-5)
+
+
+def test_params_items_and_answers_cross_the_process_wire(adapter: M3Adapter) -> None:
+    """As under --workers: the engine process gets the items and parameter group, and the
+    API process the three outputs, all rebuilt from the wire."""
+    items, params = adapter.prepare(TEXTS, ALL)
+    crossed_items = items_from_wire(unpack(pack(items_to_wire(items))))
+    crossed_params = unpack(pack(params))
+    assert crossed_params == params
+    answers = adapter.forward(items, params)
+    for mine, theirs in zip(answers, unpack(pack(adapter.forward(crossed_items,
+                                                                  crossed_params))),
+                            strict=True):
+        assert isinstance(theirs, Encoded)
+        assert mine.dense is not None and theirs.dense is not None
+        np.testing.assert_allclose(mine.dense, theirs.dense, atol=1e-6)
+        assert mine.sparse is not None and theirs.sparse is not None
+        assert mine.sparse.indices.tolist() == theirs.sparse.indices.tolist()
+        assert mine.multivector is not None and theirs.multivector is not None
+        np.testing.assert_allclose(mine.multivector, theirs.multivector, atol=1e-6)
+
+
+def test_lexical_weights_keep_each_ids_largest_positive_weight() -> None:
+    ids = np.array([0, 7, 9, 7, 3, 5, 9, 2])
+    weights = np.array([5.0, 0.2, 0.0, 0.6, 4.0, 0.1, 0.3, 9.0], np.float32)
+    vector = lexical_weights(ids, weights, np.array([0, 2, 3]), 12)
+    assert vector.indices.tolist() == [5, 7, 9]
+    np.testing.assert_allclose(vector.values, [0.1, 0.6, 0.3])
+    assert vector.dims == 12
+    empty = lexical_weights(np.array([0, 2]), np.array([1.0, 1.0], np.float32),
+                            np.array([0, 2]), 12)
+    assert empty.indices.size == 0 and empty.values.size == 0
+
+
+def test_a_directory_with_both_heads_is_an_m3_model(model_dir: Path, tmp_path: Path) -> None:
+    assert spec_from_directory(model_dir).adapter == "m3"
+    safe = build_m3(tmp_path / "safe", heads=".safetensors")
+    assert spec_from_directory(safe).adapter == "m3"
+    # Safetensors heads need no pickle, and give the same weights' outputs.
+    loaded = load(safe, allow_pickle=False)
+    assert loaded.info.output_types == ("dense", "sparse", "multivector")
+    assert loaded.info.extra["token_dims"] == TOKEN_DIMS
+    loaded.close()
+
+
+# -- hostile and broken heads ------------------------------------------------------------------
+
+
+class _Bait:
+    """Unpickling this writes a marker file: the proof that a pickle ran code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (exec, (f"import pathlib; pathlib.Path({str(self.marker)!r}).write_text('ran')",))
+
+
+def test_pickled_heads_load_only_where_the_spec_allows_pickles(model_dir: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"sparse_linear\.pt is a pickle.*allow_pickle"):
+        load(model_dir, allow_pickle=False)
+
+
+def test_a_head_that_runs_code_when_unpickled_is_refused_and_never_run(
+        model_dir: Path, tmp_path: Path) -> None:
+    hostile = build_m3(tmp_path / "hostile")
+    marker = tmp_path / "ran.txt"
+    with open(hostile / "colbert_linear.pt", "wb") as file:
+        pickle.dump({"weight": _Bait(marker)}, file, protocol=2)
+    with pytest.raises(ModelLoadError, match="weights-only unpickler"):
+        load(hostile)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("broken", ["missing", "wrong shape", "no bias", "not a file"])
+def test_a_broken_head_fails_the_load_with_the_file_named(tmp_path: Path, broken: str) -> None:
+    directory = build_m3(tmp_path / "broken", heads=".safetensors")
+    head = directory / "sparse_linear.safetensors"
+    from safetensors.torch import save_file
+
+    if broken == "missing":
+        head.unlink()
+        match = "holds no weights"
+    elif broken == "wrong shape":
+        save_file({"weight": torch.zeros(2, 32), "bias": torch.zeros(2)}, str(head))
+        match = r"sparse_linear: expected tensors weight \(1, 32\)"
+    elif broken == "no bias":
+        save_file({"weight": torch.zeros(1, 32)}, str(head))
+        match = "and bias"
+    else:
+        head.write_bytes(b"\xff" * 64)
+        match = "not a readable safetensors file"
+    with pytest.raises(ModelLoadError, match=match):
+        load(directory, allow_pickle=False)
