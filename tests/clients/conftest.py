@@ -16,11 +16,13 @@ import numpy.typing as npt
 import pytest
 
 from ember.config import DEFAULT_MODEL
+from tests.adapters.tiny_models import build_m3
 from tests.live_server import REPO, ServerProcess, start_server
 
 MINILM = DEFAULT_MODEL
 SPACY = "spacy/en_core_web_sm"
 PROMPTED = "test/minilm-prompts"
+M3 = "test/tiny-m3"  # BGE-M3's layout, tiny and random (tests/adapters/tiny_models.py)
 QUERY_PROMPT = "query: "
 SDK = "sie-sdk==0.10.1"
 VENV = REPO / ".venv-sie"  # built once for sie-sdk, rebuilt when SDK changes
@@ -68,6 +70,10 @@ def sie_python() -> Path:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     folder = tmp_path_factory.mktemp("client-models")
     (folder / "prompted.yaml").write_text(PROMPTED_YAML, encoding="utf-8")
+    m3 = build_m3(folder / "tiny-m3")
+    (folder / "m3.yaml").write_text(f"name: {M3}\nadapter: m3\nsource: {{path: {m3}}}\n"
+                                    "tasks: [encode, score]\nallow_pickle: true\n",
+                                    encoding="utf-8")
     log = tmp_path_factory.mktemp("clients") / "server.log"
     # --token-ids model: the openai tests send ids of the model's own vocabulary on purpose
     process = start_server(log, ["--model-dir", str(folder), "--preload", PROMPTED,

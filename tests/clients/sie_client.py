@@ -18,6 +18,7 @@ from sie_sdk.client.errors import RequestError
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 PROMPTED = "test/minilm-prompts"
 SPACY = "spacy/en_core_web_sm"
+M3 = "test/tiny-m3"
 QUERY = "how do plants make food"
 DOCS = ["Photosynthesis turns light into sugar.", "The stock market fell today."]
 
@@ -50,6 +51,14 @@ def main(url: str, out: str) -> None:
             encoded = client.encode(MINILM, {"text": DOCS[0]}, output_dtype=dtype)
             report["dtypes"][dtype] = {"numpy": str(encoded["dense"].dtype),
                                        "length": int(encoded["dense"].shape[-1])}
+
+        # An M3 model's three outputs in one call, as the SDK documents it for BAAI/bge-m3.
+        m3 = client.encode(M3, [{"text": DOCS[0]}, {"text": DOCS[1]}],
+                           output_types=["dense", "sparse", "multivector"])
+        report["m3"] = [{"dense": item["dense"].tolist(),
+                         "sparse": {"indices": item["sparse"]["indices"].tolist(),
+                                    "values": item["sparse"]["values"].tolist()},
+                         "multivector": item["multivector"].tolist()} for item in m3]
 
         scored = client.score(MINILM, {"text": QUERY}, [{"id": "p", "text": DOCS[0]},
                                                         {"id": "s", "text": DOCS[1]}],

@@ -20,6 +20,7 @@ import pytest
 from PIL import Image
 
 from tests.clients.conftest import (
+    M3,
     MINILM,
     PROMPTED,
     QUERY_PROMPT,
@@ -53,6 +54,23 @@ def test_is_query_in_options_gives_the_query_vector(report: dict[str, Any],
     native_query = native_vectors(server, PROMPTED, [QUERY], is_query=True)[0]
     assert cosine(report["query_vector"], native_query) > 0.999
     assert cosine(report["query_vector"], report["document_vector"]) < 0.99
+
+
+def test_an_m3_models_three_outputs_read_as_the_native_route_gives_them(
+        report: dict[str, Any], server: ServerProcess) -> None:
+    response = httpx.post(f"{server.url}/v1/encode/{M3}", timeout=60, json={
+        "items": [{"text": t} for t in DOCS],
+        "params": {"output_types": ["dense", "sparse", "multivector"]}})
+    assert response.status_code == 200, response.text
+    for got, native in zip(report["m3"], response.json()["items"], strict=True):
+        np.testing.assert_allclose(got["dense"], native["dense"]["values"], atol=1e-6)
+        assert got["sparse"]["indices"] == native["sparse"]["indices"]
+        np.testing.assert_allclose(got["sparse"]["values"], native["sparse"]["values"],
+                                   atol=1e-6)
+        assert np.array(got["multivector"]).shape == (native["multivector"]["num_tokens"],
+                                                      native["multivector"]["token_dims"])
+        np.testing.assert_allclose(got["multivector"], native["multivector"]["values"],
+                                   atol=1e-6)
 
 
 def test_batches_keep_ids_and_order(report: dict[str, Any], server: ServerProcess) -> None:
