@@ -219,6 +219,22 @@ def test_tokenizing_quick_run_in_process_writes_json_and_tables(tmp_path: Path) 
     assert report.stdout.strip() == run.stdout.strip()
 
 
+def test_abandoned_memory_quick_run_reads_every_process_of_both_modes(tmp_path: Path) -> None:
+    for workers in ("0", "2"):
+        out = tmp_path / f"memory-{workers}.json"
+        run = bench("abandoned_memory.py", "--quick", "--model", "ember/synthetic",
+                    "--workers", workers, "--out", str(out))
+        assert run.returncode == 0, run.stderr[-3000:]
+        (result,) = strict_json(out)["result"]["runs"]
+        roles = {"server"} if workers == "0" else {"supervisor", "engine", "api 0", "api 1"}
+        assert set(result["rss_mb"]) == roles
+        assert all(len(series) == 3 and all(v > 0 for v in series)
+                   for series in result["rss_mb"].values())
+        assert result["abandoned"] + result["answered"] == 8 and result["abandoned"] > 0
+        report = bench("abandoned_memory.py", "--report", str(out))
+        assert report.returncode == 0 and report.stdout.strip() == run.stdout.strip()
+
+
 def test_token_rows_quick_run_writes_json_and_its_table(tmp_path: Path) -> None:
     out = tmp_path / "token_rows.json"
     run = bench("token_rows.py", "--quick", "--landed-src", str(ROOT / "src"), "--out",
