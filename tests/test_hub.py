@@ -352,13 +352,16 @@ def test_an_m3_model_by_hub_id_brings_its_heads_where_they_need_no_pickle(
     items, params = local.prepare([text], EncodeOptions(output_types=("sparse",)))
     wanted = local.forward(items, params)[0].sparse
     assert wanted is not None and safe == {"adapter": "m3", "sparse": wanted.indices.tolist()}
-    pickled = M3S[".pt"]
-    bare = run(standin, tmp_path / "hf2", M3_BY_ID.format(repo=pickled, text=text),
-               extra={"EMBER_ALLOW_HUB_MODELS": "1"})
-    assert bare == {"adapter": "transformer"} and standin.gets("sparse_linear.pt") == 0
-    curated = run(standin, tmp_path / "hf3", M3_CURATED.format(repo=pickled, text=text))
+    pickled, home = M3S[".pt"], tmp_path / "hf2"
+    bare = M3_BY_ID.format(repo=pickled, text=text)
+    hub_models = {"EMBER_ALLOW_HUB_MODELS": "1"}
+    assert run(standin, home, bare, extra=hub_models) == {"adapter": "transformer"}
+    assert standin.gets("sparse_linear.pt") == 0
+    curated = run(standin, home, M3_CURATED.format(repo=pickled, text=text))
     assert curated["sparse"] == wanted.indices.tolist()  # the same seed's heads
     assert standin.gets("sparse_linear.pt") == standin.gets("colbert_linear.pt") == 1
+    # The heads now in the shared cache change nothing for the bare id.
+    assert run(standin, home, bare, extra=hub_models) == {"adapter": "transformer"}
 
 
 def test_two_processes_starting_together_download_each_file_once(

@@ -394,9 +394,13 @@ def _detect_family(path: Path) -> tuple[str, tuple[str, ...]]:
         return "spacy", ("extract",)
     if (path / "gliner_config.json").is_file():
         return "gliner", ("extract",)
-    if all(any((path / f"{head}{suffix}").is_file() for suffix in (".safetensors", ".pt"))
-           for head in M3_HEADS):
+    if all((path / f"{head}.safetensors").is_file() for head in M3_HEADS):
         return "m3", ("encode", "score")
+    if all((path / f"{head}.pt").is_file() for head in M3_HEADS):
+        # Pickles are read only where a YAML allows them; the encoder alone serves here.
+        log.warning("%s has an M3 model's heads as pickles (.pt): served as a dense "
+                    "encoder; for its sparse and multivector outputs give it a YAML with "
+                    "adapter: m3 and allow_pickle: true", path)
     if (path / "colbert_linear.safetensors").is_file():  # the multivector family's layout
         return "multivector", ("encode", "score")
     st_config = path / "config_sentence_transformers.json"

@@ -142,7 +142,8 @@ def cached(ref: HubRef, wanted: Wanted) -> Path | None:
         except (LocalEntryNotFoundError, OSError, ValueError):
             continue
         configured = any((folder / name).is_file() for name in CONFIG_FILES)
-        if configured and (not wanted.weights or has_weights(folder, pickle)):
+        extras = all((folder / name).is_file() for name in wanted.extra_files)
+        if configured and extras and (not wanted.weights or has_weights(folder, pickle)):
             return folder
     return None
 

@@ -68,7 +68,7 @@ def reference(model_dir: Path, texts: list[str]) -> dict[str, list[Any]]:
         colbert = F.normalize(colbert, dim=-1).numpy()
     unused = {tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
               tokenizer.unk_token_id}
-    sparse, multi = [], []
+    sparse, multi, raw = [], [], []
     for i, ids in enumerate(batch["input_ids"].tolist()):
         count = int(batch["attention_mask"][i].sum())
         weights: dict[int, float] = defaultdict(float)
@@ -77,7 +77,8 @@ def reference(model_dir: Path, texts: list[str]) -> dict[str, list[Any]]:
                 weights[token] = float(weight)
         sparse.append(dict(weights))
         multi.append(colbert[i][:count - 1])
-    return {"dense": list(dense), "sparse": sparse, "multivector": multi}
+        raw.append(list(zip(ids[:count], token_weights[i][:count].tolist(), strict=True)))
+    return {"dense": list(dense), "sparse": sparse, "multivector": multi, "raw": raw}
 
 
 async def test_every_output_matches_flagembeddings_formulas(
@@ -100,8 +101,16 @@ async def test_every_output_matches_flagembeddings_formulas(
         assert list(encoded.sparse.indices) == sorted(set(encoded.sparse.indices.tolist()))
         assert encoded.multivector.shape == wanted["multivector"][i].shape
         np.testing.assert_allclose(encoded.multivector, wanted["multivector"][i], atol=1e-5)
-    # The repeated words keep their largest weight once; unknown words and specials none.
-    assert adapter.tokenizer.unk_token_id not in out.values[5].sparse.indices  # type: ignore[union-attr]
+    # What the texts hold, so that the checks above can fail: an id met twice with two
+    # different positive weights (the larger is kept), and positive weights at the unknown
+    # and special tokens (left out).
+    unk, cls = adapter.tokenizer.unk_token_id, adapter.tokenizer.cls_token_id
+    positive = [(t, w) for row in wanted["raw"] for t, w in row if w > 0]
+    assert {unk, cls} <= {t for t, _ in positive}
+    repeated = [pairs for pairs in ([w for t, w in row if t == token and w > 0]
+                                    for row in wanted["raw"] for token, _ in row)
+                if len(set(pairs)) > 1]
+    assert repeated
 
 
 async def test_only_the_outputs_asked_for_are_made(adapter: M3Adapter,
@@ -121,6 +130,9 @@ async def test_only_the_outputs_asked_for_are_made(adapter: M3Adapter,
         assert e.dense is not None and e.multivector is not None and e.sparse is None
         assert not np.isclose(np.linalg.norm(e.dense), 1.0, atol=1e-3)
         assert not np.allclose(np.linalg.norm(e.multivector, axis=1), 1.0, atol=1e-3)
+    # The same outputs named in any order are one parameter group: they share forwards.
+    assert adapter.params(EncodeOptions(output_types=("sparse", "dense"))) == \
+        adapter.params(EncodeOptions(output_types=("dense", "sparse", "dense")))
     with pytest.raises(InvalidInput) as refused:
         adapter.params(EncodeOptions(output_types=("dense", "colour")))
     assert refused.value.param == "params.output_types"
@@ -170,8 +182,11 @@ def test_lexical_weights_keep_each_ids_largest_positive_weight() -> None:
     assert empty.indices.size == 0 and empty.values.size == 0
 
 
-def test_a_directory_with_both_heads_is_an_m3_model(model_dir: Path, tmp_path: Path) -> None:
-    assert spec_from_directory(model_dir).adapter == "m3"
+def test_a_directory_with_both_heads_is_an_m3_model(model_dir: Path, tmp_path: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    # Pickled heads need a YAML that allows them: the folder alone serves its encoder.
+    assert spec_from_directory(model_dir).adapter == "transformer"
+    assert "adapter: m3 and allow_pickle: true" in caplog.text
     safe = build_m3(tmp_path / "safe", heads=".safetensors")
     assert spec_from_directory(safe).adapter == "m3"
     # Safetensors heads need no pickle, and give the same weights' outputs.

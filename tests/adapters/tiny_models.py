@@ -328,7 +328,10 @@ def build_m3(directory: Path, *, seed: int = 0, max_seq_length: int = 64,
     XLMRobertaModel(config, add_pooling_layer=False).save_pretrained(
         str(directory), safe_serialization=True)
     for name, out_features in (("sparse_linear", 1), ("colbert_linear", token_dims)):
-        state = torch.nn.Linear(32, out_features).state_dict()
+        layer = torch.nn.Linear(32, out_features)
+        if name == "sparse_linear":  # most tokens weigh > 0, as a trained head's do
+            torch.nn.init.constant_(layer.bias, 1.0)
+        state = layer.state_dict()
         if heads == ".pt":
             torch.save(state, directory / f"{name}.pt")
         else:

@@ -70,14 +70,13 @@ def read_head(spec: ModelSpec, model_dir: Path, head: str, hidden_size: int,
     tensors = read_weights(model_dir, spec.name, spec.allow_pickle, f"{head}.safetensors",
                            f"{head}.pt")
     weight, bias = tensors.get("weight"), tensors.get("bias")
-    rows = out_features if out_features is not None else (
-        int(weight.shape[0]) if weight is not None and weight.ndim == 2 else -1)
-    if weight is None or bias is None or tuple(weight.shape) != (rows, hidden_size) \
-            or tuple(bias.shape) != (rows,):
-        shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-        wanted = "(1" if out_features == 1 else "(token_dims"
-        raise ModelLoadError(spec.name, f"{head}: expected tensors weight {wanted}, "
-                                        f"{hidden_size}) and bias, got {shapes}")
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    rows = out_features or (shapes["weight"][0] if len(shapes.get("weight", ())) == 2 else 0)
+    if weight is None or bias is None or shapes["weight"] != (rows, hidden_size) \
+            or shapes["bias"] != (rows,):
+        wanted = f"({out_features or 'token_dims'}, {hidden_size})"
+        raise ModelLoadError(spec.name, f"{head}: expected tensors weight {wanted} and bias, "
+                                        f"got {shapes}")
     return DenseLayer(np.ascontiguousarray(weight, dtype=np.float32),
                       np.ascontiguousarray(bias, dtype=np.float32), activation)
 
@@ -169,9 +168,11 @@ class M3Adapter(BiEncoder[M3Params, Encoded]):
     # -- the request path (event loop) ----------------------------------------------
 
     def params(self, options: EncodeOptions) -> M3Params:
-        output_types = common.check_output_types(options.output_types, OUTPUT_TYPES)
+        asked = common.check_output_types(options.output_types, OUTPUT_TYPES)
         normalize = True if options.normalize is None else options.normalize
-        return M3Params(self.side_prefix(options), normalize, output_types)
+        # In one order, so requests naming the same outputs share forwards (R6).
+        return M3Params(self.side_prefix(options), normalize,
+                        tuple(t for t in OUTPUT_TYPES if t in asked))
 
     def score_output_types(self) -> tuple[str, ...]:
         return ("dense",)
@@ -180,9 +181,10 @@ class M3Adapter(BiEncoder[M3Params, Encoded]):
         return value
 
     def similarity(self, query: Encoded, docs: Sequence[Encoded]) -> list[float]:
-        assert query.dense is not None
-        matrix = np.stack([doc.dense for doc in docs if doc.dense is not None])
-        return [float(s) for s in matrix.astype(np.float64) @ query.dense.astype(np.float64)]
+        dense = [doc.dense for doc in docs]
+        assert query.dense is not None and all(d is not None for d in dense)
+        matrix = np.stack(dense).astype(np.float64)  # type: ignore[arg-type]
+        return [float(s) for s in matrix @ query.dense.astype(np.float64)]
 
     def memory_bytes(self) -> int:
         heads = (self.sparse_head, self.colbert_head)
