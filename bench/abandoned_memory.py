@@ -5,12 +5,12 @@
 requests, then rounds: `--requests` OpenAI `/v1/embeddings` requests of `--texts` short
 texts (10 words, ~65 characters), `--concurrency` at a time, each abandoned by a client
 timeout of `--timeout-s` (the server answers 499 to no one and drops what the request had
-queued), then `--quiet-s` of quiet, then every process's RSS (psutil), by role: the server
-(one process), or the supervisor, the engine process and each API process. With
-`--landed-src`, a server of that source tree runs the same rounds after this tree's, in
-each repetition (A B, A B).
+queued; one refused for a full queue is counted apart), then `--quiet-s` of quiet, then
+every process's RSS (psutil), by role: the server (one process), or the supervisor, the
+engine process and each API process. With `--landed-src`, a server of that source tree
+runs the same rounds after this tree's, in each repetition (A B, A B).
 
-    python bench/abandoned_memory.py                                # 10 rounds, ~5 min
+    python bench/abandoned_memory.py                                # 10 rounds, ~2 min
     python bench/abandoned_memory.py --workers 2 --rounds 12
     python bench/abandoned_memory.py --landed-src ../wt-landed/src --reps 2
     python bench/abandoned_memory.py --quick                        # smoke run, seconds
@@ -38,7 +38,8 @@ from benchlib import Json, fmt, median, table
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 OUT = Path(__file__).resolve().parents[1] / "docs" / "bench" / "abandoned_memory.json"
-FULL = {"rounds": 10, "requests": 40, "texts": 2048, "concurrency": 8, "timeout_s": 0.3,
+# Two requests of 2,048 texts at a time fill the default queue (4,096 items) but not past.
+FULL = {"rounds": 10, "requests": 40, "texts": 2048, "concurrency": 2, "timeout_s": 0.3,
         "quiet_s": 4.0}
 # The smoke run's timeout is short enough to abandon a small request to the synthetic model.
 QUICK = {"rounds": 2, "requests": 4, "texts": 128, "concurrency": 4, "timeout_s": 0.002,
@@ -83,7 +84,7 @@ async def send_round(url: str, model: str, texts: Sequence[str], requests: int,
                      concurrency: int, timeout_s: float) -> dict[str, int]:
     """`requests` bulk requests, each given up after `timeout_s`; what became of them."""
     body = json.dumps({"model": model, "input": list(texts)}).encode()
-    outcome = {"abandoned": 0, "answered": 0}
+    outcome = {"abandoned": 0, "answered": 0, "refused": 0}
     gate = asyncio.Semaphore(concurrency)
 
     async def one(client: httpx.AsyncClient) -> None:
@@ -91,8 +92,11 @@ async def send_round(url: str, model: str, texts: Sequence[str], requests: int,
             try:
                 response = await client.post(f"{url}/v1/embeddings", content=body,
                                              headers=loadgen.JSON_HEADERS)
-                outcome["answered"] += 1
-                if response.status_code != 200:
+                if response.status_code == 429:  # the queue is full: a client retries later
+                    outcome["refused"] += 1
+                elif response.status_code == 200:
+                    outcome["answered"] += 1
+                else:
                     raise RuntimeError(f"{response.status_code}: {response.text[:300]}")
             except httpx.TimeoutException:
                 outcome["abandoned"] += 1
@@ -120,7 +124,7 @@ def run_server(tree: str, pythonpath: str | None, args: argparse.Namespace, log_
         by_pid = await_roles(server, args.workers)
         warm(server.url, args.model)
         series: dict[str, list[float]] = {role: [v] for role, v in rss_mb(by_pid).items()}
-        outcomes = {"abandoned": 0, "answered": 0}
+        outcomes = {"abandoned": 0, "answered": 0, "refused": 0}
         for _ in range(args.rounds):
             got = asyncio.run(send_round(server.url, args.model, texts, args.requests,
                                          args.concurrency, args.timeout_s))
@@ -159,11 +163,11 @@ def report(data: Json) -> str:
              f"{s['requests']} requests x {s['texts']} texts, workers {s['workers']})\n"]
     rows = [[run["tree"], run["rep"], role, fmt(series[0], 0), fmt(series[1], 0),
              fmt(series[-1], 0), fmt(growth_per_round(series), 2), run["abandoned"],
-             run["answered"]]
+             run["answered"], run["refused"]]
             for run in data["result"]["runs"] for role, series in run["rss_mb"].items()]
     lines.append(table(["tree", "rep", "process", "warm MB", "after round 0",
                         "after the last", "MB a round after round 0", "abandoned",
-                        "answered"], rows))
+                        "answered", "refused (429)"], rows))
     summary = data["result"]["summary"]
     lines.append("\n" + table(["tree", "process", "round 0 adds MB", "MB a round (median)",
                                "last MB (median)"],
