@@ -36,7 +36,7 @@ FAMILY_OUTPUTS: dict[str, tuple[str, ...]] = {
 # /v1/embeddings on the query side.
 _ENCODING = ("dims", "embeddings_side")
 FAMILY_OPTIONS: dict[str, tuple[str, ...]] = {
-    "transformer": _ENCODING, "clip": _ENCODING, "m3": _ENCODING,
+    "transformer": _ENCODING, "clip": _ENCODING, "m3": ("score_weights", *_ENCODING),
     "sparse": ("top_k", "threshold", *_ENCODING),
     "multivector": ("projection", "projection_key", *_ENCODING),
     "cross_encoder": ("activation",), "gliner": ("threshold", "labels", "flat_ner",

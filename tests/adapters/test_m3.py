@@ -150,6 +150,49 @@ async def test_score_is_the_cosine_of_the_dense_vectors(adapter: M3Adapter,
     np.testing.assert_allclose(scored.values, wanted, atol=1e-5)
 
 
+def flag_scores(query: Encoded, doc: Encoded) -> dict[str, float]:
+    """FlagEmbedding's three scores of a pair: the dense dot product, the lexical matching
+    score over shared ids, and the colbert score (MaxSim summed, over the query's count)."""
+    assert query.dense is not None and doc.dense is not None
+    assert query.sparse is not None and doc.sparse is not None
+    assert query.multivector is not None and doc.multivector is not None
+    theirs = dict(zip(doc.sparse.indices.tolist(), doc.sparse.values.tolist(), strict=True))
+    lexical = sum(w * theirs[i] for i, w in zip(query.sparse.indices.tolist(),
+                                                query.sparse.values.tolist(), strict=True)
+                  if i in theirs)
+    tokens = torch.einsum("in,jn->ij", torch.from_numpy(query.multivector),
+                          torch.from_numpy(doc.multivector))
+    colbert = float(tokens.max(-1).values.sum() / query.multivector.shape[0])
+    return {"dense": float(query.dense @ doc.dense), "sparse": lexical, "multivector": colbert}
+
+
+@pytest.mark.parametrize("weights", [{"sparse": 2}, {"multivector": 1.0},
+                                     {"dense": 0.4, "sparse": 0.2, "multivector": 0.6}])
+async def test_score_weights_mix_flagembeddings_three_scores(
+        model_dir: Path, serve: ServeFactory, weights: dict[str, float]) -> None:
+    adapter = load(model_dir, options={"score_weights": weights})
+    docs = TEXTS[1:]
+    async with serve(adapter) as served:
+        scored = await adapter.score(served.submit, TEXTS[0], docs, ScoreOptions())
+        query = (await adapter.encode(served.submit, TEXTS[:1],
+                                      EncodeOptions(is_query=True, output_types=ALL
+                                                    .output_types))).values[0]
+        encoded = await adapter.encode(served.submit, docs, ALL)
+    adapter.close()
+    total = sum(weights.values())
+    wanted = [sum(w * flag_scores(query, doc)[kind] for kind, w in weights.items()) / total
+              for doc in encoded.values]
+    np.testing.assert_allclose(scored.values, wanted, atol=1e-5)
+    assert adapter.score_output_types() == tuple(k for k in ALL.output_types if k in weights)
+
+
+@pytest.mark.parametrize("weights", [{"dense": -1}, {"dense": 0}, {"colour": 1}, [0.4, 0.6],
+                                     {"dense": True}, {"sparse": float("nan")}])
+def test_score_weights_that_mean_nothing_fail_the_load(model_dir: Path, weights: Any) -> None:
+    with pytest.raises(ModelLoadError, match=r"options\.score_weights must map output types"):
+        load(model_dir, options={"score_weights": weights})
+
+
 def test_params_items_and_answers_cross_the_process_wire(adapter: M3Adapter) -> None:
     """As under --workers: the engine process gets the items and parameter group, and the
     API process the three outputs, all rebuilt from the wire."""

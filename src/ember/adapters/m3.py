@@ -21,10 +21,12 @@ last hidden states h of an input of n tokens:
 
 A request's `params.output_types` picks any of them (none: dense); only those are
 computed. `normalize: false` returns dense and multi-vector outputs unnormalized (sparse
-weights never are). `score` is the cosine of the dense vectors, as FlagEmbedding's
-default; a client that wants the sparse or multi-vector scores (or their weighted sum)
-asks encode for those outputs. Spec `prompts` and a request's `instruction` go before the
-text as in the transformer family. LoRA adapters are not supported.
+weights never are). `score` compares by the dense vectors' cosine, or, with spec
+`options: {score_weights: {dense: 0.4, sparse: 0.2, multivector: 0.4}}`, by the weighted
+mean of the three scores FlagEmbedding computes: the dense cosine, the sparse dot product
+over shared ids, and the multi-vector MaxSim averaged over the query's vectors; only the
+outputs with a weight are made. Spec `prompts` and a request's `instruction` go before
+the text as in the transformer family. LoRA adapters are not supported.
 """
 
 from __future__ import annotations
@@ -46,11 +48,14 @@ from ember.adapters._dense_layers import DenseLayer, read_weights
 from ember.adapters._encoder import BiEncoder
 from ember.adapters._tokenize import TextTokenizer
 from ember.adapters.base import Encoded, EncodeOptions, Runtime, SparseVector
+from ember.adapters.multivector import maxsim
+from ember.adapters.sparse import dots
 from ember.config import M3_HEADS, ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
 from ember.errors import ModelLoadError
 
 OUTPUT_TYPES = ("dense", "sparse", "multivector")
+WEIGHTS_EXAMPLE = "{dense: 0.4, sparse: 0.2, multivector: 0.4}"
 Floats = npt.NDArray[np.float32]
 
 
@@ -79,6 +84,19 @@ def read_head(spec: ModelSpec, model_dir: Path, head: str, hidden_size: int,
                                         f"got {shapes}")
     return DenseLayer(np.ascontiguousarray(weight, dtype=np.float32),
                       np.ascontiguousarray(bias, dtype=np.float32), activation)
+
+
+def score_weights(spec: ModelSpec) -> dict[str, float]:
+    """The spec's `score_weights` (default: the dense cosine alone), those above 0."""
+    named = spec.options.get("score_weights", {"dense": 1.0})
+    wrong = (f"options.score_weights must map output types ({', '.join(OUTPUT_TYPES)}) to "
+             f"weights >= 0, at least one above 0, e.g. {WEIGHTS_EXAMPLE}; got {named!r}")
+    if not isinstance(named, dict) or set(named) - set(OUTPUT_TYPES):
+        raise ModelLoadError(spec.name, wrong)
+    if any(isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w < float("inf")
+           for w in named.values()) or not any(w > 0 for w in named.values()):
+        raise ModelLoadError(spec.name, wrong)
+    return {kind: float(named[kind]) for kind in OUTPUT_TYPES if named.get(kind, 0) > 0}
 
 
 def lexical_weights(ids: npt.NDArray[Any], weights: Floats, unused: npt.NDArray[np.int64],
@@ -111,11 +129,12 @@ class M3Adapter(BiEncoder[M3Params, Encoded]):
         specials = (tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
                     tokenizer.unk_token_id)
         self.unused = np.array(sorted({int(i) for i in specials if i is not None}), np.int64)
+        self.weights = score_weights(spec)
         self.info = self.describe(self.hidden_size, OUTPUT_TYPES, {
             "token_dims": self.token_dims, "vocab_size": self.vocab_size,
             "output_dims": {"dense": self.hidden_size, "sparse": self.vocab_size,
                             "multivector": self.token_dims},
-            "scoring": "dense cosine", "backend": model.backend})
+            "score_weights": dict(self.weights), "backend": model.backend})
 
     # -- the worker thread --------------------------------------------------------
 
@@ -175,20 +194,54 @@ class M3Adapter(BiEncoder[M3Params, Encoded]):
                         tuple(t for t in OUTPUT_TYPES if t in asked))
 
     def score_output_types(self) -> tuple[str, ...]:
-        return ("dense",)
+        return tuple(self.weights)
 
     def encoded(self, value: Encoded) -> Encoded:
         return value
 
     def similarity(self, query: Encoded, docs: Sequence[Encoded]) -> list[float]:
-        dense = [doc.dense for doc in docs]
-        assert query.dense is not None and all(d is not None for d in dense)
-        matrix = np.stack(dense).astype(np.float64)  # type: ignore[arg-type]
-        return [float(s) for s in matrix @ query.dense.astype(np.float64)]
+        """The weighted mean of the scores of the outputs with a weight."""
+        total = np.zeros(len(docs))
+        for kind, weight in self.weights.items():
+            total += weight * np.asarray(_SCORES[kind](query, docs))
+        return [float(s) for s in total / sum(self.weights.values())]
+
+    def similarity_us(self, query: Encoded, docs: Sequence[Encoded]) -> float:
+        if "multivector" not in self.weights or query.multivector is None:
+            return 2.5 * len(docs)
+        # MaxSim's pairs, as the multivector family counts them.
+        pairs = len(query.multivector) * sum(len(d.multivector) for d in docs
+                                             if d.multivector is not None)
+        return 2.5 * len(docs) + 0.01 * pairs * self.token_dims / 128
 
     def memory_bytes(self) -> int:
         heads = (self.sparse_head, self.colbert_head)
         return super().memory_bytes() + sum(h.weight.nbytes for h in heads)
+
+
+def _dense_scores(query: Encoded, docs: Sequence[Encoded]) -> list[float]:
+    vectors = [d.dense for d in docs if d.dense is not None]
+    assert query.dense is not None and len(vectors) == len(docs)
+    return [float(s) for s in np.stack(vectors).astype(np.float64)
+            @ query.dense.astype(np.float64)]
+
+
+def _sparse_scores(query: Encoded, docs: Sequence[Encoded]) -> list[float]:
+    vectors = [d.sparse for d in docs if d.sparse is not None]
+    assert query.sparse is not None and len(vectors) == len(docs)
+    return dots(query.sparse, vectors)
+
+
+def _multivector_scores(query: Encoded, docs: Sequence[Encoded]) -> list[float]:
+    """MaxSim over the query's vectors, averaged (FlagEmbedding's colbert score)."""
+    matrices = [d.multivector for d in docs if d.multivector is not None]
+    assert query.multivector is not None and len(matrices) == len(docs)
+    count = max(len(query.multivector), 1)
+    return [maxsim(query.multivector, m) / count for m in matrices]
+
+
+_SCORES = {"dense": _dense_scores, "sparse": _sparse_scores,
+           "multivector": _multivector_scores}
 
 
 def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> M3Adapter:
