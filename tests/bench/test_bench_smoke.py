@@ -236,6 +236,19 @@ def test_abandoned_memory_quick_run_reads_every_process_of_both_modes(tmp_path: 
         assert report.returncode == 0 and report.stdout.strip() == run.stdout.strip()
 
 
+def test_m3_outputs_quick_run_times_both_variants_of_each_batch(tmp_path: Path) -> None:
+    out = tmp_path / "m3.json"
+    run = bench("m3_outputs.py", "--quick", "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = strict_json(out)["result"]
+    assert set(result) == {"1 short", "8 medium"}
+    for batch in result.values():
+        assert len(batch["times_ms"]["dense"]) == len(batch["times_ms"]["all"]) == 2
+        assert batch["dense_ms"] > 0 and batch["all_over_dense"]["n"] == 2
+    report = bench("m3_outputs.py", "--report", str(out))
+    assert report.returncode == 0 and report.stdout.strip() == run.stdout.strip()
+
+
 def test_token_rows_quick_run_writes_json_and_its_table(tmp_path: Path) -> None:
     out = tmp_path / "token_rows.json"
     run = bench("token_rows.py", "--quick", "--landed-src", str(ROOT / "src"), "--out",
