@@ -117,7 +117,8 @@ class M3Adapter(BiEncoder[M3Params, Encoded]):
     """One M3 encoder over an encoder directory and its two heads."""
 
     def __init__(self, spec: ModelSpec, model: Forward, config: Any, tokenizer: Any,
-                 runtime: Runtime, heads: tuple[DenseLayer, DenseLayer]) -> None:
+                 runtime: Runtime, heads: tuple[DenseLayer, DenseLayer],
+                 weights: dict[str, float]) -> None:
         super().__init__(spec, "m3", tokenizer, runtime, model)
         self.sparse_head, self.colbert_head = heads
         self.hidden_size = int(config.hidden_size)
@@ -129,7 +130,7 @@ class M3Adapter(BiEncoder[M3Params, Encoded]):
         specials = (tokenizer.cls_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
                     tokenizer.unk_token_id)
         self.unused = np.array(sorted({int(i) for i in specials if i is not None}), np.int64)
-        self.weights = score_weights(spec)
+        self.weights = weights  # score's, by output type
         self.info = self.describe(self.hidden_size, OUTPUT_TYPES, {
             "token_dims": self.token_dims, "vocab_size": self.vocab_size,
             "output_dims": {"dense": self.hidden_size, "sparse": self.vocab_size,
@@ -245,11 +246,12 @@ _SCORES = {"dense": _dense_scores, "sparse": _sparse_scores,
 
 
 def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> M3Adapter:
-    """Load an encoder directory and its two heads, offline (the heads first, so a bad file
-    fails the load before the encoder is read)."""
+    """Load an encoder directory and its two heads, offline (the options and heads first, so
+    a bad one fails the load before the encoder is read)."""
     from transformers import AutoConfig, AutoModel
 
     common.refuse_loras(spec, "m3")
+    weights_of_scores = score_weights(spec)
     model_dir = resolve_source(spec)
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True,
                                         trust_remote_code=spec.trust_remote_code)
@@ -259,7 +261,7 @@ def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> M3Adapter:
              read_head(spec, model_dir, colbert, hidden_size, None, "identity"))
     model, config, tokenizer = load_model(spec, model_dir, runtime, AutoModel,
                                           "last_hidden_state", weights=weights)
-    return M3Adapter(spec, model, config, tokenizer, runtime, heads)
+    return M3Adapter(spec, model, config, tokenizer, runtime, heads, weights_of_scores)
 
 
 def load_front(spec: ModelSpec, runtime: Runtime) -> M3Adapter:
