@@ -362,6 +362,11 @@ def test_an_m3_model_by_hub_id_brings_its_heads_where_they_need_no_pickle(
     assert standin.gets("sparse_linear.pt") == standin.gets("colbert_linear.pt") == 1
     # The heads now in the shared cache change nothing for the bare id.
     assert run(standin, home, bare, extra=hub_models) == {"adapter": "transformer"}
+    # A spec allowing pickles over safetensors heads finds them in the cache, offline too.
+    safe_curated = M3_CURATED.format(repo=M3S[".safetensors"], text=text)
+    for offline in (False, True):
+        assert run(standin, tmp_path / "hf4", safe_curated, offline=offline) == {
+            "sparse": wanted.indices.tolist()}
 
 
 def test_two_processes_starting_together_download_each_file_once(

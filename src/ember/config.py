@@ -479,7 +479,7 @@ def hub_wanted(spec: ModelSpec, backend: Backend | None = None, device: str = "c
     runs_onnx = (spec.adapter in ONNX_FAMILIES and not spec.loras
                  and (spec.backend or backend or "onnx") == "onnx"
                  and device.startswith("cpu"))
-    heads = (tuple(f"{head}.pt" for head in M3_HEADS)
+    heads = (tuple((f"{head}.pt", f"{head}.safetensors") for head in M3_HEADS)
              if spec.adapter == "m3" and spec.allow_pickle else ())
     return Wanted(allow_pickle=spec.allow_pickle, trust_remote_code=spec.trust_remote_code,
                   onnx=runs_onnx, extra_files=heads)

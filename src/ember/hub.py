@@ -89,13 +89,14 @@ class Wanted:
     trust_remote_code: bool = False
     onnx: bool = False
     weights: bool = True  # False: config and tokenizer only (a GLiNER model's backbone)
-    # Files fetched whatever weights the repository has: an M3 model's pickled heads,
-    # where its spec allows pickles (beside safetensors weights, the pickles are not).
-    extra_files: tuple[str, ...] = ()
+    # Files fetched whatever weights the repository has, each group one file the model
+    # needs in any of its names: an M3 model's heads, pickled (fetched only where its spec
+    # allows pickles: beside safetensors weights, the pickles are not) or safetensors.
+    extra_files: tuple[tuple[str, ...], ...] = ()
 
     def patterns(self, pickle: bool) -> list[str]:
         patterns = [p for p in BASE_FILES if self.weights or p != "*.safetensors"]
-        patterns += self.extra_files
+        patterns += [name for group in self.extra_files for name in group]
         if pickle:
             patterns += PICKLE_FILES
         if self.onnx:
@@ -142,7 +143,8 @@ def cached(ref: HubRef, wanted: Wanted) -> Path | None:
         except (LocalEntryNotFoundError, OSError, ValueError):
             continue
         configured = any((folder / name).is_file() for name in CONFIG_FILES)
-        extras = all((folder / name).is_file() for name in wanted.extra_files)
+        extras = all(any((folder / name).is_file() for name in group)
+                     for group in wanted.extra_files)
         if configured and extras and (not wanted.weights or has_weights(folder, pickle)):
             return folder
     return None
