@@ -59,8 +59,8 @@ class _PendingCollector(Collector):
     """Queue depth and the forward's size of each loaded model, read at scrape time."""
 
     def __init__(self, pending: Callable[[], PendingSource],
-                 running: Callable[[], PendingSource] = lambda: dict,
-                 dispatch: Callable[[], DispatchSource] = lambda: dict) -> None:
+                 running: Callable[[], PendingSource],
+                 dispatch: Callable[[], DispatchSource]) -> None:
         self.pending = pending
         self.running = running
         self.dispatch = dispatch

@@ -225,8 +225,9 @@ def test_lexical_weights_keep_each_ids_largest_positive_weight() -> None:
     assert empty.indices.size == 0 and empty.values.size == 0
 
 
-def test_a_directory_with_both_heads_is_an_m3_model(model_dir: Path, tmp_path: Path,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_a_folder_is_an_m3_model_where_its_heads_need_no_pickle(model_dir: Path, tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture
+                                                                  ) -> None:
     # Pickled heads need a YAML that allows them: the folder alone serves its encoder.
     assert spec_from_directory(model_dir).adapter == "transformer"
     assert "adapter: m3 and allow_pickle: true" in caplog.text

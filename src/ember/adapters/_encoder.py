@@ -67,8 +67,8 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
                                             f"it does {TASKS}")
         super().__init__(spec, tokenizer, runtime, model)
 
-    def describe(self, dims: int, output_types: tuple[str, ...],
-                 extra: dict[str, object]) -> ModelInfo:
+    def describe(self, dims: int, output_types: tuple[str, ...], extra: dict[str, object],
+                 output_dims: dict[str, int] | None = None) -> ModelInfo:
         """The model's info: the spec's tasks, the family's dims, output types and extra
         fields, then the prompts. A catalog entry's `options.dims` (what `ember models`
         shows before a load) must be what the model gives."""
@@ -85,6 +85,7 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
             loras=self.model.loras,
             output_types=output_types,
             extra={**extra, "prompts": dict(self.prompts)},
+            output_dims=dict(output_dims or {}),
         )
 
     # -- the family's hooks -----------------------------------------------------------

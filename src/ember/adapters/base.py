@@ -124,6 +124,8 @@ class ModelInfo:
     output_types: tuple[str, ...] = ("dense",)
     labels: tuple[str, ...] = ()
     extra: dict[str, object] = field(default_factory=dict)
+    # Each output's size where they differ (an M3 model's); empty: every output is `dims`.
+    output_dims: dict[str, int] = field(default_factory=dict)
 
 
 def combine(results: Sequence[RequestResult]) -> tuple[float, float]:

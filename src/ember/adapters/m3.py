@@ -131,11 +131,12 @@ class M3Adapter(BiEncoder[M3Params, Encoded]):
                     tokenizer.unk_token_id)
         self.unused = np.array(sorted({int(i) for i in specials if i is not None}), np.int64)
         self.weights = weights  # score's, by output type
-        self.info = self.describe(self.hidden_size, OUTPUT_TYPES, {
-            "token_dims": self.token_dims, "vocab_size": self.vocab_size,
-            "output_dims": {"dense": self.hidden_size, "sparse": self.vocab_size,
-                            "multivector": self.token_dims},
-            "score_weights": dict(self.weights), "backend": model.backend})
+        self.info = self.describe(
+            self.hidden_size, OUTPUT_TYPES,
+            {"token_dims": self.token_dims, "score_weights": dict(self.weights),
+             "backend": model.backend},
+            {"dense": self.hidden_size, "sparse": self.vocab_size,
+             "multivector": self.token_dims})
 
     # -- the worker thread --------------------------------------------------------
 

@@ -73,8 +73,8 @@ def model_entry(registry: Models, name: str) -> dict[str, Any]:
                      output_types=list(info.output_types) if "encode" in info.tasks else [])
         if info.labels:
             entry["labels"] = list(info.labels)
-        if isinstance(by_output := info.extra.get("output_dims"), dict):
-            entry["output_dims"] = dict(by_output)  # outputs of different sizes (an M3's)
+        if info.output_dims:
+            entry["output_dims"] = dict(info.output_dims)
     entry["dispatch"] = registry.dispatch(name)  # the learned cost and windows in use
     entry["output_dtypes"] = list(DTYPES) if entry["output_types"] else []
     entry["outputs"] = entry["output_types"]

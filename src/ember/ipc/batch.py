@@ -83,6 +83,10 @@ def _field_columns(payloads: list[Any]) -> list[Any] | None:
     if kind is None or not dataclasses.is_dataclass(kind) or any(
             type(p) is not kind for p in payloads):
         return None
+    try:
+        name = wire_name(kind)
+    except TypeError:  # not a wire type: the list path says so when it is packed
+        return None
     columns: list[Any] = []
     for field in dataclasses.fields(kind):
         values = [getattr(p, field.name) for p in payloads]
@@ -92,10 +96,7 @@ def _field_columns(payloads: list[Any]) -> list[Any] | None:
         columns.append(column)
     if all(column is None for column in columns):
         return None
-    try:
-        return [FIELDS, wire_name(kind), columns]
-    except TypeError:  # not a wire type: the list path says so when it is packed
-        return None
+    return [FIELDS, name, columns]
 
 
 def items_from_wire(block: Any) -> list[PreparedItem]:
@@ -175,15 +176,12 @@ def _check_column(column: Any, count: int, allow_missing: bool) -> None:
     if missing is not None and not (isinstance(missing, np.ndarray) and missing.dtype == bool
                                     and missing.shape == (count,)):
         raise ValueError("missing rows must be one boolean an item")
-    if len(offsets) != count + 1 or (len(offsets) and (
-            offsets[0] != 0 or offsets[-1] != len(flat))):
-        raise ValueError("token offsets must rise from 0 to the number of ids, one "
-                         "row per item")
-    lengths = np.diff(offsets)
     flagged = missing if missing is not None else np.zeros(count, dtype=bool)
-    if bool(np.any(lengths < 0)) or bool(np.any((lengths == 0) != flagged)):
-        raise ValueError("token offsets must rise from 0 to the number of ids, one "
-                         "row per item, empty only where the row is missing")
+    lengths = np.diff(offsets)
+    if len(offsets) != count + 1 or offsets[0] != 0 or offsets[-1] != len(flat) or bool(
+            np.any(lengths < 0)) or bool(np.any((lengths == 0) != flagged)):
+        raise ValueError("token offsets must rise from 0 to the number of ids, one row per "
+                         "item, empty only where the row is missing")
 
 
 def values_to_wire(values: Sequence[Any]) -> list[Any]:
