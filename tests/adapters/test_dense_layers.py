@@ -10,6 +10,7 @@ import pickle
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import torch
 from safetensors.numpy import load_file
 
 from ember.adapters import transformer
+from ember.adapters._dense_layers import read_weights
 from ember.adapters.base import EncodeOptions, Runtime
 from ember.errors import ModelLoadError
 from tests.adapters.tiny_models import build_bi_encoder, build_st_pipeline, spec_for
@@ -237,3 +239,45 @@ def test_a_pickle_that_holds_no_state_dict_is_refused(with_dense: Path) -> None:
     torch.save([torch.zeros(8, 32)], folder / "pytorch_model.bin")  # a list, not a dict
     with pytest.raises(ModelLoadError, match=r"pytorch_model\.bin holds no state dict"):
         load(with_dense, allow_pickle=True)
+
+
+def _deeply_nested_state(path: Path) -> None:
+    """torch's zip layout around a pickle of 100,000 nested lists: an unpickler that
+    recursed would overflow its stack."""
+    import zipfile
+
+    torch.save({"weight": torch.zeros(2)}, path.with_suffix(".base"))
+    depth = 100_000
+    deep = b"\x80\x02" + b"]" * depth + b"a" * (depth - 1) + b"."
+    with zipfile.ZipFile(path.with_suffix(".base")) as source, \
+            zipfile.ZipFile(path, "w") as target:
+        for entry in source.infolist():
+            data = source.read(entry.filename)
+            target.writestr(entry, deep if entry.filename.endswith("data.pkl") else data)
+
+
+def _cut_short(path: Path) -> None:
+    torch.save({"weight": torch.zeros(1000, 100)}, path)
+    path.write_bytes(path.read_bytes()[:20_000])  # a download that stopped halfway
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (_deeply_nested_state, "holds no state dict"),
+    (_cut_short, "refused by torch's weights-only unpickler"),
+    (lambda path: path.write_bytes(pickle.dumps({"weight": [1.0]}, protocol=2)[:-3]),
+     "refused by torch's weights-only unpickler"),  # a bare pickle, not torch's layout
+])
+def test_hostile_pickled_weights_under_any_file_name_fail_the_load(tmp_path: Path, make: Any,
+                                                                     message: str) -> None:
+    """`read_weights` as the M3 family calls it, with its heads' file names."""
+    make(tmp_path / "sparse_linear.pt")
+    with pytest.raises(ModelLoadError, match=message):
+        read_weights(tmp_path, "m", True, "sparse_linear.safetensors", "sparse_linear.pt")
+
+
+def test_pickled_weights_keep_only_their_tensors(tmp_path: Path) -> None:
+    """Nested containers and other values in a state dict are left out, not built on."""
+    torch.save({"weight": torch.ones(1, 4), "nested": {"bias": torch.zeros(1)},
+                "note": "text"}, tmp_path / "head.pt")
+    found = read_weights(tmp_path, "m", True, "head.safetensors", "head.pt")
+    assert set(found) == {"weight"} and found["weight"].dtype == np.float32

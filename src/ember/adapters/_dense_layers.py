@@ -140,7 +140,7 @@ def read_weights(folder: Path, model: str, allow_pickle: bool, safe_name: str = 
                                         "loaded), or convert it to safetensors")
         try:  # torch's weights-only unpickler: tensors and plain containers, nothing callable
             state = torch.load(str(pickled), map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as error:
             raise ModelLoadError(model, f"{folder.name}/{pickle_name} was refused by "
                                         f"torch's weights-only unpickler: {error}") from error
         if not isinstance(state, dict):
