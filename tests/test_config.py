@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from ember.config import FAMILY_OUTPUTS, CatalogError, load_catalog, resolve_source
+from ember.config import (
+    FAMILY_OUTPUTS,
+    CatalogError,
+    load_catalog,
+    m3_score_weights,
+    resolve_source,
+)
 from ember.engine import WorkerConfig
 
 
@@ -96,6 +102,37 @@ def test_a_field_that_would_be_ignored_or_fail_every_request_is_refused_at_read(
     said = str(caught.value)
     assert said.startswith(f"{tmp_path / 'bad.yaml'}: ") and "\n" not in said
     assert message.format(tmp=tmp_path) in said, said
+
+
+@pytest.mark.parametrize(("weights", "message"), [
+    ("{dense: -1}", "got {'dense': -1}"), ("{dense: .nan}", "finite weights >= 0"),
+    ("{dense: .inf}", "finite weights >= 0"), ("{dense: a}", "got {'dense': 'a'}"),
+    ("{colbert: 1}", "must map output types (dense, sparse, multivector)"), ("{}", "got {}"),
+    ("[1, 2]", "got [1, 2]"), ("{dense: 0}", "at least one above 0"),
+    ("{dense: 1e-1}", "'1e-1' was read as text: write it with a dot, as 1.0e-1"),
+])
+def test_m3_score_weights_that_mean_nothing_stop_the_start(tmp_path: Path, weights: str,
+                                                          message: str) -> None:
+    """Found by a black-box review: these started, then failed every score with a 502."""
+    (tmp_path / "bad.yaml").write_text(f"name: me/m3\nadapter: m3\ntasks: [encode, score]\n"
+                                       f"{HUB}options: {{score_weights: {weights}}}\n")
+    with pytest.raises(CatalogError) as caught:
+        load_catalog([tmp_path], check_paths=True)
+    said = str(caught.value)
+    assert said.startswith(f"{tmp_path / 'bad.yaml'}: options.score_weights must map"), said
+    assert message in said, said
+
+
+def test_m3_score_weights_are_scaled_to_sum_to_one_whatever_their_range() -> None:
+    assert m3_score_weights({"dense": 0.4, "sparse": 0.2, "multivector": 0.4}) == \
+        pytest.approx({"dense": 0.4, "sparse": 0.2, "multivector": 0.4})
+    assert m3_score_weights({"multivector": 3, "dense": 1, "sparse": 0}) == \
+        {"dense": 0.25, "multivector": 0.75}  # in output order, zero weights left out
+    assert m3_score_weights({"dense": 1e308, "sparse": 1e308}) == {"dense": 0.5, "sparse": 0.5}
+    assert m3_score_weights({"dense": 5e-324}) == {"dense": 1.0}
+    for bad in ({"dense": True}, {"dense": float("nan")}, {"dense": -0.5, "sparse": 1}):
+        with pytest.raises(ValueError, match="must map output types"):
+            m3_score_weights(bad)
 
 
 def test_a_path_gone_since_the_start_fails_its_model_not_the_catalog(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from ember.config import (
     hub_ref,
     hub_wanted,
     load_catalog,
+    local_name,
     spinning_mode,
 )
 from ember.engine import WorkerConfig
@@ -184,10 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
          "local/<dir name>; the family is read from the files (repeatable; the variable "
          "takes a list separated by ':')", action=AppendOverEnv)
     flag("preload", str, None, "model to load at startup besides the default, a catalog "
-         "name or a Hub id (repeatable; the variable takes a comma-separated list)",
+         "name, a model folder or a Hub id (repeatable; the variable takes a "
+         "comma-separated list)",
          action=AppendOverEnv)
     flag("default-model", str, DEFAULT_MODEL, "model behind /embed, /rerank, /v1/embeddings "
-         "and /readyz: a catalog name or a Hub id")
+         "and /readyz: a catalog name, a model folder (served as local/<folder>) or a Hub "
+         "id")
     flag("allow-hub-models", bool, False, "let a request name a Hub model the server does "
          "not have, which it then downloads; off, only the models named at startup are "
          "downloaded")
@@ -419,14 +422,30 @@ def device_problem(device: str) -> str | None:
 
 def with_hub_models(settings: ServerSettings,
                     known: Mapping[str, ModelSpec]) -> ServerSettings:
-    """Hub ids named by --default-model or --preload that no YAML describes are served as
-    if named by --model, so every process of the server finds them in its catalog."""
-    named = {str(p) for p in settings.model_paths}
+    """--default-model and --preload as a user means them: a folder given there is served
+    as if named by --model, under its catalog name (`local/<folder>`); a Hub id no YAML
+    describes is served as if named by --model; and a `local/<folder>` name of a --model
+    folder is that folder, not a Hub id. So every process of the server finds each in its
+    catalog."""
+    folders = {Path(p).expanduser().resolve() for p in settings.model_paths
+               if Path(p).expanduser().is_dir()}
+    named = {str(p) for p in settings.model_paths} | {local_name(p) for p in folders}
+
+    def is_folder(name: str) -> bool:
+        return name not in known and Path(name).expanduser().is_dir()
+
     extra = [Path(name) for name in dict.fromkeys((settings.default_model, *settings.preload))
-             if name not in known and name not in named and hub.parse_hub_id(name)]
-    if not extra:
-        return settings
-    return replace(settings, model_paths=(*settings.model_paths, *extra))
+             if (is_folder(name) and Path(name).expanduser().resolve() not in folders)
+             or (name not in known and name not in named and not is_folder(name)
+                 and hub.parse_hub_id(name))]
+    return replace(settings, default_model=catalog_name(settings.default_model, is_folder),
+                   preload=tuple(catalog_name(name, is_folder) for name in settings.preload),
+                   model_paths=(*settings.model_paths, *extra))
+
+
+def catalog_name(name: str, is_folder: Callable[[str], bool]) -> str:
+    """What --default-model or --preload names in the catalog (a folder: `local/<it>`)."""
+    return local_name(name) if is_folder(name) else name
 
 
 def prefetch(settings: ServerSettings, catalog: dict[str, ModelSpec]) -> None:

@@ -46,6 +46,7 @@ FAMILY_OPTIONS: dict[str, tuple[str, ...]] = {
                   *_ENCODING)}
 # An M3 model's two heads beside its encoder (FlagEmbedding's file names, less the suffix).
 M3_HEADS = ("sparse_linear", "colbert_linear")
+M3_WEIGHTS_EXAMPLE = "{dense: 0.4, sparse: 0.2, multivector: 0.4}"
 # Families the ONNX backend runs (a Hub download then includes onnx/model.onnx).
 ONNX_FAMILIES = frozenset({"transformer", "cross_encoder", "sparse", "multivector", "m3"})
 TASKS = ("encode", "score", "extract")
@@ -84,6 +85,30 @@ def spinning_mode(value: str | bool) -> Spinning:
 
 class CatalogError(ValueError):
     """A model YAML file is invalid; the message names the file and the field."""
+
+
+def m3_score_weights(named: object) -> dict[str, float]:
+    """An M3 model's score weights by output type, those above 0, scaled to sum to 1 (so a
+    huge or tiny weight cannot overflow or vanish in the mean); ValueError says why not."""
+    outputs = FAMILY_OUTPUTS["m3"]
+    wrong = (f"must map output types ({', '.join(outputs)}) to finite weights >= 0, at "
+             f"least one above 0, e.g. {M3_WEIGHTS_EXAMPLE}; got {named!r}")
+    if not isinstance(named, Mapping) or not named or set(named) - set(outputs):
+        raise ValueError(wrong)
+    for weight in named.values():
+        if isinstance(weight, str) and re.fullmatch(r"[-+]?[\d.]+e[-+]?\d+", weight.strip()):
+            # YAML 1.1 reads 1e-1 (no dot) as text.
+            raise ValueError(f"{wrong} ({weight!r} was read as text: write it with a dot, "
+                             "as 1.0e-1)")
+        if isinstance(weight, bool) or not isinstance(weight, int | float) \
+                or not 0 <= weight < float("inf"):
+            raise ValueError(wrong)
+    largest = max(float(w) for w in named.values())
+    if not largest > 0:
+        raise ValueError(wrong)
+    scaled = {kind: float(named[kind]) / largest for kind in outputs if named.get(kind, 0) > 0}
+    total = sum(scaled.values())
+    return {kind: weight / total for kind, weight in scaled.items() if weight / total > 0}
 
 
 def _model_json(path: Path) -> dict[str, Any]:
@@ -224,6 +249,11 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
         if not isinstance(data.get(table) or {}, Mapping):
             raise CatalogError(f"{where}: {table!r} must be a mapping")
     _refuse_unknown(data.get("options") or {}, FAMILY_OPTIONS[adapter], where, "options.")
+    if adapter == "m3" and "score_weights" in (data.get("options") or {}):
+        try:
+            m3_score_weights(data["options"]["score_weights"])
+        except ValueError as exc:
+            raise CatalogError(f"{where}: options.score_weights {exc}") from None
     return ModelSpec(
         name=name,
         adapter=adapter,
@@ -377,6 +407,11 @@ def spec_for_model(named: Path | str, catalog: Mapping[str, ModelSpec]) -> Model
         raise CatalogError(str(exc)) from None
 
 
+def local_name(path: Path | str) -> str:
+    """The catalog name of a model directory named without a YAML file."""
+    return f"local/{Path(path).expanduser().resolve().name}"
+
+
 def spec_from_directory(path: Path) -> ModelSpec:
     """A catalog entry for a model directory named without a YAML file: `local/<name>`,
     its family read from the files it holds."""
@@ -384,9 +419,19 @@ def spec_from_directory(path: Path) -> ModelSpec:
     if not path.is_dir():
         raise CatalogError(f"model directory {path} does not exist")
     family, tasks = _detect_family(path)
-    return ModelSpec(name=f"local/{path.name}", adapter=family, source=Source(path=path),
+    return ModelSpec(name=local_name(path), adapter=family, source=Source(path=path),
                      tasks=tasks, description=f"{family} model from {path.name}/",
-                     origin=path)
+                     origin=path, **_pickled_m3_dense(path, family))
+
+
+def _pickled_m3_dense(path: Path, family: str) -> dict[str, Any]:
+    """An M3 folder served as a dense encoder (its heads pickled, no YAML) gives BGE-M3's
+    dense output, the normalized CLS vector, where no sentence-transformers files say how
+    it pools."""
+    pickled = all((path / f"{head}.pt").is_file() for head in M3_HEADS)
+    pools = (path / "modules.json").is_file() or (path / "sentence_bert_config.json").is_file()
+    return {"pooling": "cls", "normalize": True} \
+        if family == "transformer" and pickled and not pools else {}
 
 
 def _detect_family(path: Path) -> tuple[str, tuple[str, ...]]:
@@ -500,7 +545,8 @@ def spec_from_hub(ref: HubRef, download: bool | None = None, base: ModelSpec | N
     _refuse_remote_code(folder, str(ref))
     return ModelSpec(name=ref.repo, adapter=family, source=Source(hub=ref.repo,
                                                                   revision=ref.revision),
-                     tasks=tasks, description=f"{family} model {ref} from the Hub")
+                     tasks=tasks, description=f"{family} model {ref} from the Hub",
+                     **_pickled_m3_dense(folder, family))
 
 
 def _refuse_remote_code(folder: Path, name: str) -> None:

@@ -40,6 +40,10 @@ class InputTooLong(InvalidInput):
     """An input over the model's token limit with truncation off (HTTP 400 INPUT_TOO_LONG)."""
 
 
+class UnsupportedOutput(InvalidInput):
+    """An output type the model cannot produce (HTTP 422 UNSUPPORTED_OUTPUT)."""
+
+
 class ModelNotFound(EmberError):
     """No catalog entry by that name (HTTP 404)."""
 

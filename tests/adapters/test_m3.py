@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer
 
-from ember.adapters import m3
+from ember.adapters import m3, transformer
 from ember.adapters.base import Encoded, EncodeOptions, Runtime, ScoreOptions, TaskOutput
 from ember.adapters.m3 import M3Adapter, lexical_weights
 from ember.config import spec_from_directory
@@ -183,14 +183,73 @@ async def test_score_weights_mix_flagembeddings_three_scores(
     wanted = [sum(w * flag_scores(query, doc)[kind] for kind, w in weights.items()) / total
               for doc in encoded.values]
     np.testing.assert_allclose(scored.values, wanted, atol=1e-5)
-    assert adapter.score_output_types() == tuple(k for k in ALL.output_types if k in weights)
+    assert adapter.score_output_types(ScoreOptions()) == tuple(
+        k for k in ALL.output_types if k in weights)
+
+
+async def test_a_requests_score_weights_replace_the_models_for_it_alone(
+        adapter: M3Adapter, serve: ServeFactory) -> None:
+    """FlagEmbedding's compute_score takes its weights per call; so does a request. Weights
+    at the ends of the float range mean what their ratios say."""
+    docs = TEXTS[1:]
+    weighed = {"dense": 0.4, "sparse": 0.2, "multivector": 0.4}
+    async with serve(adapter) as served:
+        async def score(weights: dict[str, float] | None) -> list[float]:
+            return (await adapter.score(served.submit, TEXTS[0], docs,
+                                        ScoreOptions(score_weights=weights))).values
+        mixed, default = await score(weighed), await score(None)
+        sparse_alone = await score({"sparse": 3.0, "dense": 0.0})
+        huge = await score({"dense": 1e308, "multivector": 1e308})
+        even = await score({"dense": 1.0, "multivector": 1.0})
+        tiny = await score({"dense": 1e-320})
+        query = (await adapter.encode(served.submit, TEXTS[:1],
+                                      EncodeOptions(is_query=True, output_types=ALL
+                                                    .output_types))).values[0]
+        encoded = await adapter.encode(served.submit, docs, ALL)
+        for bad in ({"dense": -1.0}, {"dense": float("nan")}, {"colour": 1.0}, {"dense": 0.0},
+                    {}, {"dense": float("inf")}):
+            with pytest.raises(InvalidInput, match=r"options\.score_weights must map") as no:
+                await score(bad)
+            assert no.value.param == "params.options.score_weights"
+    flags = [flag_scores(query, doc) for doc in encoded.values]
+    np.testing.assert_allclose(mixed, [sum(w * f[k] for k, w in weighed.items())
+                                       for f in flags], atol=1e-5)
+    np.testing.assert_allclose(default, [f["dense"] for f in flags], atol=1e-5)
+    np.testing.assert_allclose(sparse_alone, [f["sparse"] for f in flags], atol=1e-5)
+    np.testing.assert_allclose(huge, even, atol=1e-6)
+    np.testing.assert_allclose(even, [(f["dense"] + f["multivector"]) / 2 for f in flags],
+                               atol=1e-5)
+    np.testing.assert_allclose(tiny, default, atol=1e-6)
+    # Only the weighed outputs are made for the request.
+    assert adapter.score_output_types(ScoreOptions(score_weights={"sparse": 1.0})) == \
+        ("sparse",)
 
 
 @pytest.mark.parametrize("weights", [{"dense": -1}, {"dense": 0}, {"colour": 1}, [0.4, 0.6],
-                                     {"dense": True}, {"sparse": float("nan")}])
+                                     {"dense": True}, {"sparse": float("nan")}, {},
+                                     {"dense": float("inf")}])
 def test_score_weights_that_mean_nothing_fail_the_load(model_dir: Path, weights: Any) -> None:
     with pytest.raises(ModelLoadError, match=r"options\.score_weights must map output types"):
         load(model_dir, options={"score_weights": weights})
+
+
+async def test_normalize_false_in_the_spec_gives_raw_rows_unless_a_request_asks(
+        model_dir: Path, serve: ServeFactory) -> None:
+    raw = load(model_dir, normalize=False)
+    assert raw.info.extra["normalize"] is False
+    async with serve(raw) as served:
+        plain = await raw.encode(served.submit, TEXTS[:2], ALL)
+        unit = await raw.encode(served.submit, TEXTS[:2], EncodeOptions(
+            output_types=ALL.output_types, normalize=True))
+    raw.close()
+    wanted = reference(model_dir, TEXTS[:2])
+    for got, asked, dense in zip(plain.values, unit.values, wanted["dense"], strict=True):
+        assert got.dense is not None and got.multivector is not None
+        assert not np.isclose(np.linalg.norm(got.dense), 1.0, atol=1e-3)
+        np.testing.assert_allclose(got.dense / np.linalg.norm(got.dense), dense, atol=1e-5)
+        assert not np.allclose(np.linalg.norm(got.multivector, axis=1), 1.0, atol=1e-3)
+        assert asked.dense is not None
+        np.testing.assert_allclose(asked.dense, dense, atol=1e-5)
 
 
 def test_params_items_and_answers_cross_the_process_wire(adapter: M3Adapter) -> None:
@@ -225,12 +284,22 @@ def test_lexical_weights_keep_each_ids_largest_positive_weight() -> None:
     assert empty.indices.size == 0 and empty.values.size == 0
 
 
-def test_a_folder_is_an_m3_model_where_its_heads_need_no_pickle(model_dir: Path, tmp_path: Path,
-                                                                  caplog: pytest.LogCaptureFixture
-                                                                  ) -> None:
-    # Pickled heads need a YAML that allows them: the folder alone serves its encoder.
-    assert spec_from_directory(model_dir).adapter == "transformer"
+async def test_a_folder_is_an_m3_model_where_its_heads_need_no_pickle(
+        model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        serve: ServeFactory) -> None:
+    # Pickled heads need a YAML that allows them: the folder alone serves its encoder's
+    # dense output as BGE-M3 makes it, the normalized CLS vector (found by a black-box
+    # review: it was mean-pooled and left unnormalized).
+    plain = spec_from_directory(model_dir)
+    assert plain.adapter == "transformer"
+    assert (plain.pooling, plain.normalize) == ("cls", True)
     assert "adapter: m3 and allow_pickle: true" in caplog.text
+    encoder = transformer.load(plain, Runtime(backend="torch"))
+    async with serve(encoder) as served:
+        out = await encoder.encode(served.submit, TEXTS[:3], EncodeOptions())
+    encoder.close()
+    wanted = reference(model_dir, TEXTS[:3])["dense"]
+    np.testing.assert_allclose([e.dense for e in out.values], wanted, atol=1e-5)
     safe = build_m3(tmp_path / "safe", heads=".safetensors")
     assert spec_from_directory(safe).adapter == "m3"
     # Safetensors heads need no pickle, and give the same weights' outputs.

@@ -293,6 +293,31 @@ def test_hub_ids_of_the_default_and_preloads_join_the_models_every_process_loads
     assert settings.model_paths == (Path("org/default"), Path("org/other"))
 
 
+def test_a_folder_is_a_default_or_preload_by_its_path_or_its_local_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a black-box review: `--model /d/m3 --default-model local/m3` read local/m3
+    as a Hub id that clashed with the folder, and `--default-model /d/m3` was not in the
+    catalog; a folder could be the default model only through a YAML."""
+    from ember.cli import with_hub_models
+    from ember.config import load_catalog
+
+    first, second = tmp_path / "m3", tmp_path / "other"
+    first.mkdir()
+    second.mkdir()
+    monkeypatch.chdir(tmp_path)
+    known = load_catalog()
+    by_name = with_hub_models(parse("--model", str(first), "--default-model", "local/m3"),
+                              known)
+    assert (by_name.default_model, by_name.model_paths) == ("local/m3", (first,))
+    by_path = with_hub_models(parse("--default-model", "./m3", "--preload",
+                                    f"{second},org/hub,{SPACY}"), known)
+    assert by_path.default_model == "local/m3"
+    assert by_path.preload == ("local/other", "org/hub", SPACY)
+    assert by_path.model_paths == (Path("m3"), second, Path("org/hub"))
+    named_twice = with_hub_models(parse("--model", str(first), "--default-model", "m3"), known)
+    assert (named_twice.default_model, named_twice.model_paths) == ("local/m3", (first,))
+
+
 def test_model_names_local_directories(monkeypatch: pytest.MonkeyPatch) -> None:
     assert parse("--model", "/m/a", "--model", "/m/b").model_paths == (Path("/m/a"),
                                                                       Path("/m/b"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import msgpack
 import msgpack_numpy
 import numpy as np
@@ -95,6 +96,43 @@ async def test_an_m3_model_answers_the_outputs_asked_for_from_one_forward(
     assert scored.status_code == 200 and len(scored.json()["scores"]) == 2
 
 
+async def test_an_m3_models_weights_per_request_and_its_shortened_vectors(
+        tiny: Served) -> None:
+    texts = ["hello world", "the cat and the dog", "hello cat"]
+    pairs = {"query": {"text": "hello cat"}, "items": [{"text": t} for t in texts]}
+
+    async def score(model: str, options: dict[str, Any], where: str) -> httpx.Response:
+        body = {**pairs, "options": options} if where == "top" else \
+            {**pairs, "params": {"options": options}}
+        return await tiny.client.post(f"/v1/score/{model}", json=body)
+
+    def by_item(response: httpx.Response) -> list[float]:
+        assert response.status_code == 200, response.text
+        return [s["score"] for s in sorted(response.json()["scores"],
+                                           key=lambda s: int(s["item_id"]))]
+
+    dense = by_item(await score(M3, {}, "params"))
+    sparse = by_item(await score(M3, {"score_weights": {"sparse": 1.0}}, "top"))
+    mixed = by_item(await score(M3, {"score_weights": {"dense": 1, "sparse": 1}}, "params"))
+    assert sparse != dense
+    np.testing.assert_allclose(mixed, (np.array(dense) + np.array(sparse)) / 2, atol=1e-6)
+    for where, param in (("params", "params.options.score_weights"),
+                         ("top", "options.score_weights")):
+        bad = await score(M3, {"score_weights": {"dense": -1}}, where)
+        assert "finite weights >= 0" in assert_error(bad, 422, "invalid_request", param)[
+            "message"]
+        other = await score(COLBERT, {"score_weights": {"dense": 1}}, where)
+        assert "scores by one output" in assert_error(other, 422, "invalid_request", param)[
+            "message"]
+    # OpenAI's dimensions: BGE-M3's dense vectors are unit, and so are their shortened ones.
+    short = await tiny.client.post("/v1/embeddings", json={"model": M3, "input": texts,
+                                                           "dimensions": 8})
+    assert short.status_code == 200, short.text
+    got = np.array([row["embedding"] for row in short.json()["data"]])
+    assert got.shape == (3, 8)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+
+
 async def test_msgpack_carries_sparse_and_multivector_as_numpy(tiny: Served) -> None:
     for model, key in ((SPARSE, "sparse"), (COLBERT, "multivector")):
         response = await tiny.client.post(
@@ -138,19 +176,22 @@ async def test_float16_halves_and_stays_close(shared: Served) -> None:
     assert np.max(np.abs(np.array(values) - np.array(f32))) < 1e-3
 
 
-@pytest.mark.parametrize(("model", "params", "param", "words"), [
-    (MINILM, {"output_dtype": "int4"}, "params.output_dtype", "float32"),
-    (MINILM, {"output_types": ["sparse"]}, "params.output_types", "dense"),
-    (SPARSE, {"output_types": ["dense"]}, "params.output_types", "sparse"),
-    (SPARSE, {"output_dtype": "binary"}, "params.output_dtype", "int8"),
-    (MINILM, {"instruction": "Represent this"}, "params.instruction", "no prompts"),
+@pytest.mark.parametrize(("model", "params", "param", "kind", "words"), [
+    (MINILM, {"output_dtype": "int4"}, "params.output_dtype", "invalid_request", "float32"),
+    (MINILM, {"output_types": ["sparse"]}, "params.output_types", "unsupported_output",
+     "dense"),
+    (SPARSE, {"output_types": ["dense"]}, "params.output_types", "unsupported_output",
+     "sparse"),
+    (SPARSE, {"output_dtype": "binary"}, "params.output_dtype", "invalid_request", "int8"),
+    (MINILM, {"instruction": "Represent this"}, "params.instruction", "invalid_request",
+     "no prompts"),
 ])
 async def test_what_a_model_cannot_produce_is_a_422_saying_what_it_can(
         shared: Served, tiny: Served, model: str, params: dict[str, Any], param: str,
-        words: str) -> None:
+        kind: str, words: str) -> None:
     served = tiny if model.startswith("tiny/") else shared
     response = await encode(served, model, ["hello"], **params)
-    error = assert_error(response, 422, param=param)
+    error = assert_error(response, 422, kind, param)
     assert words in error["message"]
 
 

@@ -120,6 +120,14 @@ async def test_models_lists_the_catalog_with_states(shared: Served) -> None:
     assert models[SYNTH]["state"] == "loaded" and models[SYNTH]["dims"] == 64
     assert models[BROKEN]["state"] in ("available", "failed")
     assert models[BROKEN]["dims"] is None  # known once loaded
+    # A catalog entry's declared dims before its load (found by a review: `ember models
+    # --url` showed none where `ember models` showed them): the model's first output's.
+    sie = {m["name"]: m for m in data["models"]}
+    assert models["BAAI/bge-base-en-v1.5"]["state"] == "available"
+    assert models["BAAI/bge-base-en-v1.5"]["dims"] == 768
+    assert sie["BAAI/bge-base-en-v1.5"]["dims"] == {"dense": 768}
+    assert models["BAAI/bge-m3"]["dims"] == 1024
+    assert sie["BAAI/bge-m3"]["dims"] == {"dense": 1024}
     # Whether a model's files are here (found by a black-box review: offline, every Hub
     # model read "available" with nothing to load it from).
     assert minilm["cached"] is True and models[SPACY]["cached"] is True  # packages

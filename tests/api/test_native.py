@@ -85,7 +85,7 @@ async def test_encode_truncates_long_text_by_default(shared: Served) -> None:
 async def test_encode_unknown_output_type_is_422(shared: Served) -> None:
     response = await shared.client.post(f"/v1/encode/{MINILM}",
                                         json=encode_body("x", output_types=["sparse"]))
-    assert_error(response, 422, "invalid_request", "params.output_types")
+    assert_error(response, 422, "unsupported_output", "params.output_types")
 
 
 async def test_concurrent_encodes_get_their_own_vectors_and_share_forwards(

@@ -59,6 +59,11 @@ def main(url: str, out: str) -> None:
                          "sparse": {"indices": item["sparse"]["indices"].tolist(),
                                     "values": item["sparse"]["values"].tolist()},
                          "multivector": item["multivector"].tolist()} for item in m3]
+        # ...and its score weighed per call, as FlagEmbedding's compute_score is.
+        report["m3_scores"] = client.score(
+            M3, {"text": QUERY}, [{"id": "p", "text": DOCS[0]}, {"id": "s", "text": DOCS[1]}],
+            options={"score_weights": {"dense": 0.4, "sparse": 0.2, "multivector": 0.4}}
+        )["scores"]
 
         scored = client.score(MINILM, {"text": QUERY}, [{"id": "p", "text": DOCS[0]},
                                                         {"id": "s", "text": DOCS[1]}],

@@ -73,6 +73,22 @@ def test_an_m3_models_three_outputs_read_as_the_native_route_gives_them(
                                    atol=1e-6)
 
 
+def test_an_m3_models_score_weights_travel_in_the_sdks_options(
+        report: dict[str, Any], server: ServerProcess) -> None:
+    weights = {"dense": 0.4, "sparse": 0.2, "multivector": 0.4}
+    pairs = {"query": {"text": QUERY}, "items": [{"id": "p", "text": DOCS[0]},
+                                                 {"id": "s", "text": DOCS[1]}]}
+    native = httpx.post(f"{server.url}/v1/score/{M3}", timeout=60,
+                        json={**pairs, "params": {"options": {"score_weights": weights}}})
+    dense = httpx.post(f"{server.url}/v1/score/{M3}", timeout=60, json=pairs)
+    assert native.status_code == 200 and dense.status_code == 200, native.text
+    got = {s["item_id"]: s["score"] for s in report["m3_scores"]}
+    assert got == pytest.approx({s["item_id"]: s["score"] for s in native.json()["scores"]},
+                                abs=1e-6)
+    assert got != pytest.approx({s["item_id"]: s["score"] for s in dense.json()["scores"]},
+                                abs=1e-6)
+
+
 def test_batches_keep_ids_and_order(report: dict[str, Any], server: ServerProcess) -> None:
     assert report["batch_ids"] == ["a", None]
     expected = native_vectors(server, MINILM, DOCS)

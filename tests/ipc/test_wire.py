@@ -18,7 +18,14 @@ from ember.adapters.cross_encoder import Pair, ScoreParams
 from ember.adapters.transformer import EncodeParams
 from ember.api.errors import as_api_error
 from ember.engine import QueueFull, RequestTooLarge, ShuttingDown, WorkerFailed
-from ember.errors import InputTooLong, InvalidInput, ModelLoadError, ModelNotFound, UnsupportedTask
+from ember.errors import (
+    InputTooLong,
+    InvalidInput,
+    ModelLoadError,
+    ModelNotFound,
+    UnsupportedOutput,
+    UnsupportedTask,
+)
 from ember.ipc.wire import (
     WIRE_TYPES,
     RemoteFault,
@@ -114,6 +121,8 @@ ERRORS: list[tuple[Exception, int, str]] = [
      "invalid_request"),
     (InputTooLong("600 tokens exceeds max_seq_length 256", "items[2].text"), 400,
      "input_too_long"),
+    (UnsupportedOutput("output_types ['sparse'] not supported", "params.output_types"), 422,
+     "unsupported_output"),
     (ModelNotFound("nope", ["a", "b"]), 404, "model_not_found"),
     (ModelLoadError("m", "weights missing"), 502, "model_load_failed"),
     (UnsupportedTask("m", "extract", ("encode",)), 422, "unsupported_task"),

@@ -167,7 +167,7 @@ CASES = [
         {"items": [{"text": "Ada Lovelace lived in London."}],
          "params": {"labels": ["NOT_A_LABEL"]}}, param="params.labels[0]"),
     Bad("unknown-output-type", ENC_MINILM, {**ONE, "params": {"output_types": ["colbert"]}},
-        param="params.output_types"),
+        kind="unsupported_output", param="params.output_types"),
     Bad("task-not-supported", f"/v1/extract/{SYNTH}", ONE, kind="unsupported_task",
         param="model"),
     Bad("too-long-without-truncation", ENC_MINILM,

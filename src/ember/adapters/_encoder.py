@@ -102,10 +102,15 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         """Score's value for each document against the query."""
         raise NotImplementedError
 
-    def score_output_types(self) -> tuple[str, ...]:
+    def score_output_types(self, options: ScoreOptions) -> tuple[str, ...]:
         """The outputs score's forwards make: every one the model has, unless a family
-        compares by fewer."""
+        compares by fewer (or by those the request weighs)."""
         return self.info.output_types
+
+    def compare(self, query: ValueT, docs: Sequence[ValueT],
+                options: ScoreOptions) -> list[float]:
+        """Score's values: `similarity`, unless a family weighs its outputs by request."""
+        return self.similarity(query, docs)
 
     def similarity_us(self, query: ValueT, docs: Sequence[ValueT]) -> float:
         """About how long `similarity` takes, in microseconds: a long one runs off the
@@ -151,7 +156,7 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         self._require("score")
         common.require_items(len(docs))
         self.model.check_lora(options.lora)
-        output_types = self.score_output_types()
+        output_types = self.score_output_types(options)
         q_params = self.params(EncodeOptions(is_query=True, output_types=output_types))
         d_params = self.params(EncodeOptions(is_query=False, output_types=output_types))
         where = ["query.text", *(f"items[{i}].text" for i in range(len(docs)))]
@@ -163,7 +168,7 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         queue_ms, inference_ms = combine(results)
         asked, candidates = values[0], values[1:]
         scores = await off_loop_if(self.similarity_us(asked, candidates) >= OFFLOAD_US,
-                                   lambda: self.similarity(asked, candidates))
+                                   lambda: self.compare(asked, candidates, options))
         return TaskOutput(scores, queue_ms, inference_ms, sum(item.cost for item in items))
 
     async def encode_ids(self, submit: Submit, rows: Sequence[Sequence[int]],

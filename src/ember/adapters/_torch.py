@@ -32,7 +32,7 @@ from ember.adapters.base import (
 )
 from ember.config import ModelSpec
 from ember.engine.types import PreparedItem, RequestResult
-from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
+from ember.errors import InvalidInput, ModelLoadError, UnsupportedOutput, UnsupportedTask
 from ember.model_files import read_model_file, read_model_json
 
 if TYPE_CHECKING:
@@ -355,8 +355,8 @@ def check_output_types(requested: Sequence[str], supported: Sequence[str]) -> tu
         return (supported[0],)
     unknown = [t for t in requested if t not in supported]
     if unknown:
-        raise InvalidInput(f"output_types {list(requested)} not supported; this model "
-                           f"returns {list(supported)}", "params.output_types")
+        raise UnsupportedOutput(f"output_types {list(requested)} not supported; this model "
+                                f"returns {list(supported)}", "params.output_types")
     return tuple(dict.fromkeys(requested))
 
 

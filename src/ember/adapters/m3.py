@@ -47,15 +47,14 @@ from ember.adapters._backend import Forward, load_model
 from ember.adapters._dense_layers import DenseLayer, read_weights
 from ember.adapters._encoder import BiEncoder
 from ember.adapters._tokenize import TextTokenizer
-from ember.adapters.base import Encoded, EncodeOptions, Runtime, SparseVector
+from ember.adapters.base import Encoded, EncodeOptions, Runtime, ScoreOptions, SparseVector
 from ember.adapters.multivector import maxsim
 from ember.adapters.sparse import dots
-from ember.config import M3_HEADS, ModelSpec, resolve_source
+from ember.config import M3_HEADS, ModelSpec, m3_score_weights, resolve_source
 from ember.engine.types import PreparedItem
-from ember.errors import ModelLoadError
+from ember.errors import InvalidInput, ModelLoadError
 
 OUTPUT_TYPES = ("dense", "sparse", "multivector")
-WEIGHTS_EXAMPLE = "{dense: 0.4, sparse: 0.2, multivector: 0.4}"
 Floats = npt.NDArray[np.float32]
 
 
@@ -87,16 +86,11 @@ def read_head(spec: ModelSpec, model_dir: Path, head: str, hidden_size: int,
 
 
 def score_weights(spec: ModelSpec) -> dict[str, float]:
-    """The spec's `score_weights` (default: the dense cosine alone), those above 0."""
-    named = spec.options.get("score_weights", {"dense": 1.0})
-    wrong = (f"options.score_weights must map output types ({', '.join(OUTPUT_TYPES)}) to "
-             f"weights >= 0, at least one above 0, e.g. {WEIGHTS_EXAMPLE}; got {named!r}")
-    if not isinstance(named, dict) or set(named) - set(OUTPUT_TYPES):
-        raise ModelLoadError(spec.name, wrong)
-    if any(isinstance(w, bool) or not isinstance(w, int | float) or not 0 <= w < float("inf")
-           for w in named.values()) or not any(w > 0 for w in named.values()):
-        raise ModelLoadError(spec.name, wrong)
-    return {kind: float(named[kind]) for kind in OUTPUT_TYPES if named.get(kind, 0) > 0}
+    """The spec's `score_weights` (default: the dense cosine alone), scaled to sum to 1."""
+    try:
+        return m3_score_weights(spec.options.get("score_weights", {"dense": 1.0}))
+    except ValueError as exc:
+        raise ModelLoadError(spec.name, f"options.score_weights {exc}") from None
 
 
 def lexical_weights(ids: npt.NDArray[Any], weights: Floats, unused: npt.NDArray[np.int64],
@@ -131,10 +125,12 @@ class M3Adapter(BiEncoder[M3Params, Encoded]):
                     tokenizer.unk_token_id)
         self.unused = np.array(sorted({int(i) for i in specials if i is not None}), np.int64)
         self.weights = weights  # score's, by output type
+        # BGE-M3's dense and multivector rows are unit unless the spec says otherwise.
+        self.normalize = True if spec.normalize is None else spec.normalize
         self.info = self.describe(
             self.hidden_size, OUTPUT_TYPES,
             {"token_dims": self.token_dims, "score_weights": dict(self.weights),
-             "backend": model.backend},
+             "normalize": self.normalize, "backend": model.backend},
             {"dense": self.hidden_size, "sparse": self.vocab_size,
              "multivector": self.token_dims})
 
@@ -190,26 +186,40 @@ class M3Adapter(BiEncoder[M3Params, Encoded]):
 
     def params(self, options: EncodeOptions) -> M3Params:
         asked = common.check_output_types(options.output_types, OUTPUT_TYPES)
-        normalize = True if options.normalize is None else options.normalize
+        normalize = self.normalize if options.normalize is None else options.normalize
         # In one order, so requests naming the same outputs share forwards (R6).
         return M3Params(self.side_prefix(options), normalize,
                         tuple(t for t in OUTPUT_TYPES if t in asked))
 
-    def score_output_types(self) -> tuple[str, ...]:
-        return tuple(self.weights)
+    def weights_of(self, options: ScoreOptions) -> dict[str, float]:
+        """The request's score weights, else the spec's."""
+        if options.score_weights is None:
+            return self.weights
+        try:
+            return m3_score_weights(options.score_weights)
+        except ValueError as exc:
+            raise InvalidInput(f"options.score_weights {exc}",
+                               "params.options.score_weights") from None
+
+    def score_output_types(self, options: ScoreOptions) -> tuple[str, ...]:
+        return tuple(self.weights_of(options))
 
     def encoded(self, value: Encoded) -> Encoded:
         return value
 
     def similarity(self, query: Encoded, docs: Sequence[Encoded]) -> list[float]:
-        """The weighted mean of the scores of the outputs with a weight."""
+        return self.compare(query, docs, ScoreOptions())
+
+    def compare(self, query: Encoded, docs: Sequence[Encoded],
+                options: ScoreOptions) -> list[float]:
+        """The weighted mean of the scores of the outputs with a weight (weights sum to 1)."""
         total = np.zeros(len(docs))
-        for kind, weight in self.weights.items():
+        for kind, weight in self.weights_of(options).items():
             total += weight * np.asarray(_SCORES[kind](query, docs))
-        return [float(s) for s in total / sum(self.weights.values())]
+        return [float(s) for s in total]
 
     def similarity_us(self, query: Encoded, docs: Sequence[Encoded]) -> float:
-        if "multivector" not in self.weights or query.multivector is None:
+        if query.multivector is None:  # made only where its score is weighed
             return 2.5 * len(docs)
         # MaxSim's pairs, as the multivector family counts them.
         pairs = len(query.multivector) * sum(len(d.multivector) for d in docs

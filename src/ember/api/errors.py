@@ -29,6 +29,7 @@ from ember.errors import (
     InvalidInput,
     ModelLoadError,
     ModelNotFound,
+    UnsupportedOutput,
     UnsupportedTask,
 )
 from ember.ipc.wire import RemoteFault
@@ -119,6 +120,8 @@ def as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, InputTooLong):
         # 400 with INPUT_TOO_LONG is what sie-sdk turns into its InputTooLongError.
         return ApiError(400, "input_too_long", exc.message, exc.param)
+    if isinstance(exc, UnsupportedOutput):
+        return ApiError(422, "unsupported_output", exc.message, exc.param)
     if isinstance(exc, InvalidInput):
         return ApiError(422, "invalid_request", exc.message, exc.param)
     if isinstance(exc, UnsupportedTask):

@@ -68,6 +68,11 @@ def model_entry(registry: Models, name: str) -> dict[str, Any]:
         "cached": None if spec.adapter == "synthetic" else files_here(spec) is not None,
     }
     info = registry.info(name)
+    declared = spec.options.get("dims")  # what a catalog entry says before the model loads
+    if info is None and isinstance(declared, int) and not isinstance(declared, bool):
+        entry["dims"] = declared
+        if len(entry["output_types"]) > 1:  # the model's dims are its first output's
+            entry["output_dims"] = {entry["output_types"][0]: declared}
     if info is not None:
         entry.update(dims=info.dims, max_seq_length=info.max_seq_length,
                      output_types=list(info.output_types) if "encode" in info.tasks else [])

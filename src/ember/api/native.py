@@ -14,7 +14,14 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
-from ember.adapters.base import Encoded, EncodeOptions, ExtractOptions, ScoreOptions, TaskOutput
+from ember.adapters.base import (
+    Encoded,
+    EncodeOptions,
+    ExtractOptions,
+    ScoreOptions,
+    TaskModel,
+    TaskOutput,
+)
 from ember.api.codec import render
 from ember.api.errors import ApiError
 from ember.api.images import (
@@ -34,6 +41,7 @@ from ember.api.model_task import (
     unnamed_model,
 )
 from ember.api.routing import InferenceRoute
+from ember.errors import InvalidInput
 from ember.outputs import PACKED_BITS, quantize, quantize_sparse
 
 router = APIRouter(tags=["native"], route_class=InferenceRoute)
@@ -89,8 +97,15 @@ class EncodeRequest(Strict):
     params: EncodeParams = Field(default_factory=EncodeParams)
 
 
+class ScoreOptionsBody(PairOptions):
+    score_weights: dict[str, float] | None = Field(
+        None, description="models that score by several outputs (BGE-M3): this request's "
+        "weight of each output's score, e.g. {\"dense\": 0.4, \"sparse\": 0.2, "
+        "\"multivector\": 0.4} (default: the model's)")
+
+
 class ScoreParams(Strict):
-    options: PairOptions | None = None
+    options: ScoreOptionsBody | None = None
     instruction: str | None = None
 
 
@@ -99,7 +114,7 @@ class ScoreRequest(Strict):
     items: list[Item]
     params: ScoreParams = Field(default_factory=ScoreParams)
     # sie-sdk's placement: beside query and items rather than under params.
-    options: PairOptions | None = None
+    options: ScoreOptionsBody | None = None
     instruction: str | None = None
 
 
@@ -133,7 +148,7 @@ def encode_options(params: EncodeParams) -> EncodeOptions:
                          output_types=tuple(params.output_types or ()))
 
 
-def score_options(body: ScoreRequest) -> PairOptions:
+def score_options(body: ScoreRequest) -> ScoreOptionsBody:
     """The options from the top level (sie-sdk) or from params; given twice is a 422.
     Score models apply their own query and document prompts, so an instruction would be
     ignored: it is refused instead."""
@@ -145,12 +160,13 @@ def score_options(body: ScoreRequest) -> PairOptions:
         if instruction is not None:
             raise ApiError(422, "invalid_request", "score takes no instruction: its models "
                            "apply their own query and document prompts; remove it", param)
-    return body.options or body.params.options or PairOptions()
+    return body.options or body.params.options or ScoreOptionsBody()
 
 
 def score_options_of(body: ScoreRequest) -> ScoreOptions:
     opts = score_options(body)
-    return ScoreOptions(truncate=opts.truncate, lora=opts.lora)
+    return ScoreOptions(truncate=opts.truncate, lora=opts.lora,
+                        score_weights=opts.score_weights)
 
 
 def encoded_wire(encoded: Encoded, dtype: str) -> dict[str, Any]:
@@ -235,6 +251,16 @@ def options_names(body: ScoreRequest) -> ParamNames | None:
         "params.options.") else param
 
 
+def weighed(adapter: TaskModel, options: ScoreOptions) -> TaskModel:
+    """`adapter`, where it can weigh the request's `score_weights` (one that scores by
+    several outputs says its weights in its info); else a 422."""
+    if options.score_weights is not None and "score_weights" not in adapter.info.extra:
+        raise InvalidInput(f"model {adapter.info.name!r} scores by one output; "
+                           "options.score_weights applies to models that score by several "
+                           "(the m3 family): remove it", "params.options.score_weights")
+    return adapter
+
+
 async def score_output(model: str, body: ScoreRequest,
                        request: Request) -> TaskOutput[list[float]]:
     """The scores of a text or image score request, in the items' order."""
@@ -247,15 +273,16 @@ async def score_output(model: str, body: ScoreRequest,
         takes_images(request, model, where)
         options = score_options_of(body)
         return await run_task(request, model, "score", lambda m, a: image_model(
-            a, model, where).score_items(m.submit, query, inputs, options), count, query=True,
-            names=options_names(body))
+            weighed(a, options), model, where).score_items(m.submit, query, inputs, options),
+            count, query=True, names=options_names(body))
     else:
         texts, query_text = texts_of(body.items), texts_of([body.query], "query")[0]
         check_inputs(request, texts, suffix=".text")
         check_query(request, query_text, "query.text")
         options = score_options_of(body)
         return await run_task(request, model, "score",
-                              lambda m, a: a.score(m.submit, query_text, texts, options),
+                              lambda m, a: weighed(a, options).score(m.submit, query_text,
+                                                                     texts, options),
                               count, query=True, names=options_names(body))
 
 

@@ -21,7 +21,14 @@ import msgpack
 import numpy as np
 
 from ember.engine import QueueFull, RequestTooLarge, ShuttingDown, WorkerFailed
-from ember.errors import InputTooLong, InvalidInput, ModelLoadError, ModelNotFound, UnsupportedTask
+from ember.errors import (
+    InputTooLong,
+    InvalidInput,
+    ModelLoadError,
+    ModelNotFound,
+    UnsupportedOutput,
+    UnsupportedTask,
+)
 
 EXT_ARRAY = 1
 EXT_DATACLASS = 2
@@ -145,7 +152,8 @@ def error_to_wire(exc: BaseException) -> dict[str, Any]:
 
 def error_from_wire(body: dict[str, Any]) -> Exception:
     kinds: dict[str, type[Exception]] = {
-        "InvalidInput": InvalidInput, "InputTooLong": InputTooLong, "ModelNotFound": ModelNotFound,
+        "InvalidInput": InvalidInput, "InputTooLong": InputTooLong,
+        "UnsupportedOutput": UnsupportedOutput, "ModelNotFound": ModelNotFound,
         "ModelLoadError": ModelLoadError, "UnsupportedTask": UnsupportedTask,
         "QueueFull": QueueFull, "RequestTooLarge": RequestTooLarge,
         "ShuttingDown": ShuttingDown, "TimeoutError": TimeoutError}
