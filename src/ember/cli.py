@@ -139,7 +139,7 @@ class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         # The key's default is EMBER_API_KEY's value: help ends up in logs and tickets.
-        if action.default is None or "default" in text or action.dest == "api_key":
+        if action.default is None or "(default" in text or action.dest == "api_key":
             return text
         return super()._get_help_string(action)
 
@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Serve the catalog over HTTP. Each flag can also "
                                 "be set by the EMBER_* variable named in its help.")
 
+    # A bad variable is refused once the parser is whole, so its usage line names every
+    # command.
+    bad_variables: list[str] = []
+
     def flag(name: str, kind: Parse, default: object, text: str, env_choices: bool = True,
              **extra: object) -> None:
         try:
@@ -161,11 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
         except ValueError:
             wanted = (f"one of {', '.join(repr(v) for v in TRUE + FALSE if v)}"
                       if kind is bool else f"a valid {kind.__name__}")
-            parser.error(f"{env_name(name)}={os.environ[env_name(name)]!r} is not {wanted}")
+            bad_variables.append(f"{env_name(name)}={os.environ[env_name(name)]!r} is not "
+                                 f"{wanted}")
+            value = default
         choices = cast("list[object] | None", extra.get("choices"))
         if env_choices and choices is not None and value not in choices:  # argparse: flags
-            parser.error(f"{env_name(name)}={value!r} is not one of "
-                         f"{', '.join(map(repr, choices))}")
+            bad_variables.append(f"{env_name(name)}={value!r} is not one of "
+                                 f"{', '.join(map(repr, choices))}")
         if kind is bool:
             serve.add_argument(f"--{name}", action="store_true", default=value,
                                help=f"{text} [{env_name(name)}]")
@@ -269,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "catalog alone (dims when its YAML gives them)")
     models.add_argument("--api-key", default=os.environ.get("EMBER_API_KEY"),
                         help="the server's API key, with --url [EMBER_API_KEY]")
+    if bad_variables:
+        parser.error(bad_variables[0])
     return parser
 
 

@@ -115,7 +115,9 @@ def test_a_bad_variable_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
     with pytest.raises(SystemExit) as exit_:
         build_parser()
     assert exit_.value.code == 2
-    assert says in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert says in err
+    assert "{serve,models}" in err  # the usage of the whole command (found by a review)
 
 
 def test_a_boolean_variable_takes_its_words(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -488,6 +490,8 @@ def test_help_gives_each_default_once(capsys: pytest.CaptureFixture[str]) -> Non
     assert "(default: None)" not in text
     assert "(default: every core) [EMBER_ONNX_THREADS]" in text
     assert "[EMBER_PORT] (default: 8080)" in text
+    # A help text that says "defaults" in passing still gets its own (found by a review).
+    assert "[EMBER_DISPATCH] (default: auto)" in text
 
 
 def test_help_never_shows_the_api_key(monkeypatch: pytest.MonkeyPatch,
