@@ -163,6 +163,16 @@ CASES = [
     Bad("unknown-lora-minilm-score", f"/v1/score/{MINILM}",
         {"query": {"text": "q"}, "items": [{"text": "a"}],
          "params": {"options": {"lora": "nope"}}}, param="params.options.lora"),
+    # Score weights: nested where a number goes, NaN through msgpack, and on a model that
+    # scores by one output.
+    Bad("score-weights-nested", f"/v1/score/{MINILM}",
+        {"query": {"text": "q"}, "items": [{"text": "a"}],
+         "params": {"options": {"score_weights": {"dense": {"dense": [1.0] * 50}}}}},
+        param="params.options.score_weights.dense"),
+    Bad("score-weights-nan-msgpack", f"/v1/score/{MINILM}", raw=msgpack.packb(
+        {"query": {"text": "q"}, "items": [{"text": "a"}],
+         "options": {"score_weights": {"dense": float("nan")}}}), content_type=MSGPACK,
+        param="options.score_weights"),
     Bad("unknown-label", f"/v1/extract/{SPACY}",
         {"items": [{"text": "Ada Lovelace lived in London."}],
          "params": {"labels": ["NOT_A_LABEL"]}}, param="params.labels[0]"),
