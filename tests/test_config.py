@@ -109,7 +109,10 @@ def test_a_field_that_would_be_ignored_or_fail_every_request_is_refused_at_read(
     ("{dense: .inf}", "finite weights >= 0"), ("{dense: a}", "got {'dense': 'a'}"),
     ("{colbert: 1}", "must map output types (dense, sparse, multivector)"), ("{}", "got {}"),
     ("[1, 2]", "got [1, 2]"), ("{dense: 0}", "at least one above 0"),
-    ("{dense: 1e-1}", "'1e-1' was read as text: write it with a dot, as 1.0e-1"),
+    ("{dense: 1e-1}", "'1e-1' was read as text: write it as 0.1, or with a dot and a signed "
+     "exponent"), ("{dense: 1.0e5}", "'1.0e5' was read as text"),
+    ("{dense: 1E-1}", "'1E-1' was read as text"),
+    (f"{{dense: {10 ** 400}}}", "finite weights >= 0"),  # an int past float's range
 ])
 def test_m3_score_weights_that_mean_nothing_stop_the_start(tmp_path: Path, weights: str,
                                                           message: str) -> None:
@@ -315,6 +318,9 @@ def test_a_hub_id_given_as_a_model_keeps_the_curated_settings_at_its_revision() 
 def test_a_model_that_is_neither_a_folder_nor_a_hub_id_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(CatalogError, match=r"does not exist, and .* is not a Hub id"):
         load_catalog(model_paths=[tmp_path / "nowhere" / "deeper" / "still"])
+    # The catalog's own names of folders are never Hub ids (org "local").
+    with pytest.raises(CatalogError, match=r"does not exist, and 'local/gone' is not a Hub id"):
+        load_catalog(model_paths=["local/gone"])
 
 
 def test_a_hub_model_missing_offline_is_a_one_line_error(tmp_path: Path,

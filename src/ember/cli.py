@@ -23,6 +23,7 @@ from ember.config import (
     RaySettings,
     ServerSettings,
     files_here,
+    hub_id,
     hub_ref,
     hub_wanted,
     load_catalog,
@@ -369,7 +370,7 @@ def serve(settings: ServerSettings) -> int:
         catalog = load_catalog(settings.model_dirs, settings.model_paths)
         prefetch(settings, catalog)
     except CatalogError as exc:
-        if settings.default_model in known or not hub.parse_hub_id(settings.default_model):
+        if settings.default_model in known or hub_id(settings.default_model) is None:
             log.error("%s", exc)
         else:  # the Hub's answer first, then, for a mistyped catalog name, which there are
             log.error("default model %r: as a Hub id, %s; nor is it in the catalog (%sknown: "
@@ -432,28 +433,33 @@ def with_hub_models(settings: ServerSettings,
                     known: Mapping[str, ModelSpec]) -> ServerSettings:
     """--default-model and --preload as a user means them: a folder given there is served
     as if named by --model, under its catalog name (`local/<folder>`); a Hub id no YAML
-    describes is served as if named by --model; and a `local/<folder>` name of a --model
-    folder is that folder, not a Hub id. So every process of the server finds each in its
-    catalog."""
-    folders = {Path(p).expanduser().resolve() for p in settings.model_paths
-               if Path(p).expanduser().is_dir()}
-    named = {str(p) for p in settings.model_paths} | {local_name(p) for p in folders}
+    describes is served as if named by --model; and a `local/` name is never a Hub id. So
+    every process of the server finds each in its catalog."""
+    given = {Path(p).expanduser().resolve() for p in settings.model_paths
+             if Path(p).expanduser().is_dir()}
+    named = {str(p) for p in settings.model_paths}
 
-    def is_folder(name: str) -> bool:
-        return name not in known and Path(name).expanduser().is_dir()
+    def folder(name: str) -> Path | None:
+        path = Path(name).expanduser()
+        return path if name not in known and path.is_dir() else None
 
-    extra = [Path(name) for name in dict.fromkeys((settings.default_model, *settings.preload))
-             if (is_folder(name) and Path(name).expanduser().resolve() not in folders)
-             or (name not in known and name not in named and not is_folder(name)
-                 and hub.parse_hub_id(name))]
-    return replace(settings, default_model=catalog_name(settings.default_model, is_folder),
-                   preload=tuple(catalog_name(name, is_folder) for name in settings.preload),
+    def to_serve(name: str) -> Path | None:
+        """What --model would be given for `name`, where no --model or YAML gives it."""
+        if (path := folder(name)) is not None:
+            return None if path.resolve() in given else path
+        if name in known or name in named or hub_id(name) is None:
+            return None
+        return Path(name)
+
+    extra = [path for name in dict.fromkeys((settings.default_model, *settings.preload))
+             if (path := to_serve(name)) is not None]
+
+    def catalog_name(name: str) -> str:
+        return local_name(name) if folder(name) is not None else name
+
+    return replace(settings, default_model=catalog_name(settings.default_model),
+                   preload=tuple(catalog_name(name) for name in settings.preload),
                    model_paths=(*settings.model_paths, *extra))
-
-
-def catalog_name(name: str, is_folder: Callable[[str], bool]) -> str:
-    """What --default-model or --preload names in the catalog (a folder: `local/<it>`)."""
-    return local_name(name) if is_folder(name) else name
 
 
 def prefetch(settings: ServerSettings, catalog: dict[str, ModelSpec]) -> None:

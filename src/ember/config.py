@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import re
 import typing
 from collections.abc import Iterable, Mapping
@@ -96,12 +97,13 @@ def m3_score_weights(named: object) -> dict[str, float]:
     if not isinstance(named, Mapping) or not named or set(named) - set(outputs):
         raise ValueError(wrong)
     for weight in named.values():
-        if isinstance(weight, str) and re.fullmatch(r"[-+]?[\d.]+e[-+]?\d+", weight.strip()):
-            # YAML 1.1 reads 1e-1 (no dot) as text.
-            raise ValueError(f"{wrong} ({weight!r} was read as text: write it with a dot, "
-                             "as 1.0e-1)")
+        if isinstance(weight, str) and re.fullmatch(r"[-+]?[\d.]+e[-+]?\d+", weight.strip(),
+                                                     re.IGNORECASE):
+            # YAML 1.1 reads a number in e-notation as text unless it has both.
+            raise ValueError(f"{wrong} ({weight!r} was read as text: write it as 0.1, or "
+                             "with a dot and a signed exponent, as 1.0e-1 or 1.0e+5)")
         if isinstance(weight, bool) or not isinstance(weight, int | float) \
-                or not 0 <= weight < float("inf"):
+                or not weight >= 0 or not _finite(weight):
             raise ValueError(wrong)
     largest = max(float(w) for w in named.values())
     if not largest > 0:
@@ -109,6 +111,13 @@ def m3_score_weights(named: object) -> dict[str, float]:
     scaled = {kind: float(named[kind]) / largest for kind in outputs if named.get(kind, 0) > 0}
     total = sum(scaled.values())
     return {kind: weight / total for kind, weight in scaled.items() if weight / total > 0}
+
+
+def _finite(number: float) -> bool:
+    try:
+        return math.isfinite(float(number))
+    except OverflowError:  # an int past float's range
+        return False
 
 
 def _model_json(path: Path) -> dict[str, Any]:
@@ -373,7 +382,7 @@ def load_catalog(extra_dirs: Iterable[Path] = (), model_paths: Iterable[Path | s
     model_paths = list(model_paths)
     named_by: dict[str, Path | str] = {}  # a catalog name -> the --model that gave it
     for named in model_paths:  # the Hub ids first, before anything downloads
-        ref = None if Path(named).expanduser().is_dir() else parse_hub_id(str(named))
+        ref = None if Path(named).expanduser().is_dir() else hub_id(named)
         if ref is not None:
             _named_once(ref.repo, named, named_by)
     for named in model_paths:
@@ -397,7 +406,7 @@ def spec_for_model(named: Path | str, catalog: Mapping[str, ModelSpec]) -> Model
     path = Path(named).expanduser()
     if path.is_dir():
         return spec_from_directory(path)
-    ref = parse_hub_id(str(named))
+    ref = hub_id(named)
     if ref is None:
         raise CatalogError(f"model directory {path.resolve()} does not exist, and "
                            f"{str(named)!r} is not a Hub id (org/name[@revision])")
@@ -407,9 +416,17 @@ def spec_for_model(named: Path | str, catalog: Mapping[str, ModelSpec]) -> Model
         raise CatalogError(str(exc)) from None
 
 
+LOCAL_PREFIX = "local/"  # the catalog names of model folders given without a YAML
+
+
 def local_name(path: Path | str) -> str:
     """The catalog name of a model directory named without a YAML file."""
-    return f"local/{Path(path).expanduser().resolve().name}"
+    return f"{LOCAL_PREFIX}{Path(path).expanduser().resolve().name}"
+
+
+def hub_id(named: Path | str) -> HubRef | None:
+    """`org/name[@revision]` as a Hub id, unless it is one of the catalog's `local/` names."""
+    return None if str(named).startswith(LOCAL_PREFIX) else parse_hub_id(str(named))
 
 
 def spec_from_directory(path: Path) -> ModelSpec:
@@ -564,7 +581,7 @@ def hub_spec_on_request(name: str) -> ModelSpec | None:
     models (--allow-hub-models); None otherwise. Blocking: it may download."""
     from ember import hub
 
-    ref = parse_hub_id(name)
+    ref = hub_id(name)
     if ref is None or ref.revision is not None or not hub.requests_may_download():
         return None
     return spec_from_hub(ref, download=True)

@@ -241,9 +241,16 @@ async def test_normalize_false_in_the_spec_gives_raw_rows_unless_a_request_asks(
         plain = await raw.encode(served.submit, TEXTS[:2], ALL)
         unit = await raw.encode(served.submit, TEXTS[:2], EncodeOptions(
             output_types=ALL.output_types, normalize=True))
+        # Scores stay FlagEmbedding's, of unit rows (found by a review: raw dot products).
+        cosines = await raw.score(served.submit, TEXTS[0], TEXTS[1:3], ScoreOptions())
+        maxsims = await raw.score(served.submit, TEXTS[0], TEXTS[1:3],
+                                  ScoreOptions(score_weights={"multivector": 1.0}))
     raw.close()
-    wanted = reference(model_dir, TEXTS[:2])
-    for got, asked, dense in zip(plain.values, unit.values, wanted["dense"], strict=True):
+    wanted = reference(model_dir, TEXTS[:3])
+    np.testing.assert_allclose(cosines.values, [float(wanted["dense"][0] @ wanted["dense"][i])
+                                                for i in (1, 2)], atol=1e-5)
+    assert all(0 < score <= 1 + 1e-6 for score in maxsims.values)
+    for got, asked, dense in zip(plain.values, unit.values, wanted["dense"][:2], strict=True):
         assert got.dense is not None and got.multivector is not None
         assert not np.isclose(np.linalg.norm(got.dense), 1.0, atol=1e-3)
         np.testing.assert_allclose(got.dense / np.linalg.norm(got.dense), dense, atol=1e-5)

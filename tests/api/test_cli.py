@@ -318,6 +318,22 @@ def test_a_folder_is_a_default_or_preload_by_its_path_or_its_local_name(
     assert by_path.model_paths == (Path("m3"), second, Path("org/hub"))
     named_twice = with_hub_models(parse("--model", str(first), "--default-model", "m3"), known)
     assert (named_twice.default_model, named_twice.model_paths) == ("local/m3", (first,))
+    # A local/ name is never a Hub id: a mistyped one is not sent to the Hub as org "local".
+    typo = with_hub_models(parse("--model", str(first), "--default-model", "local/m33"), known)
+    assert (typo.default_model, typo.model_paths) == ("local/m33", (first,))
+
+
+def test_a_folder_default_that_holds_no_model_is_named_as_a_folder(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a review: the refusal called the folder's local/ name a Hub id."""
+    empty = tmp_path / "bge"
+    empty.mkdir()
+    assert main(["serve", "--default-model", str(empty), "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "holds no model Ember recognises" in err and "as a Hub id" not in err, err
+    assert main(["serve", "--default-model", "local/nothing", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "default model 'local/nothing' is not in the catalog" in err, err
 
 
 def test_model_names_local_directories(monkeypatch: pytest.MonkeyPatch) -> None:

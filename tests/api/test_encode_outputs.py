@@ -121,9 +121,21 @@ async def test_an_m3_models_weights_per_request_and_its_shortened_vectors(
         bad = await score(M3, {"score_weights": {"dense": -1}}, where)
         assert "finite weights >= 0" in assert_error(bad, 422, "invalid_request", param)[
             "message"]
+        as_text = await score(M3, {"score_weights": {"dense": "0.5"}}, where)
+        assert_error(as_text, 422, "invalid_request", f"{param}.dense")
         other = await score(COLBERT, {"score_weights": {"dense": 1}}, where)
         assert "scores by one output" in assert_error(other, 422, "invalid_request", param)[
             "message"]
+    # Refused from the catalog entry, before a load (which would fail here, offline: 502).
+    cold = await score("BAAI/bge-base-en-v1.5", {"score_weights": {"dense": 1}}, "params")
+    assert "scores by one output" in assert_error(
+        cold, 422, "invalid_request", "params.options.score_weights")["message"]
+    # NaN, which only msgpack carries.
+    nan = await tiny.client.post(f"/v1/score/{M3}", content=msgpack.packb(
+        {**pairs, "options": {"score_weights": {"dense": float("nan")}}}),
+        headers={"content-type": "application/msgpack"})
+    assert "finite weights >= 0" in assert_error(nan, 422, "invalid_request",
+                                                 "options.score_weights")["message"]
     # OpenAI's dimensions: BGE-M3's dense vectors are unit, and so are their shortened ones.
     short = await tiny.client.post("/v1/embeddings", json={"model": M3, "input": texts,
                                                            "dimensions": 8})

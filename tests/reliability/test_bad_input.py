@@ -163,15 +163,19 @@ CASES = [
     Bad("unknown-lora-minilm-score", f"/v1/score/{MINILM}",
         {"query": {"text": "q"}, "items": [{"text": "a"}],
          "params": {"options": {"lora": "nope"}}}, param="params.options.lora"),
-    # Score weights: nested where a number goes, NaN through msgpack, and on a model that
-    # scores by one output.
+    # Score weights: nested or a bool where a number goes, and on a model that scores by one
+    # output, through msgpack (an M3 model's NaN: tests/api/test_encode_outputs.py).
     Bad("score-weights-nested", f"/v1/score/{MINILM}",
         {"query": {"text": "q"}, "items": [{"text": "a"}],
          "params": {"options": {"score_weights": {"dense": {"dense": [1.0] * 50}}}}},
         param="params.options.score_weights.dense"),
-    Bad("score-weights-nan-msgpack", f"/v1/score/{MINILM}", raw=msgpack.packb(
+    Bad("score-weights-a-bool", f"/v1/score/{MINILM}",
         {"query": {"text": "q"}, "items": [{"text": "a"}],
-         "options": {"score_weights": {"dense": float("nan")}}}), content_type=MSGPACK,
+         "params": {"options": {"score_weights": {"dense": True}}}},
+        param="params.options.score_weights.dense"),
+    Bad("score-weights-one-output-model-msgpack", f"/v1/score/{MINILM}", raw=msgpack.packb(
+        {"query": {"text": "q"}, "items": [{"text": "a"}],
+         "options": {"score_weights": {"dense": 1.0}}}), content_type=MSGPACK,
         param="options.score_weights"),
     Bad("unknown-label", f"/v1/extract/{SPACY}",
         {"items": [{"text": "Ada Lovelace lived in London."}],

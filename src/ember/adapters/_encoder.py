@@ -58,6 +58,9 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
     max_seq_length: int
     tokens: TextTokenizer
     prompts: dict[str, str]
+    # Whether score's forwards normalize: the family's own setting (None), or always where
+    # its scores are defined on unit rows.
+    score_normalize: bool | None = None
 
     def __init__(self, spec: ModelSpec, family: str, tokenizer: Any, runtime: Runtime,
                  model: Forward) -> None:
@@ -157,8 +160,9 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         common.require_items(len(docs))
         self.model.check_lora(options.lora)
         output_types = self.score_output_types(options)
-        q_params = self.params(EncodeOptions(is_query=True, output_types=output_types))
-        d_params = self.params(EncodeOptions(is_query=False, output_types=output_types))
+        q_params, d_params = (self.params(EncodeOptions(
+            is_query=side, output_types=output_types, normalize=self.score_normalize))
+            for side in (True, False))
         where = ["query.text", *(f"items[{i}].text" for i in range(len(docs)))]
         texts = [q_params.prefix + query, *(d_params.prefix + d for d in docs)]
         items = await off_loop(sum(map(len, texts)),

@@ -53,8 +53,9 @@ class ScoreOptions:
     truncate: bool = True
     lora: str | None = None
     raw: bool = False  # a cross-encoder's logits, before its activation (TEI's raw_scores)
-    # Each output's weight in this request's score, where a family scores by several (m3).
-    score_weights: dict[str, float] | None = None
+    # Each output's weight in this request's score, where a family scores by several (m3);
+    # a dict, so left out of the hash.
+    score_weights: dict[str, float] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True)

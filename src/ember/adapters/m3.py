@@ -110,6 +110,8 @@ def lexical_weights(ids: npt.NDArray[Any], weights: Floats, unused: npt.NDArray[
 class M3Adapter(BiEncoder[M3Params, Encoded]):
     """One M3 encoder over an encoder directory and its two heads."""
 
+    score_normalize = True  # FlagEmbedding's scores: cosines and MaxSim of unit rows
+
     def __init__(self, spec: ModelSpec, model: Forward, config: Any, tokenizer: Any,
                  runtime: Runtime, heads: tuple[DenseLayer, DenseLayer],
                  weights: dict[str, float]) -> None:

@@ -17,6 +17,7 @@ from starlette.types import Message
 from ember.adapters.base import Encoded, EncodeOptions, TaskModel, TaskOutput
 from ember.api.errors import ApiError, ClientGone, RequestTimeout, as_api_error
 from ember.api.state import ServedModel, server_state
+from ember.config import ModelSpec
 from ember.engine import RequestTooLarge
 from ember.errors import UnsupportedTask
 from ember.metrics import labelled
@@ -165,13 +166,15 @@ def route_param(param: str | None, field: str) -> str | None:
 
 async def run_task(request: Request, model_name: str, task: str | None, call: TaskCall[T],
                    items: int, field: str = "items", query: bool = False,
-                   names: ParamNames | None = None) -> TaskOutput[T]:
+                   names: ParamNames | None = None,
+                   fits: Callable[[ModelSpec], None] | None = None) -> TaskOutput[T]:
     """Run `call` on the named model under the server's timeout; record timing and metrics.
     `items` is how many inputs the request sent under `field` (its name for them, for the
     errors' `param`; `task` None: any model's, as the call checks, and no forward, so no
     room in the queue); `query`: a query is
     queued beside them (score, rerank); `names`: how
-    the route names the other fields an error may point at, where its body moves them."""
+    the route names the other fields an error may point at, where its body moves them;
+    `fits`: raises where the model's entry cannot serve the request as asked."""
     state = server_state(request)
     request.state.items = queued = items + query  # for the access log
     if not model_name:
@@ -181,9 +184,13 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
         # Refused from the catalog, before a load that could evict a model in use.
         if spec is not None and task is not None and task not in spec.tasks:
             raise UnsupportedTask(model_name, task, spec.tasks)
+        if spec is not None and fits is not None:
+            fits(spec)
 
         async def served() -> TaskOutput[T]:
             async with state.registry.use(model_name) as model:
+                if spec is None and fits is not None:  # a Hub model a request brought
+                    fits(model.spec)
                 if task is not None:  # (a task of none runs no forward: no queue to fill)
                     model.check_room(queued)
                 return await call(model, model.adapter)

@@ -7,19 +7,19 @@ so an option this server does not know is never silently dropped."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat
 
 from ember.adapters.base import (
     Encoded,
     EncodeOptions,
     ExtractOptions,
     ScoreOptions,
-    TaskModel,
     TaskOutput,
 )
 from ember.api.codec import render
@@ -41,6 +41,7 @@ from ember.api.model_task import (
     unnamed_model,
 )
 from ember.api.routing import InferenceRoute
+from ember.config import FAMILY_OPTIONS, ModelSpec
 from ember.errors import InvalidInput
 from ember.outputs import PACKED_BITS, quantize, quantize_sparse
 
@@ -98,7 +99,7 @@ class EncodeRequest(Strict):
 
 
 class ScoreOptionsBody(PairOptions):
-    score_weights: dict[str, float] | None = Field(
+    score_weights: dict[str, StrictFloat] | None = Field(
         None, description="models that score by several outputs (BGE-M3): this request's "
         "weight of each output's score, e.g. {\"dense\": 0.4, \"sparse\": 0.2, "
         "\"multivector\": 0.4} (default: the model's)")
@@ -251,14 +252,17 @@ def options_names(body: ScoreRequest) -> ParamNames | None:
         "params.options.") else param
 
 
-def weighed(adapter: TaskModel, options: ScoreOptions) -> TaskModel:
-    """`adapter`, where it can weigh the request's `score_weights` (one that scores by
-    several outputs says its weights in its info); else a 422."""
-    if options.score_weights is not None and "score_weights" not in adapter.info.extra:
-        raise InvalidInput(f"model {adapter.info.name!r} scores by one output; "
-                           "options.score_weights applies to models that score by several "
-                           "(the m3 family): remove it", "params.options.score_weights")
-    return adapter
+def weighs(options: ScoreOptions) -> Callable[[ModelSpec], None]:
+    """A check that the model weighs its outputs' scores, where the request sends weights
+    (the families whose YAML takes `options.score_weights`)."""
+    def check(spec: ModelSpec) -> None:
+        if options.score_weights is not None and \
+                "score_weights" not in FAMILY_OPTIONS.get(spec.adapter, ()):
+            raise InvalidInput(f"model {spec.name!r} scores by one output; "
+                               "options.score_weights applies to models that score by "
+                               "several (the m3 family): remove it",
+                               "params.options.score_weights")
+    return check
 
 
 async def score_output(model: str, body: ScoreRequest,
@@ -273,17 +277,17 @@ async def score_output(model: str, body: ScoreRequest,
         takes_images(request, model, where)
         options = score_options_of(body)
         return await run_task(request, model, "score", lambda m, a: image_model(
-            weighed(a, options), model, where).score_items(m.submit, query, inputs, options),
-            count, query=True, names=options_names(body))
+            a, model, where).score_items(m.submit, query, inputs, options), count, query=True,
+            names=options_names(body), fits=weighs(options))
     else:
         texts, query_text = texts_of(body.items), texts_of([body.query], "query")[0]
         check_inputs(request, texts, suffix=".text")
         check_query(request, query_text, "query.text")
         options = score_options_of(body)
         return await run_task(request, model, "score",
-                              lambda m, a: weighed(a, options).score(m.submit, query_text,
-                                                                     texts, options),
-                              count, query=True, names=options_names(body))
+                              lambda m, a: a.score(m.submit, query_text, texts, options),
+                              count, query=True, names=options_names(body),
+                              fits=weighs(options))
 
 
 @router.post("/v1/extract/{model:path}", summary="Extract entities from items")
