@@ -323,17 +323,18 @@ def test_a_folder_is_a_default_or_preload_by_its_path_or_its_local_name(
     assert (typo.default_model, typo.model_paths) == ("local/m33", (first,))
 
 
-def test_a_folder_default_that_holds_no_model_is_named_as_a_folder(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_folder_default_that_holds_no_model_is_named_as_a_folder(tmp_path: Path) -> None:
     """Found by a review: the refusal called the folder's local/ name a Hub id."""
     empty = tmp_path / "bge"
     empty.mkdir()
-    assert main(["serve", "--default-model", str(empty), "--port", "1"]) == 2
-    err = capsys.readouterr().err
-    assert "holds no model Ember recognises" in err and "as a Hub id" not in err, err
-    assert main(["serve", "--default-model", "local/nothing", "--port", "1"]) == 2
-    err = capsys.readouterr().err
-    assert "default model 'local/nothing' is not in the catalog" in err, err
+    result = run_ember("serve", "--default-model", str(empty), "--port", "1")
+    assert result.returncode == 2, result
+    assert "holds no model Ember recognises" in result.stderr, result.stderr
+    assert "as a Hub id" not in result.stderr, result.stderr
+    result = run_ember("serve", "--default-model", "local/nothing", "--port", "1")
+    assert result.returncode == 2, result
+    assert "default model 'local/nothing' is not in the catalog" in result.stderr, \
+        result.stderr
 
 
 def test_model_names_local_directories(monkeypatch: pytest.MonkeyPatch) -> None:
