@@ -6,34 +6,16 @@ the idle engine once its caller lets the answer go."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 
 from ember.engine import PreparedItem, WorkerConfig
+from tests.cycles import cyclic_garbage
 from tests.engine.helpers import items, running
 
-ENGINE_TYPES = {"_Request", "PendingItem", "PreparedItem", "RequestResult"}
-
-
-@contextmanager
-def cyclic_garbage() -> Iterator[list[str]]:
-    """The type names of the objects that only the collector could free, made inside."""
-    found: list[str] = []
-    gc.collect()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        yield found
-        gc.collect()
-        found += [type(thing).__name__ for thing in gc.garbage]
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
+ENGINE_TYPES = {"ember.engine.worker:_Request", "ember.engine.batcher:PendingItem",
+                "ember.engine.types:PreparedItem", "ember.engine.types:RequestResult"}
 
 
 async def test_answered_requests_leave_no_cycle() -> None:

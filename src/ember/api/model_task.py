@@ -144,10 +144,31 @@ async def until_disconnect(request: Request, work: Awaitable[T], timeout: float 
             raise ended[0] from None
         raise
     finally:
-        ended.append(asyncio.CancelledError())  # too late to end it now
+        # Too late to end it now. The reason raised above leaves `ended`: its traceback
+        # holds this frame, which holds `ended`, a cycle that would keep the request's
+        # body and items until the collector's next pass.
+        ended[:] = [asyncio.CancelledError()]
         timer.cancel()
         for watcher in watchers:
             watcher.cancel()
+
+
+def task_error(request: Request, exc: Exception, items: int, field: str, query: bool,
+               names: ParamNames | None) -> ApiError:
+    """`exc` as the answer of a model's task, in the route's terms, and counted where the
+    server refused the request."""
+    error = as_api_error(exc)
+    error.param = route_param(error.param, field)
+    if names is not None and error.param is not None:
+        error.param = names(error.param)
+    if query and isinstance(exc, RequestTooLarge):  # in the client's terms
+        error.message = (f"request too large: {items} {field} and the query take "
+                         f"{items + 1} places in the model's queue, over max_queue_items="
+                         f"{exc.limit}; split it into requests of at most {exc.limit - 1} "
+                         f"{field}")
+    if error.status in (413, 429, 503, 504):
+        server_state(request).metrics.rejected(error.kind)
+    return error
 
 
 _ITEM_PARAM = re.compile(r"items(\[\d+\])?(?:\.text)?")
@@ -206,17 +227,9 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
         state.metrics.rejected("client_disconnected")
         raise
     except Exception as exc:
-        error = as_api_error(exc)
-        error.param = route_param(error.param, field)
-        if names is not None and error.param is not None:
-            error.param = names(error.param)
-        if query and isinstance(exc, RequestTooLarge):  # in the client's terms
-            error.message = (f"request too large: {items} {field} and the query take {queued} "
-                             f"places in the model's queue, over max_queue_items={exc.limit}; "
-                             f"split it into requests of at most {exc.limit - 1} {field}")
-        if error.status in (413, 429, 503, 504):
-            state.metrics.rejected(error.kind)
-        raise error from None
+        # Made in a call of its own: the error raised holds this frame (its traceback), so
+        # a local here naming it would be a cycle holding the request until a collection.
+        raise task_error(request, exc, items, field, query, names) from None
     finally:
         # The request is counted, with its status, by RequestContextMiddleware.
         request.state.model = state.model_label(model_name)
