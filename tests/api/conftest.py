@@ -249,6 +249,17 @@ def live_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     assert code == 0, f"server exited {code} after SIGTERM\n{server.log_tail()}"
 
 
+async def fill_queue(served: Served) -> asyncio.Task[httpx.Response]:
+    """The synthetic model's worker paused with a request of two texts queued (a full queue
+    where max_queue_items is 2); that request's task, answered once the worker resumes."""
+    worker = served.worker()
+    worker.pause()
+    first = asyncio.create_task(served.client.post(f"/v1/encode/{SYNTH}",
+                                                   json=encode_body("a", "b")))
+    await wait_for(lambda: worker.pending_items == 2)
+    return first
+
+
 async def wait_for(condition: Any, timeout: float = 10.0) -> None:
     """Yield to the loop until `condition()` holds (a bound, not a measurement)."""
     deadline = time.monotonic() + timeout

@@ -22,6 +22,7 @@ from tests.api.conftest import (
     Served,
     assert_error,
     encode_body,
+    fill_queue,
     gated_loader,
     vectors,
     wait_for,
@@ -242,18 +243,14 @@ async def test_a_score_over_the_queue_counts_the_query_in_the_clients_terms(
 
 async def test_queue_full_is_429_with_retry_after(apps: AppFactory) -> None:
     async with apps.serve(worker=WorkerConfig(max_queue_items=2)) as served:
-        worker = served.worker()
-        worker.pause()
-        first = asyncio.create_task(served.client.post(f"/v1/encode/{SYNTH}",
-                                                       json=encode_body("a", "b")))
-        await wait_for(lambda: worker.pending_items == 2)
+        first = await fill_queue(served)
         refused = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("c"))
         error = assert_error(refused, 429, "queue_full")
         assert int(refused.headers["retry-after"]) >= 1
         assert "2" in error["message"]
         openai_refused = await served.client.post("/v1/embeddings", json={"input": "c"})
         assert_error(openai_refused, 429, "queue_full")
-        worker.resume()
+        served.worker().resume()
         accepted = await first
         assert accepted.status_code == 200, accepted.text
         adapter = served.synthetic()

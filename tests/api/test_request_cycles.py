@@ -16,7 +16,7 @@ from starlette.types import Message
 from ember.api.errors import ClientGone
 from ember.api.model_task import WATCH_AFTER_S, until_disconnect
 from ember.engine import WorkerConfig
-from tests.api.conftest import SYNTH, AppFactory, encode_body, wait_for
+from tests.api.conftest import SYNTH, AppFactory, encode_body, fill_queue
 from tests.cycles import cyclic_garbage
 
 
@@ -43,11 +43,7 @@ async def test_an_abandoned_request_leaves_no_cycle() -> None:
 
 async def test_refused_requests_leave_no_cycle(apps: AppFactory) -> None:
     async with apps.serve(worker=WorkerConfig(max_queue_items=2)) as served:
-        worker = served.worker()
-        worker.pause()
-        first = asyncio.create_task(served.client.post(f"/v1/encode/{SYNTH}",
-                                                       json=encode_body("a", "b")))
-        await wait_for(lambda: worker.pending_items == 2)
+        first = await fill_queue(served)
         pairs = {"query": {"text": "q"}, "items": [{"text": "a"}]}
         with cyclic_garbage() as garbage:
             for _ in range(3):
@@ -59,7 +55,7 @@ async def test_refused_requests_leave_no_cycle(apps: AppFactory) -> None:
                 bad = await served.client.post(f"/v1/encode/{SYNTH}", json={"items": 5})
                 assert bad.status_code == 422  # refused by the body's model
             del full, weighed, bad
-        worker.resume()
+        served.worker().resume()
         assert (await first).status_code == 200
     # Ember's and the server side's (httpx's client keeps cycles of its own).
     kept = {kind for kind in garbage if kind.startswith(("ember.", "starlette.requests:"))}
