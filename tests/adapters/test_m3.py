@@ -183,7 +183,7 @@ async def test_score_weights_mix_flagembeddings_three_scores(
     wanted = [sum(w * flag_scores(query, doc)[kind] for kind, w in weights.items()) / total
               for doc in encoded.values]
     np.testing.assert_allclose(scored.values, wanted, atol=1e-5)
-    assert adapter.score_output_types(ScoreOptions()) == tuple(
+    assert adapter.scoring(ScoreOptions())[0] == tuple(
         k for k in ALL.output_types if k in weights)
 
 
@@ -221,7 +221,7 @@ async def test_a_requests_score_weights_replace_the_models_for_it_alone(
                                atol=1e-5)
     np.testing.assert_allclose(tiny, default, atol=1e-6)
     # Only the weighed outputs are made for the request.
-    assert adapter.score_output_types(ScoreOptions(score_weights={"sparse": 1.0})) == \
+    assert adapter.scoring(ScoreOptions(score_weights={"sparse": 1.0}))[0] == \
         ("sparse",)
 
 
@@ -343,6 +343,34 @@ def test_a_head_that_runs_code_when_unpickled_is_refused_and_never_run(
     with pytest.raises(ModelLoadError, match="weights-only unpickler"):
         load(hostile)
     assert not marker.exists()
+
+
+async def test_a_folder_served_as_its_dense_encoder_never_opens_its_pickled_heads(
+        tmp_path: Path, serve: ServeFactory) -> None:
+    """Without a YAML, pickled heads only tell the family (their names); neither is read,
+    so heads that run code when unpickled stay shut, and a head that is a folder or a link
+    out of the model's folder changes nothing."""
+    hostile = build_m3(tmp_path / "hostile")
+    marker = tmp_path / "ran.txt"
+    for head in ("sparse_linear", "colbert_linear"):
+        with open(hostile / f"{head}.pt", "wb") as file:
+            pickle.dump({"weight": _Bait(marker)}, file, protocol=2)
+    spec = spec_from_directory(hostile)
+    assert (spec.adapter, spec.pooling) == ("transformer", "cls")
+    encoder = transformer.load(spec, Runtime(backend="torch"))
+    async with serve(encoder) as served:
+        out = await encoder.encode(served.submit, TEXTS[:2], EncodeOptions())
+    encoder.close()
+    assert len(out.values) == 2 and not marker.exists()
+    # A head that is not a file is no pickled head: the folder keeps its own pooling.
+    (hostile / "sparse_linear.pt").unlink()
+    (hostile / "sparse_linear.pt").mkdir()
+    assert spec_from_directory(hostile).pooling is None
+    (hostile / "sparse_linear.pt").rmdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not a pickle")
+    (hostile / "sparse_linear.pt").symlink_to(outside)  # a link out is only stat'ed
+    assert spec_from_directory(hostile).pooling == "cls" and not marker.exists()
 
 
 @pytest.mark.parametrize("broken", ["missing", "wrong shape", "no bias", "not a file"])

@@ -11,7 +11,7 @@ Large inputs are tokenized, and long similarities computed, in the tokenizing po
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -48,6 +48,8 @@ class SideParams(Hashable, Protocol):
 
 ParamsT = TypeVar("ParamsT", bound=SideParams)
 ValueT = TypeVar("ValueT")
+# Score's values of the documents against the query, from their forwards' values.
+Comparison = Callable[[ValueT, Sequence[ValueT]], list[float]]
 
 
 class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
@@ -105,15 +107,11 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         """Score's value for each document against the query."""
         raise NotImplementedError
 
-    def score_output_types(self, options: ScoreOptions) -> tuple[str, ...]:
-        """The outputs score's forwards make: every one the model has, unless a family
-        compares by fewer (or by those the request weighs)."""
-        return self.info.output_types
-
-    def compare(self, query: ValueT, docs: Sequence[ValueT],
-                options: ScoreOptions) -> list[float]:
-        """Score's values: `similarity`, unless a family weighs its outputs by request."""
-        return self.similarity(query, docs)
+    def scoring(self, options: ScoreOptions) -> tuple[tuple[str, ...], Comparison[ValueT]]:
+        """The outputs score's forwards make and how they are compared: every output the
+        model has, by `similarity`, unless a family compares fewer (or weighs them by
+        request)."""
+        return self.info.output_types, self.similarity
 
     def similarity_us(self, query: ValueT, docs: Sequence[ValueT]) -> float:
         """About how long `similarity` takes, in microseconds: a long one runs off the
@@ -159,7 +157,7 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         self._require("score")
         common.require_items(len(docs))
         self.model.check_lora(options.lora)
-        output_types = self.score_output_types(options)
+        output_types, compare = self.scoring(options)
         q_params, d_params = (self.params(EncodeOptions(
             is_query=side, output_types=output_types, normalize=self.score_normalize))
             for side in (True, False))
@@ -172,7 +170,7 @@ class BiEncoder(common.TorchModel, Generic[ParamsT, ValueT]):
         queue_ms, inference_ms = combine(results)
         asked, candidates = values[0], values[1:]
         scores = await off_loop_if(self.similarity_us(asked, candidates) >= OFFLOAD_US,
-                                   lambda: self.compare(asked, candidates, options))
+                                   lambda: compare(asked, candidates))
         return TaskOutput(scores, queue_ms, inference_ms, sum(item.cost for item in items))
 
     async def encode_ids(self, submit: Submit, rows: Sequence[Sequence[int]],

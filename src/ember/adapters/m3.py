@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from ember.adapters import _arrays as arrays
 from ember.adapters import _torch as common
 from ember.adapters._backend import Forward, load_model
 from ember.adapters._dense_layers import DenseLayer, read_weights
-from ember.adapters._encoder import BiEncoder
+from ember.adapters._encoder import BiEncoder, Comparison
 from ember.adapters._tokenize import TextTokenizer
 from ember.adapters.base import Encoded, EncodeOptions, Runtime, ScoreOptions, SparseVector
 from ember.adapters.multivector import maxsim
@@ -203,20 +204,21 @@ class M3Adapter(BiEncoder[M3Params, Encoded]):
             raise InvalidInput(f"options.score_weights {exc}",
                                "params.options.score_weights") from None
 
-    def score_output_types(self, options: ScoreOptions) -> tuple[str, ...]:
-        return tuple(self.weights_of(options))
+    def scoring(self, options: ScoreOptions) -> tuple[tuple[str, ...], Comparison[Encoded]]:
+        weights = self.weights_of(options)
+        return tuple(weights), partial(self.weighted, weights)
 
     def encoded(self, value: Encoded) -> Encoded:
         return value
 
     def similarity(self, query: Encoded, docs: Sequence[Encoded]) -> list[float]:
-        return self.compare(query, docs, ScoreOptions())
+        return self.weighted(self.weights, query, docs)
 
-    def compare(self, query: Encoded, docs: Sequence[Encoded],
-                options: ScoreOptions) -> list[float]:
+    def weighted(self, weights: dict[str, float], query: Encoded,
+                 docs: Sequence[Encoded]) -> list[float]:
         """The weighted mean of the scores of the outputs with a weight (weights sum to 1)."""
         total = np.zeros(len(docs))
-        for kind, weight in self.weights_of(options).items():
+        for kind, weight in weights.items():
             total += weight * np.asarray(_SCORES[kind](query, docs))
         return [float(s) for s in total]
 
