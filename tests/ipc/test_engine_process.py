@@ -37,8 +37,9 @@ from ember.ipc.batch import items_from_wire, items_to_wire, values_to_wire
 from ember.ipc.client import EngineClient, EngineDiedTwice, EngineUnavailable
 from ember.ipc.engine import LoadNotes, run_engine
 from ember.ipc.models import RemoteModels
-from ember.ipc.wire import pack, unpack
+from ember.ipc.wire import error_to_wire, pack, unpack
 from ember.registry import Registry, preload_models
+from tests.cycles import cyclic_garbage
 
 SLOW = "test/ipc-slow"  # 300 ms forwards of up to 64 items: arrivals pile up behind one
 MODEL = f"""
@@ -369,6 +370,40 @@ async def test_closing_fails_what_still_waits_with_a_503(
         await asyncio.wait_for(waiting, 5)
     assert as_api_error(refused.value).status == 503
 
+
+async def test_calls_the_engine_refuses_leave_no_cycle(
+        fake_engine: tuple[str, zmq.asyncio.Socket]) -> None:
+    """The refusal's traceback held the waiting call's frame, and that frame the call, its
+    reply future (which holds the refusal) and its items: each refused request stayed in
+    memory until the collector's next pass."""
+    address, router = fake_engine
+    client = EngineClient(address, "api-test-refused")
+    full = error_to_wire(QueueFull(8, 2, 8))
+    try:
+        met = asyncio.ensure_future(client.call("status"))
+        peer, message = await next_call(router)
+        await router.send_multipart([peer, pack({"op": "result", "id": message["id"]})])
+        await met
+        with cyclic_garbage() as garbage:
+            for _ in range(3):
+                status = asyncio.ensure_future(client.call("status"))
+                peer, message = await next_call(router)
+                await router.send_multipart([peer, pack(
+                    {"op": "error", "id": message["id"], "error": full})])
+                with pytest.raises(QueueFull):
+                    await status
+                submitted = submit(client, "a", "b")
+                peer, message = await next_call(router)
+                [(call_id, *_)] = message["calls"]
+                await router.send_multipart([peer, pack(
+                    {"op": "results", "values": None, "ok": [], "errors": [[call_id, full]]})])
+                with pytest.raises(QueueFull):
+                    await submitted
+            del status, submitted
+        kept = {kind for kind in garbage if kind.startswith("ember.")}
+        assert not kept, sorted(kept)
+    finally:
+        client.close()
 
 async def test_a_request_in_flight_when_the_engine_dies_is_answered_by_the_next(
         tmp_path: Path) -> None:

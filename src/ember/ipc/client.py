@@ -158,6 +158,8 @@ class EngineClient:
             raise
         finally:
             self._waiting.pop(call_id, None)
+            # An error's traceback holds this frame: let go of the future that holds it.
+            del call, reply
 
     # -- batching: the submits of one turn in one message ----------------------------
 
