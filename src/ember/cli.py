@@ -9,7 +9,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn, cast
@@ -368,6 +368,7 @@ def serve(settings: ServerSettings) -> int:
     try:
         settings = with_hub_models(settings, known)
         catalog = load_catalog(settings.model_dirs, settings.model_paths)
+        say_folders_named_as_hub_ids(settings.model_paths)
         prefetch(settings, catalog)
     except CatalogError as exc:
         if settings.default_model in known or hub_id(settings.default_model) is None:
@@ -460,6 +461,16 @@ def with_hub_models(settings: ServerSettings,
     return replace(settings, default_model=catalog_name(settings.default_model),
                    preload=tuple(catalog_name(name) for name in settings.preload),
                    model_paths=(*settings.model_paths, *extra))
+
+
+def say_folders_named_as_hub_ids(model_paths: Iterable[Path | str]) -> None:
+    """A relative folder wins over the Hub id it spells: say so, once, in the first process."""
+    for named in model_paths:
+        path = Path(named).expanduser()
+        if not path.is_absolute() and path.is_dir() and hub_id(named) is not None:
+            log.warning("%s: served from the folder %s, not the Hub repository of that name "
+                        "(give ./%s to say so, or run from another folder)", named,
+                        path.resolve(), named)
 
 
 def prefetch(settings: ServerSettings, catalog: dict[str, ModelSpec]) -> None:

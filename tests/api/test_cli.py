@@ -323,6 +323,20 @@ def test_a_folder_is_a_default_or_preload_by_its_path_or_its_local_name(
     assert (typo.default_model, typo.model_paths) == ("local/m33", (first,))
 
 
+def test_a_relative_folder_that_spells_a_hub_id_is_said_to_win(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from ember.cli import say_folders_named_as_hub_ids
+
+    folder = tmp_path / "BAAI" / "bge-small-en-v1.5"
+    folder.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING", logger="ember"):
+        say_folders_named_as_hub_ids(["BAAI/bge-small-en-v1.5", Path("BAAI/bge-small-en-v1.5"),
+                                      "./BAAI/bge-small-en-v1.5", folder, "BAAI/bge-m3"])
+    said = f"served from the folder {folder}, not the Hub repository of that name"
+    assert [said in record.getMessage() for record in caplog.records] == [True, True]
+
 def test_a_folder_default_that_holds_no_model_is_named_as_a_folder(tmp_path: Path) -> None:
     """Found by a review: the refusal called the folder's local/ name a Hub id."""
     empty = tmp_path / "bge"
