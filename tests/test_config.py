@@ -208,14 +208,17 @@ def test_two_models_named_alike_are_refused_before_anything_downloads(
     from tests.adapters.tiny_models import build_bi_encoder
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing may be fetched on the way
-    with pytest.raises(CatalogError, match="--model org/tiny@v2 and --model org/tiny both "
-                       "name the model 'org/tiny'; keep one"):
+    with pytest.raises(CatalogError, match=r"^org/tiny@v2 and org/tiny both name the model "
+                       r"'org/tiny'; keep one$"):
         load_catalog(model_paths=["org/tiny@v2", "org/tiny"])
     first = build_bi_encoder(tmp_path / "a" / "model")
     second = build_bi_encoder(tmp_path / "b" / "model", seed=5)
-    with pytest.raises(CatalogError, match="both name the model 'local/model'"):
+    with pytest.raises(CatalogError, match=r"both name the model 'local/model' \(a folder is "
+                       r"served as local/<its name>\); keep one"):
         load_catalog(model_paths=[first, second])
-    assert "local/model" in load_catalog(model_paths=[first, first])  # the same, twice: fine
+    monkeypatch.chdir(tmp_path)
+    for again in (first, "a/model", "./a/model/"):  # the same folder, twice: fine
+        assert "local/model" in load_catalog(model_paths=[first, again])
 
 
 def test_a_directory_without_a_model_is_a_clear_error(tmp_path: Path) -> None:

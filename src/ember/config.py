@@ -393,12 +393,17 @@ def load_catalog(extra_dirs: Iterable[Path] = (), model_paths: Iterable[Path | s
 
 
 def _named_once(name: str, named: Path | str, named_by: dict[str, Path | str]) -> None:
-    """Two --model values for one catalog name (one repository at two revisions, two
+    """Two models named for one catalog name (one repository at two revisions, two
     folders of one name): which one would serve is not what the flags say; refuse."""
     first = named_by.setdefault(name, named)
-    if first != named:
-        raise CatalogError(f"--model {first} and --model {named} both name the model "
-                           f"{name!r}; keep one")
+    if first != named and (_folder(first) is None or _folder(first) != _folder(named)):
+        hint = " (a folder is served as local/<its name>)" if name.startswith(LOCAL_PREFIX) else ""
+        raise CatalogError(f"{first} and {named} both name the model {name!r}{hint}; keep one")
+
+
+def _folder(named: Path | str) -> Path | None:
+    path = Path(named).expanduser()
+    return path.resolve() if path.is_dir() else None
 
 
 def spec_for_model(named: Path | str, catalog: Mapping[str, ModelSpec]) -> ModelSpec:
