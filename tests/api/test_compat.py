@@ -42,7 +42,14 @@ async def test_cohere_rerank_refuses_the_spans_it_cannot_give(shared: Served) ->
     assert ok.status_code == 200, ok.text
     error = assert_error(await shared.client.post("/v2/rerank", json={
         **body, "relevant_spans": True}), 422, "invalid_request", "relevant_spans")
-    assert "remove it" in error["message"]
+    assert "without spans; remove it" in error["message"]
+    # Each refusal gives its own field's reason (a review found "no spans" for `inputs`).
+    embed = {"model": SYNTH, "texts": ["x"]}
+    for field, value, why in (("inputs", [{"content": []}], "mixed text and image inputs"),
+                              ("max_tokens", 8, "embedded whole")):
+        error = assert_error(await shared.client.post("/v2/embed", json={
+            **embed, field: value}), 422, "invalid_request", field)
+        assert why in error["message"] and "spans" not in error["message"], error
 
 
 async def test_score_options_at_the_top_level_are_applied(shared: Served) -> None:

@@ -42,6 +42,19 @@ async def test_top_n_and_return_documents(shared: Served) -> None:
         assert result["document"] == {"text": DOCS[result["index"]]}
 
 
+async def test_document_objects_come_back_whole_in_cohere_v1s_answer(shared: Served) -> None:
+    """Found by a black-box review: a document's other fields were dropped, where Cohere's
+    v1 returns the document as it was sent; and its answer's id and meta were missing."""
+    sent = [{"text": DOCS[0], "title": "Berlin", "id": "d1", "tags": ["city"]}, DOCS[1]]
+    response = await shared.client.post("/v1/rerank", json={
+        "model": SYNTH, "query": QUERY, "documents": sent, "return_documents": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert {r["index"]: r["document"] for r in body["results"]} == {
+        0: sent[0], 1: {"text": DOCS[1]}}
+    assert len(body["id"]) == 32 and body["meta"]["api_version"] == {"version": "1"}
+
+
 async def test_top_n_above_the_count_returns_all(shared: Served) -> None:
     response = await shared.client.post("/v1/rerank", json={
         "query": QUERY, "documents": DOCS[:2], "top_n": 10})
@@ -63,6 +76,9 @@ async def test_top_n_above_the_count_returns_all(shared: Served) -> None:
     # its title; any field Cohere or Jina have that Ember does not is named too.
     ({"query": QUERY, "documents": [{"text": "x"}], "rank_fields": ["title"]}, "rank_fields"),
     ({"query": QUERY, "documents": DOCS, "max_chunks_per_doc": 3}, "max_chunks_per_doc"),
+    # Found by a black-box review: a Jina image beside a text was ranked by the text.
+    ({"query": QUERY, "documents": [{"text": "x", "image": "https://x/y.png"}]},
+     "documents[0].image"),
 ])
 async def test_invalid_bodies_are_422_naming_the_field(shared: Served, body: dict[str, object],
                                                        param: str | None) -> None:

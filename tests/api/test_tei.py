@@ -93,10 +93,30 @@ async def test_rerank_truncate_false_names_the_long_field(real_default: Served, 
 ])
 async def test_similarity_truncate_false_names_the_long_field(
         real_default: Served, source: str, sentences: list[str], param: str) -> None:
-    """Found by a black-box review: both were `inputs[i]` of the texts encoded together."""
-    response = await real_default.client.post("/similarity", json={
-        "inputs": {"source_sentence": source, "sentences": sentences}, "truncate": False})
-    assert_error(response, 400, "input_too_long", param)
+    """Found by a black-box review: both were `inputs[i]` of the texts encoded together.
+    TEI reads the option under `parameters` (a later review); Ember at the top level too."""
+    inputs = {"source_sentence": source, "sentences": sentences}
+    for body in ({"inputs": inputs, "parameters": {"truncate": False}},
+                 {"inputs": inputs, "truncate": False}):
+        assert_error(await real_default.client.post("/similarity", json=body), 400,
+                     "input_too_long", param)
+    twice = {"inputs": inputs, "truncate": False, "parameters": {"truncate": False}}
+    assert_error(await real_default.client.post("/similarity", json=twice), 422,
+                 "invalid_request", "parameters.truncate")
+
+
+async def test_a_prompt_the_model_lacks_is_refused_as_tei_refuses_it(
+        real_default: Served) -> None:
+    """Found by a black-box review: all-MiniLM-L6-v2 has no prompts, and a prompt_name gave
+    the same vectors as none, where TEI answers with a validation error."""
+    similar = {"inputs": {"source_sentence": "a", "sentences": ["b"]}}
+    for route, body in (("/embed", {"inputs": "x", "prompt_name": "query"}),
+                        ("/embed", {"inputs": "x", "prompt_name": "passage"}),
+                        ("/similarity", {**similar, "parameters": {"prompt_name": "query"}}),
+                        ("/tokenize", {"inputs": "x", "prompt_name": "query"})):
+        error = assert_error(await real_default.client.post(route, json=body), 422,
+                             "invalid_request", "prompt_name")
+        assert "(its prompts: none)" in error["message"], (route, error)
 
 
 async def test_tei_rerank(shared: Served) -> None:

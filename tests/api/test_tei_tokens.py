@@ -117,6 +117,13 @@ async def test_embed_sparse_is_the_native_sparse_vector(sparse: Served) -> None:
     assert query != document  # the prompt went before the text
 
 
+async def test_only_the_prompts_the_model_has_are_taken(sparse: Served) -> None:
+    for route in ("/embed_sparse", "/tokenize"):
+        error = assert_error(await sparse.client.post(route, json={
+            "inputs": "tea", "prompt_name": "document"}), 422, "invalid_request", "prompt_name")
+        assert "(its prompts: 'query')" in error["message"]
+
+
 async def test_tokenize_puts_the_prompt_before_the_text(sparse: Served) -> None:
     [plain] = await post(sparse, "/tokenize", {"inputs": "tea", "add_special_tokens": False})
     [prompted] = await post(sparse, "/tokenize", {"inputs": "tea", "prompt_name": "query",

@@ -102,6 +102,25 @@ def test_cohere_search_query_is_the_query_side(co: cohere.ClientV2,
     assert cosine(document[0], expected) < 0.99
 
 
+def test_cohere_v1_client_embeds_and_reranks(server: ServerProcess) -> None:
+    """Found by a black-box review: cohere.Client's embed got a bare 404, and its rerank's
+    answer no id or meta."""
+    v1 = cohere.Client(api_key="unused", base_url=server.url)
+    floats = v1.embed(texts=DOCS, input_type="search_document")  # the default model
+    assert floats.response_type == "embeddings_floats"
+    np.testing.assert_allclose(floats.embeddings, native_vectors(server, MINILM, DOCS),
+                               atol=1e-6)
+    typed = v1.embed(model=MINILM, texts=DOCS[:1], embedding_types=["int8", "float"])
+    assert typed.response_type == "embeddings_by_type" and typed.meta is not None
+    assert typed.embeddings.float_ == floats.embeddings[:1]
+    assert typed.meta.api_version is not None and typed.meta.api_version.version == "1"
+    ranked = v1.rerank(model=MINILM, query=QUERY, top_n=1, return_documents=True,
+                       documents=[{"text": d, "title": f"doc {i}"} for i, d in enumerate(DOCS)])
+    assert ranked.id and ranked.meta is not None
+    [best] = ranked.results
+    assert best.index == 1 and best.document is not None and best.document.text == DOCS[1]
+
+
 def test_cohere_refuses_what_it_cannot_honour(co: cohere.ClientV2) -> None:
     with pytest.raises(cohere.UnprocessableEntityError) as caught:
         co.embed(model=MINILM, texts=DOCS, input_type="search_document",

@@ -1,4 +1,5 @@
-"""Cohere v2 compatible POST /v2/embed and POST /v2/rerank (what `cohere.ClientV2` calls).
+"""Cohere compatible POST /v2/embed and POST /v2/rerank (what `cohere.ClientV2` calls), and
+POST /v1/embed (what `cohere.Client` calls; Cohere's v1 rerank is `/v1/rerank`).
 
 `input_type` "search_query" encodes the query side; the others the document side;
 "image" embeds `images`, data URIs, on a model that takes images. What Ember cannot
@@ -29,6 +30,7 @@ from ember.api.model_task import (
     check_inputs,
     check_query,
     cut_dense,
+    requested_model,
     require_dense,
     run_task,
 )
@@ -38,6 +40,7 @@ from ember.api.state import ServedModel
 from ember.outputs import quantize, quantize_unit
 
 router = APIRouter(tags=["cohere"], route_class=InferenceRoute)
+PRIORITY_HELP = "accepted and not used: Ember schedules requests by its own rules"
 
 EmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
 InputType = Literal["search_document", "search_query", "classification", "clustering",
@@ -60,7 +63,11 @@ class CohereEmbedRequest(Strict):
     truncate: Literal["NONE", "START", "END"] = "END"
     max_tokens: int | None = None
     output_dimension: StrictInt | None = Field(None, description=CUT_HELP)
-    priority: int | None = None
+    priority: int | None = Field(None, description=PRIORITY_HELP)
+
+
+class CohereV1EmbedRequest(CohereEmbedRequest):
+    model: str = Field("", description="catalog name; default: the server's model")
 
 
 class CohereRerankRequest(Strict):
@@ -70,19 +77,29 @@ class CohereRerankRequest(Strict):
     top_n: StrictInt | None = Field(None, ge=1)
     max_tokens_per_doc: int | None = None
     relevant_spans: bool | None = None
-    priority: int | None = None
+    priority: int | None = Field(None, description=PRIORITY_HELP)
+
+
+# Why each field Ember cannot honour is refused, in the words of that field.
+UNSUPPORTED = {
+    "inputs": "mixed text and image inputs are not supported; send texts, or images with "
+              "input_type image",
+    "max_tokens": "texts are embedded whole, up to the model's own token limit (truncate END "
+                  "cuts there)",
+    "max_tokens_per_doc": "documents are scored whole, up to the model's own token limit",
+    "relevant_spans": "scores are for whole documents, without spans",
+}
 
 
 def refuse_unsupported(fields: dict[str, object]) -> None:
     for name, value in fields.items():
         if value is not None:
-            raise ApiError(422, "invalid_request", f"{name} is not supported by Ember's "
-                           "Cohere route (whole texts, up to the model's own token limit; "
-                           "no spans); remove it", name)
+            raise ApiError(422, "invalid_request", f"{name} is not supported: "
+                           f"{UNSUPPORTED[name]}; remove it", name)
 
 
-def meta(**billed: int) -> dict[str, Any]:
-    return {"api_version": {"version": "2"}, "billed_units": billed}
+def meta(version: str = "2", **billed: int) -> dict[str, Any]:
+    return {"api_version": {"version": version}, "billed_units": billed}
 
 
 def by_type(vectors: list[np.ndarray], kind: str) -> list[Any]:
@@ -104,9 +121,24 @@ def by_type(vectors: list[np.ndarray], kind: str) -> list[Any]:
 
 @router.post("/v2/embed", summary="Cohere v2 compatible embeddings")
 async def embed(body: CohereEmbedRequest, request: Request) -> Response:
+    return render(request.headers, await embedded(body, request, body.model))
+
+
+@router.post("/v1/embed", summary="Cohere v1 compatible embeddings (cohere.Client)")
+async def embed_v1(body: CohereV1EmbedRequest, request: Request) -> Response:
+    answer = await embedded(body, request, requested_model(request, body), version="1")
+    if body.embedding_types is None:  # v1's own shape: the float vectors alone
+        answer.update(response_type="embeddings_floats",
+                      embeddings=answer["embeddings"]["float"])
+    return render(request.headers, answer)
+
+
+async def embedded(body: CohereEmbedRequest, request: Request, model: str,
+                   version: str = "2") -> dict[str, Any]:
+    """Cohere's embed answer (`embeddings_by_type`) for the texts or images of `body`."""
     refuse_unsupported({"inputs": body.inputs, "max_tokens": body.max_tokens})
     if body.input_type == "image" or body.images is not None:
-        return await embed_images(body, request)
+        return await embed_images(body, request, model, version)
     if body.texts is None:
         raise ApiError(422, "invalid_request", "texts is required (or images with "
                        "input_type image)", "texts")
@@ -119,25 +151,30 @@ async def embed(body: CohereEmbedRequest, request: Request) -> Response:
                             truncate=body.truncate != "NONE")
 
     async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
-        require_dense(m, "/v2/embed", body.output_dimension, "output_dimension")
+        require_dense(m, request.url.path, body.output_dimension, "output_dimension")
         return cut_dense(m, await adapter.encode(m.submit, texts, options),
                          body.output_dimension, options)
 
     try:
-        output = await run_task(request, body.model, "encode", encode, len(texts), "texts")
+        output = await run_task(request, model, "encode", encode, len(texts), "texts")
     except ApiError as error:  # the limit's advice in this route's own terms
         if error.kind == "input_too_long":
             error.message = error.message.replace(TRUNCATE_ADVICE, "set truncate to END")
         raise
+    return answer(body, output, texts, meta(version, input_tokens=output.tokens))
+
+
+def answer(body: CohereEmbedRequest, output: TaskOutput[list[Encoded]], texts: list[str],
+           billed: dict[str, Any]) -> dict[str, Any]:
     vectors = [encoded.dense for encoded in output.values if encoded.dense is not None]
-    kinds = dict.fromkeys(body.embedding_types or ["float"])
-    embeddings = {kind: by_type(vectors, kind) for kind in kinds}
-    return render(request.headers, {
-        "id": os.urandom(16).hex(), "response_type": "embeddings_by_type",
-        "embeddings": embeddings, "texts": texts, "meta": meta(input_tokens=output.tokens)})
+    embeddings = {kind: by_type(vectors, kind)
+                  for kind in dict.fromkeys(body.embedding_types or ["float"])}
+    return {"id": os.urandom(16).hex(), "response_type": "embeddings_by_type",
+            "embeddings": embeddings, "texts": texts, "meta": billed}
 
 
-async def embed_images(body: CohereEmbedRequest, request: Request) -> Response:
+async def embed_images(body: CohereEmbedRequest, request: Request, model: str,
+                       version: str) -> dict[str, Any]:
     """input_type image: one vector a data URI."""
     if body.images is None:
         raise ApiError(422, "invalid_request", "input_type image needs images (data URIs)",
@@ -149,29 +186,24 @@ async def embed_images(body: CohereEmbedRequest, request: Request) -> Response:
                        "texts")
     check_count(request, len(body.images), "images")
     check_image_count(request, len(body.images), "images")
-    takes_images(request, body.model, "images")
+    takes_images(request, model, "images")
     inputs = [ItemInput(images=(data_uri(uri, f"images[{i}]"),))
               for i, uri in enumerate(body.images)]
 
     async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
-        require_dense(m, "/v2/embed", body.output_dimension, "output_dimension")
-        output = await image_model(adapter, body.model, "images").encode_items(
+        require_dense(m, request.url.path, body.output_dimension, "output_dimension")
+        output = await image_model(adapter, model, "images").encode_items(
             m.submit, inputs, EncodeOptions())
         return cut_dense(m, output, body.output_dimension, EncodeOptions())
 
     try:
-        output = await run_task(request, body.model, "encode", encode, len(inputs), "images")
+        output = await run_task(request, model, "encode", encode, len(inputs), "images")
     except ApiError as error:  # the adapter names items[3].images[0].data: here images[3]
         found = re.match(r"items(\[\d+\])\.images", error.param or "")
         if found:
             error.param = f"images{found.group(1)}"
         raise
-    vectors = [encoded.dense for encoded in output.values if encoded.dense is not None]
-    embeddings = {kind: by_type(vectors, kind)
-                  for kind in dict.fromkeys(body.embedding_types or ["float"])}
-    return render(request.headers, {
-        "id": os.urandom(16).hex(), "response_type": "embeddings_by_type",
-        "embeddings": embeddings, "texts": [], "meta": meta(images=len(inputs))})
+    return answer(body, output, [], meta(version, images=len(inputs)))
 
 
 @router.post("/v2/rerank", summary="Cohere v2 compatible rerank")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -16,7 +19,13 @@ router = APIRouter(tags=["rerank"], route_class=InferenceRoute)
 
 
 class Document(BaseModel):
+    """A document object: its text is ranked and its other fields come back with it, as
+    Cohere's v1 returns a document; a Jina image is refused (these models read text)."""
+
+    model_config = ConfigDict(extra="allow")
+
     text: str
+    image: Any = Field(None, description="refused: these models rank text")
 
 
 class RerankRequest(BaseModel):
@@ -46,6 +55,10 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
         raise ApiError(422, "invalid_request", f"rank_fields {body.rank_fields} is not "
                        "supported: each document's text is ranked; put what to rank in "
                        '"text", or leave rank_fields out', "rank_fields")
+    for i, document in enumerate(body.documents):
+        if isinstance(document, Document) and document.image is not None:
+            raise ApiError(422, "invalid_request", "images are not ranked here (the models "
+                           "rank text); send the document's text alone", f"documents[{i}].image")
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
     check_inputs(request, texts, "documents")
     check_query(request, body.query)
@@ -56,7 +69,12 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     for index in ranked(output.values, body.top_n):
         result: dict[str, object] = {"index": index, "relevance_score": output.values[index]}
         if body.return_documents:
-            result["document"] = {"text": texts[index]}
+            document = body.documents[index]
+            result["document"] = {"text": document} if isinstance(document, str) else \
+                document.model_dump(exclude={"image"})
         results.append(result)
-    return render(request.headers, {"model": model, "results": results,
-                            "usage": {"total_tokens": output.tokens}})
+    # Jina's answer (model, usage) with Cohere v1's (id, meta): both clients read it.
+    return render(request.headers, {
+        "id": os.urandom(16).hex(), "model": model, "results": results,
+        "usage": {"total_tokens": output.tokens},
+        "meta": {"api_version": {"version": "1"}, "billed_units": {"search_units": 1}}})

@@ -57,6 +57,11 @@ class Strict(BaseModel):
     """A TEI body has TEI's fields only: any other is a 422 naming it, never ignored."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class NoParameters(Strict):
+    """A body whose options TEI reads at the top level."""
+
     # huggingface_hub's InferenceClient sends an empty one beside the inputs.
     parameters: dict[str, Any] | None = Field(None, description="empty, if sent: the "
                                               "options go at the top level, as TEI reads them")
@@ -70,7 +75,7 @@ class Strict(BaseModel):
         return value
 
 
-class EmbedRequest(Strict):
+class EmbedRequest(NoParameters):
     inputs: str | list[str]
     normalize: bool = True
     truncate: bool = True
@@ -80,7 +85,7 @@ class EmbedRequest(Strict):
     dimensions: StrictInt | None = Field(None, description=CUT_HELP)
 
 
-class TeiRerankRequest(Strict):
+class TeiRerankRequest(NoParameters):
     query: str
     texts: list[str]
     truncate: bool = True
@@ -90,21 +95,21 @@ class TeiRerankRequest(Strict):
                              "activation (a similarity has none: the same scores)")
 
 
-class EmbedSparseRequest(Strict):
+class EmbedSparseRequest(NoParameters):
     inputs: str | list[str]
     truncate: bool = True
     truncation_direction: Direction | None = None
     prompt_name: str | None = Field(None, description="query, or document (passage, corpus)")
 
 
-class TokenizeRequest(Strict):
+class TokenizeRequest(NoParameters):
     inputs: str | list[str]
     add_special_tokens: bool = True
     prompt_name: str | None = Field(None, description="query, or document (passage, corpus): "
                                     "its prompt is tokenized before the text, as TEI does")
 
 
-class DecodeRequest(Strict):
+class DecodeRequest(NoParameters):
     ids: list[StrictInt] | list[list[StrictInt]] = Field(
         description="token ids of the model's vocabulary: one list, or a list of lists")
     skip_special_tokens: bool = True
@@ -117,11 +122,31 @@ class SimilarityInputs(BaseModel):
     sentences: list[str]
 
 
-class SimilarityRequest(Strict):
-    inputs: SimilarityInputs
-    truncate: bool = True
+class SimilarityParameters(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    truncate: bool | None = None
     truncation_direction: Direction | None = None
     prompt_name: str | None = None
+
+
+class SimilarityRequest(Strict):
+    """TEI reads /similarity's options under `parameters`; Ember also at the top level."""
+
+    inputs: SimilarityInputs
+    parameters: SimilarityParameters | None = None
+    truncate: bool | None = None
+    truncation_direction: Direction | None = None
+    prompt_name: str | None = None
+
+    def option(self, name: str) -> Any:
+        """An option from `parameters` or the top level; given at both is a 422."""
+        top = getattr(self, name)
+        nested = getattr(self.parameters, name) if self.parameters is not None else None
+        if top is not None and nested is not None:
+            raise ApiError(422, "invalid_request", f"{name} given both at the top level and "
+                           "under parameters; send it once", f"parameters.{name}")
+        return nested if nested is not None else top
 
 
 class AnyTeiBody(RootModel[dict[str, Any]]):
@@ -142,15 +167,33 @@ def encode_options(truncate: bool, direction: str | None, prompt_name: str | Non
                          is_query=prompt_name == "query")
 
 
+def check_prompt(model: ServedModel, prompt_name: str | None) -> None:
+    """TEI puts the named prompt of the model's configuration before each text and refuses
+    a name it lacks; so does Ember, for a model that lists its prompts (the document side
+    takes the first of DOCUMENT_PROMPTS it has)."""
+    prompts = model.adapter.info.extra.get("prompts")
+    if prompt_name is None or not isinstance(prompts, dict):
+        return
+    applied = "query" if prompt_name == "query" else next(
+        (name for name in DOCUMENT_PROMPTS if prompts.get(name)), None)
+    if applied != prompt_name or not prompts.get(prompt_name):
+        have = ", ".join(repr(name) for name, text in prompts.items() if text) or "none"
+        raise ApiError(422, "invalid_request", f"prompt_name {prompt_name!r} is not a prompt "
+                       f"model {model.spec.name!r} applies (its prompts: {have}); send one of "
+                       "those, or leave prompt_name out", "prompt_name")
+
+
 async def dense_vectors(request: Request, texts: list[str], options: EncodeOptions,
                         field: str, dimensions: int | None = None, query: bool = False,
-                        names: ParamNames | None = None) -> TaskOutput[list[Encoded]]:
+                        names: ParamNames | None = None, prompt_name: str | None = None
+                        ) -> TaskOutput[list[Encoded]]:
     """The default model's dense vectors for `texts` (`query`: the first is a query beside
     the request's inputs), cut to `dimensions` if given; a model without them is a 422."""
     model = server_state(request).settings.default_model
 
     async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
         require_dense(m, request.url.path, dimensions)
+        check_prompt(m, prompt_name)
         return cut_dense(m, await adapter.encode(m.submit, texts, options), dimensions,
                          options)
 
@@ -164,7 +207,8 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     check_inputs(request, texts, "inputs")
     options = encode_options(body.truncate, body.truncation_direction, body.prompt_name,
                              body.normalize)
-    output = await dense_vectors(request, texts, options, "inputs", body.dimensions)
+    output = await dense_vectors(request, texts, options, "inputs", body.dimensions,
+                                 prompt_name=body.prompt_name)
     return render(request.headers, [encoded.dense for encoded in output.values])
 
 
@@ -185,9 +229,11 @@ async def similarity(body: SimilarityRequest, request: Request) -> Response:
     source, sentences = body.inputs.source_sentence, body.inputs.sentences
     check_inputs(request, sentences, "inputs.sentences")
     check_query(request, source, "inputs.source_sentence")
-    options = encode_options(body.truncate, body.truncation_direction, body.prompt_name)
+    truncate, prompt_name = body.option("truncate"), body.option("prompt_name")
+    options = encode_options(truncate is not False, body.option("truncation_direction"),
+                             prompt_name)
     output = await dense_vectors(request, [source, *sentences], options, "inputs",
-                                 query=True, names=similarity_param)
+                                 query=True, names=similarity_param, prompt_name=prompt_name)
     vectors = np.stack([e.dense for e in output.values if e.dense is not None]).astype(float)
     vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     return render(request.headers, (vectors[1:] @ vectors[0]).tolist())
@@ -223,6 +269,7 @@ async def embed_sparse(body: EmbedSparseRequest, request: Request) -> Response:
 
     async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
         require_output(m, request.url.path, "sparse")
+        check_prompt(m, body.prompt_name)
         return await adapter.encode(m.submit, texts, options)
 
     output = await run_task(request, model, "encode", encode, len(texts), "inputs")
@@ -257,6 +304,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     model = server_state(request).settings.default_model
 
     async def split(m: ServedModel, _: TaskModel) -> TaskOutput[list[list[TokenSpan]]]:
+        check_prompt(m, body.prompt_name)
         spans = await shows_tokens(m).token_spans(texts, body.add_special_tokens, options)
         return TaskOutput(spans, 0.0, 0.0, sum(map(len, spans)))
 
