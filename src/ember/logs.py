@@ -189,10 +189,11 @@ def access_log(method: str, path: str, route: str, model: str, status: int, item
               "status": status, "items": items, "queue_ms": round(queue_ms, 2),
               "inference_ms": round(inference_ms, 2), "total_ms": round(total_ms, 2),
               "request_id": request_id, "client": peer(client)}
-    # The path is the client's, percent-decoded: a newline in it must not start a line.
+    # The path and model are the client's, percent-decoded: a newline must not start a
+    # line, nor a space a field of the client's making.
     access.log(level, "%s %s %d model=%s items=%d queue_ms=%.1f inference_ms=%.1f "
-               "total_ms=%.1f request_id=%s client=%s", method, printable(path), status,
-               model or "-", items, queue_ms, inference_ms, total_ms, request_id,
+               "total_ms=%.1f request_id=%s client=%s", method, token(path), status,
+               token(model or "-"), items, queue_ms, inference_ms, total_ms, request_id,
                fields["client"], extra={"fields": fields})
 
 
@@ -202,6 +203,11 @@ def peer(address: tuple[str, int] | None) -> str:
         return "-"
     host, port = address
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def token(text: str) -> str:
+    """`text` as one field of a text line: printable, its spaces written as %20."""
+    return printable(text).replace(" ", "%20")
 
 
 def printable(text: str) -> str:

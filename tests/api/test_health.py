@@ -103,6 +103,10 @@ async def test_readyz_is_503_while_draining(synthetic_app: Served) -> None:
     error = assert_error(await synthetic_app.client.get("/readyz"), 503, "unavailable")
     assert "draining" in error["message"]
     assert (await synthetic_app.client.get("/healthz")).status_code == 200
+    # Found by a review: an operator could not watch a drain, nor scrape its last counts.
+    for path in ("/metrics", "/v1/models", f"/v1/models/{SYNTH}", "/info"):
+        assert (await synthetic_app.client.get(path)).status_code == 200, path
+    assert_error(await synthetic_app.client.post("/v1/models"), 503, "unavailable")
 
 
 async def test_models_lists_the_catalog_with_states(shared: Served) -> None:

@@ -283,6 +283,14 @@ def test_a_path_cannot_write_a_line_of_its_own_into_the_log(live_server: ServerP
     lines = live_server.log_tail(200_000).splitlines()
     assert not any(line.startswith("2026-12-05 15:00:00,000") for line in lines)
     assert "\x00" not in live_server.log_tail(200_000)
+    # A later review: spaces in the path or the id wrote fields of the client's making.
+    spaced = httpx.get(f"{live_server.url}/healthz%20200%20model=x%20items=5/probe-2",
+                       headers={"x-request-id": "r1 client=10.1.2.3:443"})
+    assert spaced.status_code == 404 and len(spaced.headers["x-request-id"]) == 32
+    line = access_line(live_server, "probe-2")
+    assert line.split(" ember.access: ")[1].split()[:3] == [
+        "GET", "/healthz%20200%20model=x%20items=5/probe-2", "404"]
+    assert line.count("client=") == 1 and "10.1.2.3" not in line
 
 
 def access_line(server: ServerProcess, request_id: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import random
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,8 @@ from ember.logs import REQUEST_ID, access_log, handling
 from ember.metrics import labelled
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
+# Read while a drain runs, so an operator can watch it finish (and scrape its last counts).
+WATCHED_PATHS = frozenset({"/metrics", "/v1/models", "/info"})
 
 
 class HttpMiddleware:
@@ -111,12 +114,14 @@ class RequestContextMiddleware(HttpMiddleware):
 
 # A client's request id is echoed in two headers and every log line of its request.
 MAX_REQUEST_ID = 200
+ID_CHARACTERS = re.compile(r"[!-~]+")  # visible ASCII: no space, no control character
 
 
 def usable_id(value: str) -> str:
-    """The client's request id when it is one: printable ASCII, at most MAX_REQUEST_ID
-    characters; "" otherwise, and the server makes its own."""
-    if len(value) <= MAX_REQUEST_ID and value.isascii() and value.isprintable():
+    """The client's request id when it is one: visible ASCII (no space, which would let it
+    write fields of its own into a text log line), at most MAX_REQUEST_ID characters; ""
+    otherwise, and the server makes its own."""
+    if len(value) <= MAX_REQUEST_ID and ID_CHARACTERS.fullmatch(value):
         return value
     return ""
 
@@ -141,11 +146,18 @@ def _route_template(scope: Scope) -> str:
     return str(scope["path"]) if "endpoint" in scope else "unrouted"
 
 
+def watched(scope: Scope) -> bool:
+    path: str = scope["path"]
+    return path in OPEN_PATHS or (scope["method"] == "GET" and (
+        path in WATCHED_PATHS or path.startswith("/v1/models/")))
+
+
 class DrainMiddleware(HttpMiddleware):
-    """503 for new work once a drain has begun (health checks still answer)."""
+    """503 for new work once a drain has begun (health checks, metrics and the model list
+    still answer)."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.state().draining and scope["path"] not in OPEN_PATHS:
+        if self.state().draining and not watched(scope):
             await self.refuse("draining", scope, receive, send, 503, "unavailable",
                               "the server is draining before shutdown; retry on another "
                               "instance", headers={"Retry-After": "5"})
