@@ -106,3 +106,30 @@ async def test_a_line_written_for_a_request_names_it(json_lines: bool) -> None:
         assert lines == ["inference failed: boom request_id=id-50%",
                          "no arguments, 100% request_id=id-50%", "outside any request",
                          "a worker's line"]
+
+
+def test_a_text_line_holds_one_event_whatever_its_message() -> None:
+    """Found by a review: a load failure whose library error held newlines wrote five
+    lines, four of them without a time; a traceback still follows on lines of its own."""
+    import io
+
+    from ember.logs import TEXT_FORMAT, TextFormatter
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(TextFormatter(TEXT_FORMAT))
+    logger = logging.getLogger("ember.test.one-line")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        logger.error("model %s failed to load: %s", "m", "first\nsecond\r\nthird")
+        try:
+            raise ValueError("inside")
+        except ValueError:
+            logger.exception("with its traceback")
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = True
+    first, *rest = stream.getvalue().splitlines()
+    assert first.endswith("model m failed to load: first\\nsecond\\r\\nthird")
+    assert rest[0].endswith("with its traceback") and rest[1].startswith("Traceback")

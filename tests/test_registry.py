@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -64,7 +65,9 @@ async def test_a_mistyped_model_name_is_told_the_closest_one(typed: str, meant: 
         await registry.get(typed)
 
 
-async def test_least_recently_used_idle_model_is_evicted_after_draining() -> None:
+async def test_least_recently_used_idle_model_is_evicted_after_draining(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="ember.registry")
     registry = Registry(catalog(synthetic("a"), synthetic("b"), synthetic("c")),
                         limits=RegistryLimits(max_loaded_models=2), worker=PausableWorker)
     evicted: list[str] = []
@@ -80,6 +83,12 @@ async def test_least_recently_used_idle_model_is_evicted_after_draining() -> Non
     result = await accepted  # drained, not dropped
     assert len(result.values) == 2
     await registry.close()
+    # Found by a review: an eviction's line said neither why nor for what.
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("evicting")]
+    assert said[0].startswith("evicting model a: room for c (--max-loaded-models 2); the "
+                              "idle model used least recently (")
+    assert sorted(said[1:]) == [f"evicting model {name}: the server stops (draining its "
+                                "queue first)" for name in "bc"]
 
 
 async def test_a_model_in_use_is_not_evicted_and_the_limit_holds_again_once_idle() -> None:

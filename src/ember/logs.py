@@ -72,6 +72,16 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+class TextFormatter(logging.Formatter):
+    """A record's message on its own line: a newline in it (a library's error text, a
+    client's input quoted in one) is written as `\\n`, so no event spans lines without
+    a time (a traceback still follows on its own lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
@@ -110,7 +120,7 @@ def configure_logging(settings: ServerSettings) -> None:
     else:
         stream = sys.stderr
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if json_lines else TextFormatter(TEXT_FORMAT))
     handler.addFilter(RequestIdFilter(json_lines))
     logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
     logging.captureWarnings(True)  # warnings.warn(...) becomes a record of py.warnings

@@ -27,6 +27,7 @@ SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5,
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 INPUT_TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
+LOAD_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)  # a large model's minutes
 
 
 PendingSource = Callable[[], Mapping[str, int]]
@@ -136,12 +137,14 @@ class Metrics:
                                       "truncation) per request; _sum counts them all",
                                       ["route", "model"], buckets=INPUT_TOKEN_BUCKETS,
                                       registry=reg)
+        # Per submit: a request's, or each side's of a score whose query and documents
+        # take different prompts (they are submitted apart).
         self.queue_seconds = Histogram("ember_queue_duration_seconds", "Submit to first "
-                                       "dispatch, per request", ["model"],
-                                       buckets=SECONDS_BUCKETS, registry=reg)
+                                       "dispatch, per submit to the model's worker",
+                                       ["model"], buckets=SECONDS_BUCKETS, registry=reg)
         self.inference_seconds = Histogram("ember_inference_duration_seconds", "Forward time, "
-                                           "per request", ["model"], buckets=SECONDS_BUCKETS,
-                                           registry=reg)
+                                           "per submit to the model's worker", ["model"],
+                                           buckets=SECONDS_BUCKETS, registry=reg)
         self.batch_seconds = Histogram("ember_batch_inference_duration_seconds", "Duration "
                                        "of one forward", ["model"], buckets=SECONDS_BUCKETS,
                                        registry=reg)
@@ -153,7 +156,7 @@ class Metrics:
         self.batch_padded_tokens = Histogram("ember_batch_padded_tokens", "Padded tokens per "
                                              "forward (items x longest)", ["model"],
                                              buckets=TOKEN_BUCKETS, registry=reg)
-        self.batch_requests = Histogram("ember_batch_requests", "Requests per forward",
+        self.batch_requests = Histogram("ember_batch_requests", "Submits per forward",
                                         ["model"], buckets=SIZE_BUCKETS, registry=reg)
         self.forward_failures = Counter("ember_forward_failures", "Forwards that raised",
                                         ["model"], registry=reg)
@@ -164,14 +167,17 @@ class Metrics:
                                         "device was idle while its work waited, by cause: "
                                         "hold, formation, wakeup", ["model", "cause"],
                                         registry=reg)
-        self.idle_gap_count = Counter("ember_device_idle_gap_count", "Idle gaps (of at "
+        self.idle_gap_count = Counter("ember_device_idle_gaps", "Idle gaps (of at "
                                       "least 0.1 ms) before a forward, by cause",
                                       ["model", "cause"], registry=reg)
         self.rejections = Counter("ember_rejections", "Requests refused, by reason",
                                   ["reason"], registry=reg)
         self.loads = Counter("ember_model_loads", "Model loads", ["model"], registry=reg)
         self.load_seconds = Histogram("ember_model_load_duration_seconds", "Time to load a "
-                                      "model", ["model"], registry=reg)
+                                      "model", ["model"], buckets=LOAD_BUCKETS, registry=reg)
+        self.load_failures = Counter("ember_model_load_failures", "Model loads that failed "
+                                     "(its requests get 502 model_load_failed)", ["model"],
+                                     registry=reg)
         self.evictions = Counter("ember_model_evictions", "Models evicted", ["model"],
                                  registry=reg)
 
@@ -180,6 +186,7 @@ class Metrics:
         registry.on_worker.append(self._watch_worker)
         registry.on_load.append(self._loaded)
         registry.on_evict.append(lambda name: self.evictions.labels(name).inc())
+        registry.on_load_failure.append(lambda name: self.load_failures.labels(name).inc())
         self.dispatch = lambda: {name: m.worker.policy.describe()
                                  for name, m in registry.loaded.items()}
         self.pending = lambda: {name: m.worker.pending_items

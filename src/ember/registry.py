@@ -200,6 +200,7 @@ class Registry(CatalogLookup):
         self._failures: dict[str, tuple[float, ModelLoadError]] = {}
         self.on_load: list[Callable[[LoadedModel], None]] = []
         self.on_evict: list[Callable[[str], None]] = []
+        self.on_load_failure: list[Callable[[str], None]] = []
         self.on_worker: list[Callable[[LoadedModel], None]] = []
         self.closing = False
         self._idle_collection: asyncio.Task[None] | None = None
@@ -282,7 +283,7 @@ class Registry(CatalogLookup):
         """Drain every worker (nothing accepted is lost), then release the models."""
         self.closing = True
         for name in list(self._loaded):
-            await self._evict(name)
+            await self._evict(name, "the server stops")
         if self._idle_collection is not None:
             self._idle_collection.cancel()
         heap.settle()
@@ -292,7 +293,7 @@ class Registry(CatalogLookup):
         adapter: ModelAdapter | None = None
         worker: ModelWorker | None = None
         try:
-            await self._make_room()
+            await self._make_room(spec.name)
             log.info("loading model %s (%s adapter) ...", spec.name, spec.adapter)
             started = time.monotonic()
             load = self._loader(spec.adapter)
@@ -325,6 +326,8 @@ class Registry(CatalogLookup):
                                               f"{self.limits.failure_retry_s:g} s after it failed)")
             log.error("%s", error)
             self._failures[spec.name] = (time.monotonic(), error)
+            for failed in self.on_load_failure:
+                failed(spec.name)
             done.set_exception(error)
             done.exception()  # mark retrieved: a load nobody awaits any more is not an error
         finally:
@@ -342,22 +345,31 @@ class Registry(CatalogLookup):
         return budget is not None and (sum(m.memory_bytes for m in self._loaded.values())
                                        + sum(self._incoming.values()) > budget)
 
-    async def _make_room(self) -> None:
+    def _limit_passed(self) -> str:
+        """The limit the loaded and loading models pass, as the user set it."""
+        limits = self.limits
+        if len(self._loaded) + len(self._incoming) > limits.max_loaded_models:
+            return f"--max-loaded-models {limits.max_loaded_models}"
+        return f"--memory-budget-mb {(limits.memory_budget_bytes or 0) // 2**20}"
+
+    async def _make_room(self, loading: str) -> None:
         """Evict least recently used idle models until the loading ones fit the limits."""
         while self._over():
-            if not await self._evict_idle():
+            if not await self._evict_idle(f"room for {loading} ({self._limit_passed()})"):
                 log.warning("over the model limits but every loaded model is busy or "
                             "pinned (the default model); loading anyway, and evicting "
                             "down to the limits once they are idle")
                 return
 
-    async def _evict_idle(self) -> bool:
+    async def _evict_idle(self, why: str) -> bool:
         """Evict the least recently used idle model that is not pinned; False if none."""
         idle = [m for m in self._loaded.values() if m.in_use == 0 and m.spec.name not in
                 self.limits.pinned and m.spec.name not in self._awaited]
         if not idle:
             return False
-        await self._evict(min(idle, key=lambda m: m.last_used).spec.name)
+        least = min(idle, key=lambda m: m.last_used)
+        await self._evict(least.spec.name, f"{why}; the idle model used least recently "
+                          f"({time.monotonic() - least.last_used:.0f} s ago)")
         return True
 
     def released(self, model: LoadedModel) -> None:
@@ -368,12 +380,13 @@ class Registry(CatalogLookup):
             self._shrinking = asyncio.get_running_loop().create_task(self._shrink())
 
     async def _shrink(self) -> None:
-        while self._over() and not self.closing and await self._evict_idle():
+        while self._over() and not self.closing and await self._evict_idle(
+                f"back within {self._limit_passed()}"):
             pass
 
-    async def _evict(self, name: str) -> None:
+    async def _evict(self, name: str, why: str) -> None:
         model = self._loaded.pop(name)
-        log.info("evicting model %s (draining its queue first)", name)
+        log.info("evicting model %s: %s (draining its queue first)", name, why)
         started = time.monotonic()
         await model.worker.stop()
         model.adapter.close()

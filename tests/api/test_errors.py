@@ -197,6 +197,8 @@ async def test_too_many_items(apps: AppFactory, route: str, body: dict[str, Any]
                              "payload_too_large", param)
         assert "5" in error["message"] and "4" in error["message"]
         assert served.worker().stats.batches == 0  # refused before any work
+        # Found by a review: counted as a refusal, as the body limit's 413 is.
+        assert 'ember_rejections_total{reason="payload_too_large"} 1.0' in await served.metrics()
 
 
 async def test_similarity_takes_the_sentence_limit_and_names_its_fields(

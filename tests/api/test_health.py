@@ -65,6 +65,9 @@ async def test_readyz_is_503_when_the_default_model_failed_to_load(apps: AppFact
         error = assert_error(await served.client.get("/readyz"), 503, "not_ready")
         assert "failed" in error["message"]
         assert (await served.client.get("/healthz")).status_code == 200
+        # Found by a review: a failed load left no trace in the metrics but a 502's count.
+        found = samples(await served.metrics())
+        assert value(found, "ember_model_load_failures_total", model=BROKEN) == 1
 
 
 async def test_readyz_recovers_by_itself_once_the_default_model_can_load(
@@ -221,6 +224,7 @@ async def test_metrics_after_traffic(apps: AppFactory) -> None:
         assert value(found, "ember_model_loads_total", model=SYNTH) == 1
         assert value(found, "ember_model_load_duration_seconds_count", model=SYNTH) == 1
         assert value(found, "ember_rejections_total", reason="draining") == 1
+        assert "ember_model_load_failures_total" not in found
         assert "ember_model_evictions_total" in response.text or \
             "ember_model_evictions" in response.text
 
@@ -238,7 +242,7 @@ async def test_metrics_export_the_device_idle_gaps_by_cause(apps: AppFactory) ->
         # each forward starts a little after its release: the thread's wake-up
         assert value(found, name, model=SYNTH, cause="wakeup") > 0
         assert value(found, name, model=SYNTH, cause="hold") == 0  # lone requests: no hold
-        assert "ember_device_idle_gap_count_total" in found
+        assert "ember_device_idle_gaps_total" in found
 
 
 async def test_model_and_metrics_show_the_learned_cost_and_windows(apps: AppFactory) -> None:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from ember.adapters._images import ImageInput, ImageModel, ItemInput
 from ember.adapters.base import TaskModel
 from ember.api.errors import ApiError
-from ember.api.model_task import check_count, check_query
+from ember.api.model_task import check_count, check_query, too_many
 from ember.api.state import server_state
 
 IMAGE_FAMILIES = ("clip",)  # model families whose items may carry images
@@ -93,9 +93,9 @@ def image_bytes(data: bytes | str | None, param: str) -> bytes:
 def check_image_count(request: Request, count: int, field: str) -> None:
     limit = server_state(request).settings.max_images_per_request
     if count > limit:
-        raise ApiError(413, "payload_too_large", f"{count} images is over the limit of "
-                       f"{limit} per request (--max-images-per-request); split the request",
-                       field)
+        raise too_many(request, count, ApiError(
+            413, "payload_too_large", f"{count} images is over the limit of {limit} per "
+            "request (--max-images-per-request); split the request", field))
 
 
 def item_inputs(request: Request, items: Sequence[ItemFields],
