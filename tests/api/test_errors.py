@@ -329,6 +329,9 @@ async def test_request_timeout_is_504_and_drops_the_queued_work(apps: AppFactory
         response = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("a", "b"))
         error = assert_error(response, 504, "timeout")
         assert "dropped" in error["message"]
+        # Found by a review: it read 0 ms queued, where it waited the whole timeout.
+        assert float(response.headers["x-queue-time-ms"]) >= 50
+        assert float(response.headers["x-inference-time-ms"]) == 0
         worker.resume()
         await wait_for(lambda: worker.pending_items == 0)  # dropped before dispatch (R9)
         ok = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("c"))

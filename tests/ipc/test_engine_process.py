@@ -36,7 +36,7 @@ from ember.ipc import engine as ipc_engine
 from ember.ipc.batch import items_from_wire, items_to_wire, values_to_wire
 from ember.ipc.client import EngineClient, EngineDiedTwice, EngineUnavailable
 from ember.ipc.engine import LoadNotes, run_engine
-from ember.ipc.models import RemoteModels
+from ember.ipc.models import RemoteModel, RemoteModels
 from ember.ipc.wire import error_to_wire, pack, unpack
 from ember.registry import Registry, preload_models
 from tests.cycles import cyclic_garbage
@@ -422,12 +422,32 @@ async def test_a_request_in_flight_when_the_engine_dies_is_answered_by_the_next(
         try:
             results = await asyncio.wait_for(asyncio.gather(*in_flight, meanwhile), 30)
             assert [len(r["values"]) for r in results] == [1, 1, 1, 1]  # type: ignore[arg-type]
+            again = await asyncio.wait_for(submit(client, "after"), 10)
+            assert again["new_engine"] is False
+            # Each says so, for its queue time to count the wait for the new engine.
+            assert [r["new_engine"] for r in results] == [True] * 4
         finally:
             stop(second)
     finally:
         client.close()
         stop(first)
 
+
+@pytest.mark.parametrize("new_engine", [False, True])
+async def test_a_wait_for_a_new_engine_is_queue_time(new_engine: bool) -> None:
+    """Found by a review: requests answered by a replaced engine took ~2.9 s and said 0.1 ms
+    queued: the new engine timed them from its own receipt."""
+
+    class Engine:
+        async def call(self, op: str, **fields: Any) -> dict[str, Any]:
+            await asyncio.sleep(0.2)  # the old engine dies, a new one starts
+            return {"values": [np.zeros(2)], "queue_ms": 0.1, "inference_ms": 5.0,
+                    "forwards": 1, "pending": 0, "new_engine": new_engine}
+
+    model = RemoteModel(load_catalog()["ember/synthetic"], None, Engine())  # type: ignore[arg-type]
+    result = await model.submit([PreparedItem("x", 1, 0)], PARAMS, None)
+    assert result.inference_ms == 5.0
+    assert (result.queue_ms >= 190) if new_engine else (result.queue_ms == 0.1)
 
 LONG = "test/ipc-long"  # 1.5 s forwards: an engine can be killed with one in flight
 LONG_MODEL = MODEL.replace(SLOW, LONG).replace("overhead_ms: 300", "overhead_ms: 1500")

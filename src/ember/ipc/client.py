@@ -74,6 +74,7 @@ class _Call:
     submit: _Submit | None = None  # a submit: packed with the others of its turn
     tries: int = 0  # times a submit was sent again for its parameter group
     lost: int = 0  # engines that died before answering it (ENGINE_SENDS bounds the resends)
+    new_engine: bool = False  # answered by an engine met after it was sent (it waited for it)
     # The last ping sent before it: a new engine answering that ping or an earlier one
     # gets it behind the ping; one answering a later ping names it (`held`) if it got it.
     after_ping: int = 0
@@ -278,7 +279,7 @@ class EngineClient:
             if call is not None and not call.reply.done():
                 answers.append((call, {"values": values, "queue_ms": queue_ms,
                                        "inference_ms": inference_ms, "forwards": forwards,
-                                       "pending": pending}))
+                                       "pending": pending, "new_engine": call.new_engine}))
         for call, answer in answers:
             call.reply.set_result(answer)
         for call_id, error in message["errors"]:
@@ -316,7 +317,7 @@ class EngineClient:
         behind = seq if isinstance(seq, int) else self._last_ping + 1
         lost = [c for c in stale if c.id not in arrived and c.after_ping < behind]
         for call in stale:
-            call.engine = engine
+            call.engine, call.new_engine = engine, True
         for call in lost:
             call.lost += 1
         resend = [c for c in lost if c.lost < ENGINE_SENDS]

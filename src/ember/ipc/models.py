@@ -74,6 +74,7 @@ class RemoteModel:
 
     async def submit(self, items: Sequence[PreparedItem], params: Hashable,
                      lora: str | None) -> RequestResult:
+        sent = time.monotonic()
         try:
             reply = await self.client.call(
                 "submit", model=self.spec.name, params=params, lora=lora,
@@ -82,8 +83,10 @@ class RemoteModel:
             self.note_pending(refused.pending)
             raise
         self.note_pending(reply["pending"])
-        return RequestResult(list(reply["values"]), reply["queue_ms"], reply["inference_ms"],
-                             reply["forwards"])
+        queue_ms, inference_ms = reply["queue_ms"], reply["inference_ms"]
+        if reply.get("new_engine"):  # timed from the new engine's receipt: it waited before
+            queue_ms = max(queue_ms, (time.monotonic() - sent) * 1e3 - inference_ms)
+        return RequestResult(list(reply["values"]), queue_ms, inference_ms, reply["forwards"])
 
 
 @dataclass
