@@ -403,6 +403,10 @@ def test_an_engine_killed_after_it_loaded_and_served_is_replaced_every_time(
             engine = replaced_and_serving(server, engine)
         for i in range(10):
             assert encode(server.url, f"after {kills} deaths {i}").status_code == 200
+        # Found by a review: a replaced process left no trace in the metrics.
+        text = httpx.get(f"{server.url}/metrics").text
+        assert f'ember_process_starts_total{{role="engine"}} {1 + kills}.0' in text, text
+        assert 'ember_process_starts_total{role="api"} 2.0' in text, text
         log = server.log_text()
         assert len(re.findall(
             r"the engine process died \(killed by SIGKILL\); starting another in \d+ s; .*"

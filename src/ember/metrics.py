@@ -180,6 +180,11 @@ class Metrics:
                                      registry=reg)
         self.evictions = Counter("ember_model_evictions", "Models evicted", ["model"],
                                  registry=reg)
+        # Beyond one a role (--workers: each API process its own), a process that died and
+        # was replaced: a dead process's figures stay in the sums of a multiprocess scrape.
+        self.process_starts = Counter("ember_process_starts", "Processes of this server "
+                                      "started, by role: server (one process), api or "
+                                      "engine", ["role"], registry=reg)
 
     def attach(self, registry: Registry) -> None:
         """Record what the registry's workers do (in the process that runs them)."""

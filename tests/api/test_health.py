@@ -225,6 +225,7 @@ async def test_metrics_after_traffic(apps: AppFactory) -> None:
         assert value(found, "ember_model_load_duration_seconds_count", model=SYNTH) == 1
         assert value(found, "ember_rejections_total", reason="draining") == 1
         assert "ember_model_load_failures_total" not in found
+        assert value(found, "ember_process_starts_total", role="server") == 1
         assert "ember_model_evictions_total" in response.text or \
             "ember_model_evictions" in response.text
 

@@ -71,8 +71,10 @@ def create_app(settings: ServerSettings, registry: Models) -> EmberAPI:
     state = ServerState(settings, registry, metrics)
     if isinstance(registry, Registry):
         metrics.attach(registry)
+        metrics.process_starts.labels("server").inc()
     elif isinstance(registry, ReportedDepths):
         metrics.report(registry)
+        metrics.process_starts.labels("api").inc()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -449,6 +449,7 @@ async def _engine(settings: ServerSettings, address: str, ready: Connection,
                                                        settings.model_paths))
     metrics = Metrics()
     metrics.attach(registry)
+    metrics.process_starts.labels("engine").inc()
     loading = LoadNotes(ready, registry)
     server = EngineServer(registry, address, on_loading=loading.note)
     server.start()
