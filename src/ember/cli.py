@@ -528,8 +528,10 @@ def list_models(model_dirs: Sequence[str] | None, url: str | None = None,
         except httpx.HTTPError as exc:
             print(f"ember: cannot list the models of {url}: {exc}", file=sys.stderr)
             return 1
+        # Cached as the server says (its machine's files); the size where this one has them.
         rows = [(m["id"], ",".join(m["tasks"]),
-                 *(local_files(catalog[m["id"]]) if m["id"] in catalog else ("-", "-")),
+                 {True: "yes", False: "no"}.get(m.get("cached"), "-"),
+                 local_files(catalog[m["id"]])[1] if m["id"] in catalog else "-",
                  m["state"], "-" if m["dims"] is None else str(m["dims"]))
                 for m in response.json()["data"]]
     header = ("NAME", "TASKS", "CACHED", "SIZE", "STATE", "DIMS")

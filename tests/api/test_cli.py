@@ -9,13 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from ember import __version__
 from ember.cli import WORKER_FLAGS, build_parser, env_name, main, settings_from
 from ember.config import DEFAULT_MODEL, ServerSettings
 from ember.engine import WorkerConfig
-from tests.api.conftest import BUSY, SLOW, SPACY, SYNTH
+from tests.api.conftest import BROKEN, BUSY, SLOW, SPACY, SYNTH
 from tests.live_server import REPO, ServerProcess, free_port, server_env
 
 # The flags a user of such a server expects, at least.
@@ -225,6 +226,10 @@ def test_models_asks_a_running_server(live_server: ServerProcess,
     assert rows[DEFAULT_MODEL][:3] == [DEFAULT_MODEL, "encode,score", "yes"]
     assert rows[DEFAULT_MODEL][-2:] == ["loaded", "384"]
     assert rows[SPACY][-2] in ("available", "loaded")
+    # Found by a review: a model of the server's --model-dir, unknown here, showed "-".
+    served = {m["id"]: m for m in httpx.get(f"{live_server.url}/v1/models").json()["data"]}
+    assert served[BROKEN]["cached"] is True and rows[BROKEN][2] == "yes"
+    assert served[SLOW]["cached"] is None and rows[SLOW][2] == "-"
 
 
 def test_models_with_an_extra_folder(model_dir: Path,
