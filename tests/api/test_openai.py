@@ -47,6 +47,18 @@ async def test_float_embeddings_match_the_native_route(shared: Served) -> None:
     assert usage["prompt_tokens"] == usage["total_tokens"] > len(texts)
 
 
+async def test_a_long_input_is_cut_or_with_truncate_false_refused(shared: Served) -> None:
+    """Found by a black-box review: OpenAI refuses an input over the model's limit, and
+    Ember cut it with no way to ask otherwise."""
+    texts = ["short", "word " * 600]
+    cut = await shared.client.post("/v1/embeddings", json={"model": MINILM, "input": texts})
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["usage"]["prompt_tokens"] <= 256 + 3  # the long one cut at 256
+    error = assert_error(await shared.client.post("/v1/embeddings", json={
+        "model": MINILM, "input": texts, "truncate": False}), 400, "input_too_long", "input[1]")
+    assert "256" in error["message"]
+
+
 async def test_base64_embeddings_are_little_endian_float32(shared: Served) -> None:
     response = await shared.client.post("/v1/embeddings", json={
         "model": SYNTH, "input": "just one", "encoding_format": "base64"})

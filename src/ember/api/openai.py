@@ -11,6 +11,7 @@ tokenizer's special tokens."""
 from __future__ import annotations
 
 import base64
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -60,6 +61,9 @@ class EmbeddingsRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(None, description=CUT_HELP)
     user: str | None = None
+    truncate: bool = Field(True, description="Ember's own field: true cuts an input at the "
+                           "model's token limit (usage counts the tokens kept); false refuses "
+                           "it with a 400 naming it, as OpenAI's API does")
 
     @field_validator("input", mode="wrap")
     @classmethod
@@ -173,7 +177,7 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
 
     async def encode(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
         require_dense(m, "/v1/embeddings", body.dimensions)
-        side = embeddings_side(m)
+        side = replace(embeddings_side(m), truncate=body.truncate)
         if rows is None:
             refuse_images(m, texts)
             output = await adapter.encode(m.submit, texts, side)
