@@ -36,6 +36,17 @@ async def test_unknown_fields_are_refused_by_name(shared: Served, route: str,
     assert param in error["message"] and "unknown field" in error["message"]
 
 
+async def test_other_servers_routes_say_what_to_use_instead(shared: Served) -> None:
+    """Found by a black-box review: TEI's /predict and /embed_all got a bare 404."""
+    for path, hint in (("/predict", "/rerank"), ("/embed_all", "multivector"),
+                       ("/v1/classify", "not served")):
+        error = assert_error(await shared.client.post(path, json={"inputs": "x"}), 404,
+                             "not_found")
+        assert error["message"].startswith(f"Not Found: {path} ") and hint in error["message"]
+    assert assert_error(await shared.client.post("/nothing", json={}), 404)["message"] == \
+        "Not Found"
+
+
 async def test_cohere_rerank_refuses_the_spans_it_cannot_give(shared: Served) -> None:
     body = {"model": SYNTH, "query": "q", "documents": ["x"]}
     ok = await shared.client.post("/v2/rerank", json={**body, "relevant_spans": False})

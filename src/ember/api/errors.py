@@ -91,6 +91,18 @@ def error_body(kind: str, message: str, param: str | None = None) -> dict[str, A
     return {"error": error}
 
 
+# Other servers' routes a client may call here: a 404 that says what to use instead.
+UNSERVED_ROUTES = {
+    "/predict": "(TEI's sequence classification) is not served: Ember runs embedding, "
+                "reranking and extraction models; a reranker scores pairs on /rerank",
+    "/embed_all": "(TEI's unpooled token vectors) is not served; a ColBERT model's "
+                  "token vectors come from POST /v1/encode/{model} with output_types "
+                  "[\"multivector\"]",
+    "/v1/classify": "(Cohere's classify) is not served",
+    "/v2/classify": "(Cohere's classify) is not served",
+}
+
+
 def error_response(status: int, kind: str, message: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(kind, message, param), status_code=status, headers=headers)
@@ -238,8 +250,11 @@ def install(app: FastAPI) -> None:
             return error_response(422, "invalid_request", "the request body is not valid "
                                   "UTF-8 JSON (or nests too deep)", "body")
         kinds = {404: "not_found", 405: "method_not_allowed"}
+        detail = str(exc.detail)
+        if exc.status_code == 404 and request.url.path in UNSERVED_ROUTES:
+            detail = f"{detail}: {request.url.path} {UNSERVED_ROUTES[request.url.path]}"
         return error_response(exc.status_code, kinds.get(exc.status_code, "http_error"),
-                              str(exc.detail), headers=dict(exc.headers or {}))
+                              detail, headers=dict(exc.headers or {}))
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
