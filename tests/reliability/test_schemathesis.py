@@ -41,6 +41,7 @@ OPERATIONS = [
     ("POST", "/v2/embed"), ("POST", "/v2/rerank"), ("POST", "/similarity"),
     ("GET", "/health"), ("GET", "/info"), ("GET", "/v1/models/{model}"),
     ("POST", "/embed_sparse"), ("POST", "/tokenize"), ("POST", "/decode"),
+    ("POST", "/v1/embed"),
 ]
 MODEL_FOR = {"/v1/encode/{model}": SYNTH, "/v1/score/{model}": SYNTH,
              "/v1/models/{model}": SYNTH,

@@ -50,6 +50,7 @@ BODIES: dict[str, dict[str, Any]] = {
     "/rerank": {"query": "q", "texts": ["a"]},
     "/similarity": {"inputs": {"source_sentence": "a", "sentences": ["b"]}},
     "/v2/embed": {"model": SYNTH, "texts": ["a"]},
+    "/v1/embed": {"texts": ["a"]},
     "/v2/rerank": {"model": SYNTH, "query": "q", "documents": ["a"]},
     "/embed_sparse": {"inputs": "hello"},
     "/tokenize": {"inputs": "hello"},
