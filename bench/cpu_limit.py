@@ -51,7 +51,7 @@ LABELS = {
     "spin": "threads always spin (ONNX Runtime's own)",
     "t1": "one ONNX Runtime thread",
 }
-GAP_METRIC = re.compile(r'^ember_device_idle_gap_(seconds|count)_total\{(.*)\} (\S+)$')
+GAP_METRIC = re.compile(r'^ember_device_idle_gap_(seconds)_total\{(.*)\} (\S+)$')
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def run_limit(quick: bool) -> Json:
 # -- Ember over HTTP ----------------------------------------------------------------------
 
 async def gap_counters(session: Any, base: str) -> dict[str, float]:
-    """The server's device-idle gaps (seconds and count, by cause), summed over models."""
+    """The server's device-idle seconds by cause, summed over models."""
     async with session.get(f"{base}/metrics") as response:
         text = await response.text()
     out: dict[str, float] = {}

@@ -468,9 +468,10 @@ def say_folders_named_as_hub_ids(model_paths: Iterable[Path | str]) -> None:
     for named in model_paths:
         path = Path(named).expanduser()
         if not path.is_absolute() and path.is_dir() and hub_id(named) is not None:
-            log.warning("%s: served from the folder %s, not the Hub repository of that name "
-                        "(give ./%s to say so, or run from another folder)", named,
-                        path.resolve(), named)
+            log.warning("%s names the folder %s here, served as %s; the Hub repository of "
+                        "that name is not fetched (give the folder's absolute path to say "
+                        "so, or start from another folder for the Hub's)", named,
+                        path.resolve(), local_name(path))
 
 
 def prefetch(settings: ServerSettings, catalog: dict[str, ModelSpec]) -> None:
@@ -478,9 +479,11 @@ def prefetch(settings: ServerSettings, catalog: dict[str, ModelSpec]) -> None:
     model, the preloads and each --model (with `onnx/model.onnx` when the ONNX backend
     will run it). A default or --model that cannot be had stops the start; a preload is
     logged and skipped (its routes then say why)."""
+    named = {str(p).split("@")[0] for p in settings.model_paths
+             if not Path(p).expanduser().is_dir()}  # a folder that spells an id names the folder
     names = [spec.name for spec in catalog.values() if spec.source.hub is not None and (
         spec.name == settings.default_model or spec.name in settings.preload
-        or spec.source.hub in {str(p).split("@")[0] for p in settings.model_paths})]
+        or spec.source.hub in named)]
     for name in dict.fromkeys(names):
         spec = catalog[name]
         try:

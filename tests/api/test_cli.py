@@ -331,16 +331,27 @@ def test_a_folder_is_a_default_or_preload_by_its_path_or_its_local_name(
 def test_a_relative_folder_that_spells_a_hub_id_is_said_to_win(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
-    from ember.cli import say_folders_named_as_hub_ids
+    """The folder is served, the Hub repository neither fetched nor said to be served
+    (a review found it downloaded all the same where the catalog has the id)."""
+    from ember.cli import prefetch, say_folders_named_as_hub_ids
+    from ember.config import load_catalog
 
     folder = tmp_path / "BAAI" / "bge-small-en-v1.5"
     folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"architectures": ["BertModel"]}')
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a fetch would fail: not in the cache
+    settings = parse("--model", "./BAAI/bge-small-en-v1.5")  # a Path: BAAI/bge-small-en-v1.5
+    catalog = load_catalog(model_paths=settings.model_paths)
+    assert catalog["local/bge-small-en-v1.5"].source.path == folder
+    prefetch(settings, catalog)  # nothing to fetch
     with caplog.at_level("WARNING", logger="ember"):
-        say_folders_named_as_hub_ids(["BAAI/bge-small-en-v1.5", Path("BAAI/bge-small-en-v1.5"),
-                                      "./BAAI/bge-small-en-v1.5", folder, "BAAI/bge-m3"])
-    said = f"served from the folder {folder}, not the Hub repository of that name"
-    assert [said in record.getMessage() for record in caplog.records] == [True, True]
+        say_folders_named_as_hub_ids([*settings.model_paths, "BAAI/bge-small-en-v1.5",
+                                      folder, "BAAI/bge-m3"])
+    said = (f"BAAI/bge-small-en-v1.5 names the folder {folder} here, served as "
+            "local/bge-small-en-v1.5; the Hub repository of that name is not fetched")
+    assert [record.getMessage().startswith(said) for record in caplog.records] == [True, True]
+
 
 def test_a_folder_default_that_holds_no_model_is_named_as_a_folder(tmp_path: Path) -> None:
     """Found by a review: the refusal called the folder's local/ name a Hub id."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from tests.api.conftest import MINILM, SPACY, SYNTH, Served, assert_error
@@ -55,6 +56,22 @@ async def test_document_objects_come_back_whole_in_cohere_v1s_answer(shared: Ser
     assert len(body["id"]) == 32 and body["meta"]["api_version"] == {"version": "1"}
 
 
+@pytest.mark.parametrize(("field", "value", "param"), [
+    ("raw", b"\x00\x01", "documents[0].raw"),
+    ("nested", {"scores": [1.0, float("nan")]}, "documents[0].nested.scores[1]"),
+    ("far", float("inf"), "documents[0].far"),
+])
+async def test_a_documents_field_that_cannot_come_back_as_json_is_refused(
+        shared: Served, field: str, value: object, param: str) -> None:
+    """Found by a code review: a msgpack body's bytes in a document object, echoed into a
+    JSON answer, failed the request with a 500 after its forward."""
+    body = {"model": SYNTH, "query": QUERY, "return_documents": True,
+            "documents": [{"text": "x", field: value}]}
+    response = await shared.client.post("/v1/rerank", content=msgpack.packb(body),
+                                        headers={"content-type": "application/msgpack"})
+    assert_error(response, 422, "invalid_request", param)
+
+
 async def test_top_n_above_the_count_returns_all(shared: Served) -> None:
     response = await shared.client.post("/v1/rerank", json={
         "query": QUERY, "documents": DOCS[:2], "top_n": 10})
@@ -79,6 +96,8 @@ async def test_top_n_above_the_count_returns_all(shared: Served) -> None:
     # Found by a black-box review: a Jina image beside a text was ranked by the text.
     ({"query": QUERY, "documents": [{"text": "x", "image": "https://x/y.png"}]},
      "documents[0].image"),
+    ({"query": QUERY, "documents": ["a", {"image": "https://x/y.png"}]}, "documents[1].image"),
+    ({"query": QUERY, "documents": [{"title": "no text"}]}, "documents[0].text"),
 ])
 async def test_invalid_bodies_are_422_naming_the_field(shared: Served, body: dict[str, object],
                                                        param: str | None) -> None:

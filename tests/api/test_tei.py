@@ -103,6 +103,9 @@ async def test_similarity_truncate_false_names_the_long_field(
     twice = {"inputs": inputs, "truncate": False, "parameters": {"truncate": False}}
     assert_error(await real_default.client.post("/similarity", json=twice), 422,
                  "invalid_request", "parameters.truncate")
+    left = {"inputs": inputs, "parameters": {"truncation_direction": "Left"}}
+    assert_error(await real_default.client.post("/similarity", json=left), 422,
+                 "invalid_request", "parameters.truncation_direction")
 
 
 async def test_a_prompt_the_model_lacks_is_refused_as_tei_refuses_it(
@@ -114,9 +117,37 @@ async def test_a_prompt_the_model_lacks_is_refused_as_tei_refuses_it(
                         ("/embed", {"inputs": "x", "prompt_name": "passage"}),
                         ("/similarity", {**similar, "parameters": {"prompt_name": "query"}}),
                         ("/tokenize", {"inputs": "x", "prompt_name": "query"})):
+        place = "parameters.prompt_name" if "parameters" in body else "prompt_name"
         error = assert_error(await real_default.client.post(route, json=body), 422,
-                             "invalid_request", "prompt_name")
-        assert "(its prompts: none)" in error["message"], (route, error)
+                             "invalid_request", place)
+        assert "it has no prompts: leave prompt_name out" in error["message"], (route, error)
+
+
+@pytest.mark.parametrize(("prompts", "name", "refused"), [
+    ({"query": "q: ", "document": "p: "}, "passage", None),  # Ember's names of one side
+    ({"query": "q: ", "passage": "p: "}, "corpus", None),
+    ({"query": "", "document": ""}, "document", None),  # an empty prompt counts, as in TEI
+    ({"query": "q: "}, "document", "send query, or leave"),
+    ({"document": "p: "}, "query", "send document, passage or corpus, or leave"),
+    ({}, "query", "it has no prompts"),
+    (None, "query", None),  # a family without prompts: the side alone
+])
+def test_a_prompt_name_needs_its_side_in_the_models_prompts(
+        prompts: dict[str, str] | None, name: str, refused: str | None) -> None:
+    from types import SimpleNamespace
+
+    from ember.api.errors import ApiError
+    from ember.api.tei import check_prompt
+
+    extra = {} if prompts is None else {"prompts": prompts}
+    model = SimpleNamespace(spec=SimpleNamespace(name="m"),
+                            adapter=SimpleNamespace(info=SimpleNamespace(extra=extra)))
+    if refused is None:
+        check_prompt(model, name)  # type: ignore[arg-type]
+        return
+    with pytest.raises(ApiError) as caught:
+        check_prompt(model, name)  # type: ignore[arg-type]
+    assert caught.value.param == "prompt_name" and refused in caught.value.message
 
 
 async def test_tei_rerank(shared: Served) -> None:

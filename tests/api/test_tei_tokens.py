@@ -121,7 +121,7 @@ async def test_only_the_prompts_the_model_has_are_taken(sparse: Served) -> None:
     for route in ("/embed_sparse", "/tokenize"):
         error = assert_error(await sparse.client.post(route, json={
             "inputs": "tea", "prompt_name": "document"}), 422, "invalid_request", "prompt_name")
-        assert "(its prompts: 'query')" in error["message"]
+        assert "has no document prompt" in error["message"] and "send query" in error["message"]
 
 
 async def test_tokenize_puts_the_prompt_before_the_text(sparse: Served) -> None:

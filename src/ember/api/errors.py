@@ -95,9 +95,9 @@ def error_body(kind: str, message: str, param: str | None = None) -> dict[str, A
 UNSERVED_ROUTES = {
     "/predict": "(TEI's sequence classification) is not served: Ember runs embedding, "
                 "reranking and extraction models; a reranker scores pairs on /rerank",
-    "/embed_all": "(TEI's unpooled token vectors) is not served; a ColBERT model's "
-                  "token vectors come from POST /v1/encode/{model} with output_types "
-                  "[\"multivector\"]",
+    "/embed_all": "(TEI's unpooled token vectors) is not served; token vectors come from "
+                  "a model that makes them (ColBERT, BGE-M3) on POST /v1/encode/{model} with "
+                  "params.output_types [\"multivector\"]",
     "/v1/classify": "(Cohere's classify) is not served",
     "/v2/classify": "(Cohere's classify) is not served",
 }

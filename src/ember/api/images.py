@@ -93,7 +93,7 @@ def image_bytes(data: bytes | str | None, param: str) -> bytes:
 def check_image_count(request: Request, count: int, field: str) -> None:
     limit = server_state(request).settings.max_images_per_request
     if count > limit:
-        raise too_many(request, count, ApiError(
+        raise too_many(request, ApiError(
             413, "payload_too_large", f"{count} images is over the limit of {limit} per "
             "request (--max-images-per-request); split the request", field))
 

@@ -36,15 +36,14 @@ def check_count(request: Request, count: int, field: str = "items") -> None:
     if not count:
         raise ApiError(422, "invalid_request", f"{field} must hold at least one item", field)
     if count > limit:
-        raise too_many(request, count, ApiError(
+        request.state.items = count  # for the access log
+        raise too_many(request, ApiError(
             413, "payload_too_large", f"{count} items is over the limit of {limit} per "
             "request (--max-items-per-request); split the request", field))
 
 
-def too_many(request: Request, count: int, error: ApiError) -> ApiError:
-    """A 413 for too many items, counted as a refusal with its items logged, as the body
-    limit's is."""
-    request.state.items = count
+def too_many(request: Request, error: ApiError) -> ApiError:
+    """A 413 for too many items or images, counted as a refusal, as the body limit's is."""
     server_state(request).metrics.rejected(error.kind)
     return error
 

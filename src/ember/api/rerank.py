@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -24,7 +25,7 @@ class Document(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    text: str
+    text: str | None = None
     image: Any = Field(None, description="refused: these models rank text")
 
 
@@ -42,6 +43,45 @@ class RerankRequest(BaseModel):
                                           "text is what is ranked")
 
 
+def text_of(document: Document, place: str) -> str:
+    """A document object's text; its other fields must be what a JSON answer can hold
+    (they come back with it), and an image is refused by name."""
+    if document.image is not None:
+        raise ApiError(422, "invalid_request", "images are not ranked here (the models rank "
+                       "text); send the document's text alone", f"{place}.image")
+    if document.text is None:
+        raise ApiError(422, "invalid_request", "a document object needs its text", f"{place}.text")
+    for name, value in (document.model_extra or {}).items():
+        if (where := not_json(value)) is not None:
+            raise ApiError(422, "invalid_request", "a document's fields come back with it, "
+                           "so each must be a JSON value (text, a finite number of at most 64 "
+                           "bits, true, false, null, a list or a map of them)",
+                           f"{place}.{name}{where}")
+    return document.text
+
+
+def not_json(value: object) -> str | None:
+    """Where in `value` something is that JSON cannot carry back as it was sent (`[2].x`),
+    or None. Iterative: the body's reader bounds the nesting, not Python's stack."""
+    stack: list[tuple[str, object]] = [("", value)]
+    while stack:
+        where, part = stack.pop()
+        if isinstance(part, dict):
+            if not all(isinstance(key, str) for key in part):
+                return where
+            stack.extend((f"{where}.{key}", item) for key, item in part.items())
+        elif isinstance(part, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(part))
+        elif isinstance(part, bool) or part is None or isinstance(part, str):
+            continue
+        elif isinstance(part, int):
+            if not -2**63 <= part < 2**64:
+                return where
+        elif not (isinstance(part, float) and math.isfinite(part)):
+            return where
+    return None
+
+
 def ranked(scores: list[float], top_n: int | None) -> list[int]:
     """Indices by score, best first, cut to top_n."""
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
@@ -55,11 +95,8 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
         raise ApiError(422, "invalid_request", f"rank_fields {body.rank_fields} is not "
                        "supported: each document's text is ranked; put what to rank in "
                        '"text", or leave rank_fields out', "rank_fields")
-    for i, document in enumerate(body.documents):
-        if isinstance(document, Document) and document.image is not None:
-            raise ApiError(422, "invalid_request", "images are not ranked here (the models "
-                           "rank text); send the document's text alone", f"documents[{i}].image")
-    texts = [d if isinstance(d, str) else d.text for d in body.documents]
+    texts = [document if isinstance(document, str) else text_of(document, f"documents[{i}]")
+             for i, document in enumerate(body.documents)]
     check_inputs(request, texts, "documents")
     check_query(request, body.query)
     output = await run_task(request, model, "score",

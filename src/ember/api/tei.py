@@ -168,19 +168,24 @@ def encode_options(truncate: bool, direction: str | None, prompt_name: str | Non
 
 
 def check_prompt(model: ServedModel, prompt_name: str | None) -> None:
-    """TEI puts the named prompt of the model's configuration before each text and refuses
-    a name it lacks; so does Ember, for a model that lists its prompts (the document side
-    takes the first of DOCUMENT_PROMPTS it has)."""
+    """TEI refuses a prompt_name the model's configuration lacks; so does Ember, for a model
+    that lists its prompts: `query` needs a query prompt, a document name (document,
+    passage, corpus: one side, the first of them the model has) a document prompt. An
+    empty prompt counts, as in TEI."""
     prompts = model.adapter.info.extra.get("prompts")
     if prompt_name is None or not isinstance(prompts, dict):
         return
-    applied = "query" if prompt_name == "query" else next(
-        (name for name in DOCUMENT_PROMPTS if prompts.get(name)), None)
-    if applied != prompt_name or not prompts.get(prompt_name):
-        have = ", ".join(repr(name) for name, text in prompts.items() if text) or "none"
-        raise ApiError(422, "invalid_request", f"prompt_name {prompt_name!r} is not a prompt "
-                       f"model {model.spec.name!r} applies (its prompts: {have}); send one of "
-                       "those, or leave prompt_name out", "prompt_name")
+    sides = {"query": "query" in prompts,
+             "document": any(name in prompts for name in DOCUMENT_PROMPTS)}
+    if sides["query" if prompt_name == "query" else "document"]:
+        return
+    usable = [names for side, names in (("query", "query"), ("document", "document, "
+              "passage or corpus")) if sides[side]]
+    raise ApiError(422, "invalid_request", f"model {model.spec.name!r} has no "
+                   f"{'query' if prompt_name == 'query' else 'document'} prompt for "
+                   f"prompt_name {prompt_name!r}; "
+                   + (f"send {' or '.join(usable)}, or leave prompt_name out" if usable
+                      else "it has no prompts: leave prompt_name out"), "prompt_name")
 
 
 async def dense_vectors(request: Request, texts: list[str], options: EncodeOptions,
@@ -230,10 +235,19 @@ async def similarity(body: SimilarityRequest, request: Request) -> Response:
     check_inputs(request, sentences, "inputs.sentences")
     check_query(request, source, "inputs.source_sentence")
     truncate, prompt_name = body.option("truncate"), body.option("prompt_name")
-    options = encode_options(truncate is not False, body.option("truncation_direction"),
-                             prompt_name)
+    nested = body.parameters.model_fields_set if body.parameters is not None else set()
+
+    def names(param: str) -> str:  # an option's error names it where the body put it
+        return f"parameters.{param}" if param in nested else similarity_param(param)
+
+    try:
+        options = encode_options(truncate is not False, body.option("truncation_direction"),
+                                 prompt_name)
+    except ApiError as error:
+        error.param = names(error.param or "")
+        raise
     output = await dense_vectors(request, [source, *sentences], options, "inputs",
-                                 query=True, names=similarity_param, prompt_name=prompt_name)
+                                 query=True, names=names, prompt_name=prompt_name)
     vectors = np.stack([e.dense for e in output.values if e.dense is not None]).astype(float)
     vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     return render(request.headers, (vectors[1:] @ vectors[0]).tolist())
