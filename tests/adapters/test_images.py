@@ -94,6 +94,20 @@ def refusal(data: bytes, fmt: str | None = None) -> InvalidInput:
     return caught.value
 
 
+def test_an_exif_orientation_is_applied_as_the_photo_is_shown() -> None:
+    """Found by a black-box review: a phone photo (stored sideways, EXIF orientation 6)
+    was embedded sideways, where transformers' load_image turns it upright."""
+    stored = picture(60, 30)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90 degrees clockwise to show
+    data = encoded(stored, "JPEG", exif=exif.tobytes(), quality=95)
+    shown = decode(ImageInput(data), "items[0].images[0]")
+    assert shown.size == (30, 60)
+    plain = decode(ImageInput(encoded(stored, "JPEG", quality=95)), "items[0].images[0]")
+    np.testing.assert_array_equal(np.asarray(shown), np.asarray(plain.transpose(
+        Image.Transpose.ROTATE_270)))
+
+
 def test_a_format_outside_the_list_is_refused() -> None:
     bmp = encoded(picture(8, 8), "BMP")
     error = refusal(bmp)

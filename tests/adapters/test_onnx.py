@@ -301,6 +301,17 @@ def test_an_export_that_fails_otherwise_says_to_serve_it_on_torch(
         load_bi(tiny["bi"], tmp_path / "cache")
 
 
+def test_a_folder_without_weights_says_so_not_to_serve_it_on_torch(
+        tmp_path: Path, tiny: dict[str, Path]) -> None:
+    """Found by a black-box review: the export's failure told the user to serve the model
+    on torch, which fails the same way."""
+    folder = tmp_path / "no-weights"
+    shutil.copytree(tiny["bi"], folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(ModelLoadError, match="its folder holds no weights file") as caught:
+        load_bi(folder, tmp_path / "cache")
+    assert "backend: torch" not in str(caught.value)
+
+
 def test_loras_run_on_torch_or_are_refused_on_onnx(tiny: dict[str, Path]) -> None:
     loras = {"a": tiny["lora"]}
     with_loras = transformer.load(spec_for(tiny["bi"], "transformer", ("encode",),

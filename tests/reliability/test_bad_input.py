@@ -126,6 +126,14 @@ CASES = [
         param="top_n"),
     Bad("top-n-string", "/v1/rerank", {"query": "q", "documents": ["a"], "top_n": "x"},
         param="top_n"),
+    # Found by a black-box review: true read as 1.0, "0.3" as 0.3; an empty label list
+    # on spaCy found nothing in every item, where GLiNER refuses it.
+    Bad("threshold-a-bool", f"/v1/extract/{SPACY}", {**ONE, "params": {"threshold": True}},
+        param="params.threshold"),
+    Bad("threshold-text", f"/v1/extract/{SPACY}", {**ONE, "params": {"threshold": "0.3"}},
+        param="params.threshold"),
+    Bad("labels-empty", f"/v1/extract/{SPACY}", {**ONE, "params": {"labels": []}},
+        param="params.labels"),
     Bad("labels-a-string", f"/v1/extract/{SPACY}", {**ONE, "params": {"labels": "PERSON"}},
         param="params.labels"),
     # NaN and infinities (Python's JSON reader accepts them; the schema must not)

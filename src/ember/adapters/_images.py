@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
-from PIL import Image, ImageFile
+from PIL import Image, ImageFile, ImageOps
 
 from ember.adapters.base import Encoded, EncodeOptions, ScoreOptions, Submit, TaskOutput
 from ember.errors import InvalidInput
@@ -30,6 +30,7 @@ from ember.model_files import read_model_json
 # 40 megapixels (e.g. 8000 x 5000) decode to 120 MB of RGB; beyond it a request is refused.
 MAX_PIXELS = 40_000_000
 MAX_SIDE = 20_000  # a 1 x 40M strip is no photo either
+ORIENTATION = 0x0112  # the EXIF tag
 # Pillow's own guard, as a second line behind the header check below.
 Image.MAX_IMAGE_PIXELS = MAX_PIXELS
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a cut file is an error, never a grey half
@@ -107,6 +108,10 @@ def decode(image: ImageInput, param: str) -> Image.Image:
                 raise too_large(f"{width} x {height} pixels", param)
             opened.seek(0)  # an animated GIF or WebP: its first frame
             opened.load()
+            # Upright as it is shown: a phone photo is stored sideways with an EXIF
+            # orientation (transformers' load_image turns it too).
+            if opened.getexif().get(ORIENTATION, 1) != 1:
+                return to_rgb(ImageOps.exif_transpose(opened))
             return to_rgb(opened)
     except InvalidInput:
         raise

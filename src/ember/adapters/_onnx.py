@@ -226,6 +226,10 @@ def _fp32(spec: ModelSpec, model_dir: Path, plan: ExportPlan,
         if type(exc).__name__ == "SafetensorError":  # torch could not read it either
             raise ModelLoadError(spec.name, f"its weights file is incomplete or corrupt "
                                             f"({exc}); fetch the model again") from exc
+        if isinstance(exc, OSError) and "no file named" in str(exc):  # transformers' words
+            raise ModelLoadError(spec.name, f"its folder holds no weights file ({exc}); "
+                                            "fetch the model again, or point its source at "
+                                            "the folder that has them") from exc
         raise ModelLoadError(spec.name, f"cannot export to ONNX ({type(exc).__name__}: "
                                         f"{exc}); serve it with backend: torch") from exc
     return target, "exported"

@@ -153,6 +153,9 @@ class SpacyNerFront:
         """Native labels for a filter of friendly or native names; None: everything."""
         if names is None:
             return None
+        if not names:  # an empty filter would find nothing in every item, without a word
+            raise InvalidInput("labels is empty: name at least one label, or leave labels "
+                               "out for every type the model finds", "params.labels")
         native = {label.upper(): label for label in self.labels}
         wanted: set[str] = set()
         for i, name in enumerate(names):

@@ -121,9 +121,10 @@ class ScoreRequest(Strict):
 
 class ExtractParams(Strict):
     labels: list[str] | None = None
-    threshold: float | None = Field(None, description="zero-shot models (GLiNER): the least "
-                                    "score an entity must reach, 0 to 1 (default: the "
-                                    "model's); models with fixed types ignore it")
+    threshold: StrictFloat | None = Field(None, description="zero-shot models (GLiNER): the "
+                                          "least score an entity must reach, 0 to 1 "
+                                          "(default: the model's); models with fixed types "
+                                          "refuse it")
 
 
 class ExtractRequest(Strict):
