@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import struct
 import time
+import warnings
 import zlib
 from pathlib import Path
 
@@ -106,6 +107,23 @@ def test_an_exif_orientation_is_applied_as_the_photo_is_shown() -> None:
     plain = decode(ImageInput(encoded(stored, "JPEG", quality=95)), "items[0].images[0]")
     np.testing.assert_array_equal(np.asarray(shown), np.asarray(plain.transpose(
         Image.Transpose.ROTATE_270)))
+
+
+def test_a_damaged_exif_block_is_no_turn_and_no_warning() -> None:
+    """A client's bytes: each flaw Pillow finds in an EXIF block is a warning, which the
+    server would log; the picture is still decoded, as stored."""
+    stored = picture(20, 10)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    whole = exif.tobytes()
+    damaged = [whole[:len(whole) - 5], whole[:12] + b"\xff" * 8 + whole[20:],
+               b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\x00\x01\x01\x12\x00\x03\xff\xff"]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for block in damaged:
+            shown = decode(ImageInput(encoded(stored, "JPEG", exif=block)), "p")
+            assert shown.size in ((20, 10), (10, 20))
+    assert not said, [str(w.message) for w in said]
 
 
 def test_a_format_outside_the_list_is_refused() -> None:

@@ -101,6 +101,9 @@ def decode(image: ImageInput, param: str) -> Image.Image:
                            "format or leave it out", f"{param}.format")
     try:
         with warnings.catch_warnings():
+            # Pillow warns of each flaw it skips in a client's file (a damaged EXIF block):
+            # a log line a request could repeat at will. A bomb's warning is a refusal.
+            warnings.simplefilter("ignore")
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             opened = Image.open(io.BytesIO(image.data), formats=[FORMATS[found]])
             width, height = opened.size  # from the header: nothing is decoded yet
@@ -110,9 +113,7 @@ def decode(image: ImageInput, param: str) -> Image.Image:
             opened.load()
             # Upright as it is shown: a phone photo is stored sideways with an EXIF
             # orientation (transformers' load_image turns it too).
-            if opened.getexif().get(ORIENTATION, 1) != 1:
-                return to_rgb(ImageOps.exif_transpose(opened))
-            return to_rgb(opened)
+            return to_rgb(upright(opened))
     except InvalidInput:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -123,6 +124,18 @@ def decode(image: ImageInput, param: str) -> Image.Image:
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise InvalidInput(f"the {found} image could not be decoded ({_reason(exc)}): it "
                            "is corrupt or truncated", f"{param}.data") from None
+
+
+def upright(image: Image.Image) -> Image.Image:
+    """The image turned as its EXIF orientation says it is shown; a damaged EXIF block (a
+    client's bytes) counts as none."""
+    try:
+        turn = image.getexif().get(ORIENTATION, 1)
+        if isinstance(turn, int) and 2 <= turn <= 8:
+            return ImageOps.exif_transpose(image)
+    except Exception:  # the picture is still good; only its turn is lost
+        pass
+    return image
 
 
 def too_large(size: str, param: str) -> InvalidInput:
