@@ -29,6 +29,11 @@ from tests.reliability.support import (
     check_error_body,
 )
 
+# The schema's validation is the same app in every API process, and what passes it to the
+# engine crosses the wire in the rerun's end-to-end and hand-made bad-input tests: fuzzing
+# it once keeps the suite within its time.
+pytestmark = pytest.mark.one_mode
+
 EXAMPLES = int(os.environ.get("EMBER_FUZZ_EXAMPLES", "25"))
 # Every operation the app documents; a new route fails test_every_operation_is_fuzzed
 # until it is listed here.
