@@ -396,7 +396,7 @@ def _named_once(name: str, named: Path | str, named_by: dict[str, Path | str]) -
     """Two models named for one catalog name (one repository at two revisions, two
     folders of one name): which one would serve is not what the flags say; refuse."""
     first = named_by.setdefault(name, named)
-    if first != named and (_folder(first) is None or _folder(first) != _folder(named)):
+    if first != named and ((folder := _folder(first)) is None or folder != _folder(named)):
         hint = " (a folder is served as local/<its name>)" if name.startswith(LOCAL_PREFIX) else ""
         raise CatalogError(f"{first} and {named} both name the model {name!r}{hint}; keep one")
 

@@ -199,8 +199,8 @@ def access_log(method: str, path: str, route: str, model: str, status: int, item
               "status": status, "items": items, "queue_ms": round(queue_ms, 2),
               "inference_ms": round(inference_ms, 2), "total_ms": round(total_ms, 2),
               "request_id": request_id, "client": peer(client)}
-    # The path and model are the client's, percent-decoded: a newline must not start a
-    # line, nor a space a field of the client's making.
+    # The path and model are the client's, percent-decoded: a space must not start a
+    # field of the client's making (a newline is the formatter's to escape, as in any line).
     access.log(level, "%s %s %d model=%s items=%d queue_ms=%.1f inference_ms=%.1f "
                "total_ms=%.1f request_id=%s client=%s", method, token(path), status,
                token(model or "-"), items, queue_ms, inference_ms, total_ms, request_id,
@@ -216,8 +216,8 @@ def peer(address: tuple[str, int] | None) -> str:
 
 
 def token(text: str) -> str:
-    """`text` as one field of a text line: printable, its spaces written as %20."""
-    return printable(text).replace(" ", "%20")
+    """`text` as one field of a text line: its spaces written as %20."""
+    return text.replace(" ", "%20")
 
 
 def printable(text: str) -> str:

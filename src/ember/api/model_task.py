@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import TypeVar
@@ -178,7 +177,7 @@ def task_error(request: Request, exc: Exception, items: int, field: str, query: 
     if error.status in (413, 429, 503, 504):
         server_state(request).metrics.rejected(error.kind)
     if isinstance(exc, RequestTimeout):  # it waited all along: the headers say so
-        request.state.timing = ((time.monotonic() - request.state.task_started) * 1e3, 0.0)
+        request.state.timing = (exc.seconds * 1e3, 0.0)
     return error
 
 
@@ -209,7 +208,6 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
     `fits`: raises where the model's entry cannot serve the request as asked."""
     state = server_state(request)
     request.state.items = queued = items + query  # for the access log
-    request.state.task_started = time.monotonic()
     if not model_name:
         raise unnamed_model(request, task or "encode")
     try:
