@@ -31,7 +31,6 @@ from ember.config import ServerSettings
 from ember.supervisor import Supervisor
 from tests.live_server import (
     REPO,
-    TEST_WORKERS,
     ServerProcess,
     children_titled,
     free_port,
@@ -248,22 +247,6 @@ def test_a_taken_port_is_one_line_and_exit_1(two_api_processes: ServerProcess) -
     assert "Traceback" not in result.stderr
     assert re.search(rf"cannot listen on 127\.0\.0\.1:{taken}: Address already in use",
                      result.stderr), result.stderr
-
-
-SUITES = ["tests/api/test_server_e2e.py", "tests/reliability"]
-
-
-def test_the_server_suites_pass_against_api_processes() -> None:
-    """The end-to-end and reliability suites again, every server they start with
-    `--workers 2` (tests/live_server.py reads EMBER_TEST_WORKERS), less the tests marked
-    own_mode or one_mode (pyproject.toml says why each is left out)."""
-    env = {**os.environ, TEST_WORKERS: "2"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             "-m", "not own_mode and not one_mode", *SUITES],
-                            capture_output=True, text=True, env=env, cwd=REPO, timeout=1500)
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
-    assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
 
 
 def test_a_dead_engine_is_replaced_and_the_new_one_serves(
