@@ -382,11 +382,14 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(model_dir: Path,
                                            reference.vector(f"in flight {i}"), atol=1e-6)
         assert server.process.wait(30) == 0, server.log_tail()
         log = server.log_tail(100_000)
-        # Each API process says what it holds (the last /metrics poll may still be leaving
-        # when the signal lands, so at least `count` in all).
+        # Each API process says what it holds: every request not answered before its drain
+        # began (the first forward may end while the signal travels, on a busy machine;
+        # the last /metrics poll may still be leaving, so at least that many).
         held = re.findall(r"(?:SIGTERM|supervisor's order): draining, (\d+) requests? in "
                           r"flight", log)
-        assert held and sum(map(int, held)) >= count, log
+        before = log[:log.rfind("draining, ")]
+        answered_before = before.count(f"POST /v1/encode/{SLOW} 200")
+        assert held and sum(map(int, held)) >= count - answered_before, log
         assert "drained in" in log
     finally:
         server.stop()
