@@ -47,13 +47,12 @@ from ember.config import ServerSettings
 from ember.ipc.client import peer_name
 from ember.ipc.lifeline import (
     DRAIN_ORDER,
-    STOP_SIGNALS,
     die_with_parent,
+    drain_on_stop_signals,
     held_for_child,
     ignore_stop_signals,
     repeated_hangup,
     take_drain_orders,
-    takes_hangup,
 )
 from ember.ipc.wire import pack
 from ember.logs import configure_logging, name_process
@@ -178,9 +177,7 @@ class Supervisor:
         metrics_dir = self.runtime_dir / "metrics"
         metrics_dir.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # the children inherit it
-        for sig in STOP_SIGNALS:
-            if sig != signal.SIGHUP or takes_hangup():
-                signal.signal(sig, self._on_signal)
+        drain_on_stop_signals(self._on_signal)
         name_process("supervisor")
         try:
             engine, ready = self._start_engine(first=True)
@@ -452,12 +449,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def listening_socket(settings: ServerSettings) -> socket.socket | None:
+    """The socket on --host and --port, bound before anything loads: an address that cannot
+    be had is one line in the log and None (the server then exits with code 1)."""
+    try:
+        return bind(settings.host, settings.port)
+    except OSError as exc:
+        logging.getLogger("ember").error("cannot listen on %s:%d: %s", settings.host,
+                                         settings.port, exc.strerror)
+        return None
+
+
 def serve_processes(settings: ServerSettings) -> int:
     configure_logging(settings)
-    try:
-        sock = bind(settings.host, settings.port)
-    except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror)
+    if (sock := listening_socket(settings)) is None:
         return 1
     with sock:
         return Supervisor(settings).run(sock)

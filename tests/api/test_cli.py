@@ -424,16 +424,19 @@ def test_a_cuda_device_on_a_machine_without_one_is_refused_at_start() -> None:
     assert len(errors) == 1 and "--device cuda" in errors[0] and "--device cpu" in errors[0]
 
 
-def test_a_taken_port_is_one_line_and_exit_1() -> None:
+@pytest.mark.parametrize("mode", [[], ["--ray"]], ids=["one-process", "ray"])
+def test_a_taken_port_is_one_line_and_exit_1(mode: list[str]) -> None:
+    """(`--workers N`: tests/test_supervisor.py.) Under --ray, before Ray starts."""
     port = free_port()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port))
         taken.listen(1)
-        result = run_ember("serve", "--port", str(port), "--default-model", SYNTH)
+        result = run_ember("serve", "--port", str(port), "--default-model", SYNTH, *mode)
     assert result.returncode == 1, result
     errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and f"cannot listen on 127.0.0.1:{port}" in errors[0]
     assert "Traceback" not in result.stderr and "listening" not in result.stderr
+    assert "Ray cluster at" not in result.stderr
 
 
 def test_a_limit_of_one_loaded_model_is_a_warning_at_start() -> None:

@@ -1,11 +1,12 @@
 """`ember serve --ray`: start a local Ray instance (or join the cluster at `--ray-address`),
 deploy the application, serve until a signal, then drain.
 
-Drain: the first SIGTERM or SIGINT deletes the ingress application, then the engine's
+Drain: the first SIGTERM, SIGINT or SIGHUP deletes the ingress application, then the engine's
 (`ember.cluster.app`). Ray stops each replica only once it holds no ongoing request
 (within `GRACEFUL_SHUTDOWN_S`): the ingress replicas answer every request they took, on
 engine replicas still running; then the engine replicas drain their workers. Everything
-accepted is answered. A second signal exits at once.
+accepted is answered. A second signal exits at once (a second SIGHUP is none: a closing
+terminal sends two).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from ray import serve
 
 from ember.cluster.app import APP, ENGINE_APP, build_engine, build_ingress
 from ember.config import RaySettings, ServerSettings
-from ember.supervisor import bind
+from ember.ipc.lifeline import drain_on_stop_signals, repeated_hangup
+from ember.supervisor import listening_socket
 
 log = logging.getLogger("ember.cluster")
 EXTRA_SLOTS = 2  # logical CPUs of a local instance beyond one per engine replica
@@ -50,16 +52,17 @@ def start_ray(ray_settings: RaySettings) -> None:
 
 def serve_on_ray(settings: ServerSettings) -> int:
     ray_settings = settings.ray or RaySettings()
-    try:  # Ray's proxy binds the port later; a taken one is one line and exit code 1 now
-        bind(settings.host, settings.port).close()
-    except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror)
+    # Ray's proxy binds the port later; a taken one is one line and exit code 1 now.
+    if (sock := listening_socket(settings)) is None:
         return 1
+    sock.close()
     stop = threading.Event()
     signals = 0
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
         nonlocal signals
+        if repeated_hangup(sig, stopping=signals > 0):
+            return
         signals += 1
         if signals > 1:
             log.warning("second signal: exiting now")
@@ -68,8 +71,7 @@ def serve_on_ray(settings: ServerSettings) -> int:
         stop.set()
 
     start_ray(ray_settings)
-    for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which sets its own
-        signal.signal(sig, on_signal)
+    drain_on_stop_signals(on_signal)  # after ray.init, which sets its own
     try:
         # The cluster's HTTP options are set by whoever starts Serve on it first.
         serve.start(http_options={"host": settings.host, "port": settings.port})

@@ -18,12 +18,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
+from types import FrameType
 
 log = logging.getLogger("ember.supervisor")
 DRAIN_ORDER = signal.SIGUSR1  # the supervisor to a child: finish what you accepted, exit
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # what a supervisor drains on
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # what a server drains on
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 WATCH_S = 0.2  # how often the fallback watch looks at the parent
 
@@ -41,6 +42,14 @@ def die_with_parent(parent: int) -> None:
 def takes_hangup() -> bool:
     """Whether a server acts on SIGHUP: not when it was started ignoring it (nohup)."""
     return signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN
+
+
+def drain_on_stop_signals(handler: Callable[[int, FrameType | None], None]) -> None:
+    """`handler` for SIGTERM, SIGINT and SIGHUP: a process that drains them all (a
+    supervisor, `--ray`'s driver); SIGHUP not when it was started ignoring it (nohup)."""
+    for sig in STOP_SIGNALS:
+        if sig != signal.SIGHUP or takes_hangup():
+            signal.signal(sig, handler)
 
 
 def repeated_hangup(sig: int, stopping: bool) -> bool:
