@@ -1,9 +1,9 @@
 """What the benchmarks share: percentiles, the machine they ran on, per-repetition
 summaries, ratio tables and the common command-line flags. (HTTP load: loadgen.py.)
 
-Benchmarks report ratios measured side by side in one run (DESIGN.md, Tests and
-benchmarks): each repetition runs every variant back to back, and a ratio's
-spread is the min-max of its per-repetition values.
+Benchmarks report ratios measured side by side in one run (docs/benchmarks.md): each
+repetition runs every variant back to back, and a ratio's spread is the min-max of its
+per-repetition values.
 """
 
 from __future__ import annotations

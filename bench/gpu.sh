@@ -5,8 +5,10 @@
 #   bench/gpu.sh OUT_DIR            # e.g. bench/gpu.sh "$OUT" on the device machine
 #   FRONTEND_WORKERS="2 4" bench/gpu.sh OUT_DIR   # + `ember serve --workers N` variants
 #
-# Copy OUT_DIR/*.json to docs/bench/ (frontend.json as docs/bench/frontend_gpu.json,
-# engine_ceiling.json and engine.json as engine_ceiling_gpu.json and engine_gpu.json).
+# Copy OUT_DIR/*.json to docs/bench/ under GPU names, never over the CPU results there:
+# frontend_gpu.json as it is; http.json, scheduler.json, engine_ceiling.json and
+# engine.json as http_gpu.json, scheduler_gpu.json, engine_ceiling_gpu.json and
+# engine_gpu.json.
 #
 # Needs an environment with Ember installed and a CUDA build of torch: PYTHON names its
 # interpreter (default .venv/bin/python, else python3). Nothing is fetched: the model comes

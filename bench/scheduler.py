@@ -2,11 +2,11 @@
 """Scheduler benchmark: the real ModelWorker over the synthetic adapter, no HTTP.
 
 The synthetic adapter is a BENCHMARK MODEL: its vectors mean nothing; its
-forward time comes from a cost model (DESIGN.md, Models). Two cost models:
+forward time comes from a cost model (src/ember/catalog/synthetic.yaml). Two cost models:
 
 - gpu: 2 ms + 0.5 us per padded token, sleeping (the CPU stays free);
 - cpu: 13 ms + 240 us per padded token, computing (one core busy). That is
-  all-MiniLM-L6-v2 on this machine kind per DESIGN's performance notes: one
+  all-MiniLM-L6-v2 on this machine kind per docs/bench/notes.md: one
   13-token sentence ~16 ms, 8 of them ~38 ms (~210/s), 32 ~113 ms (~280/s).
 
 Four dispatch policies, run interleaved (A B C D A B C D ...) in every
@@ -25,7 +25,7 @@ micro-benchmark times `BatchFormer.form` with 4,096 items pending.
 Every request carries one 13-token item. Closed-loop clients model the HTTP
 layer's turnaround: the requests of one forward come back through one serial
 lane, `--turnaround-ms` each (~0.5 ms of event-loop work per request in
-DESIGN's notes), so they return staggered as they do over HTTP. The
+docs/bench/notes.md), so they return staggered as they do over HTTP. The
 "turnaround2x" variants double that lane time; the "immediate" variants
 resubmit at once (all of a forward's requests queue before the worker wakes).
 Under uvloop, timers fire on whole milliseconds, so 0.5 ms returns come back
@@ -436,9 +436,10 @@ def mixed_duration(plan: Plan) -> float:
 def wait_figures(waits: Sequence[float], config: WorkerConfig,
                  handed: Sequence[float] | None = None) -> Json:
     """The waits' percentiles and the longest against the issue's bound: 2 x the median
-    wait + starvation_ms (40 ms by default). Formation no longer reads starvation_ms (the
-    sweep bounds waits itself); the bound keeps it. With `handed` (when each item went
-    to the device, s), also the bound against each item's neighbours (over_local_bound)."""
+    wait + 40 ms (4 x the fixed 10 ms batch window, whatever window is learned). Formation
+    no longer reads that bound (the sweep bounds waits itself); the figures keep it. With
+    `handed` (when each item went to the device, s), also the bound against each item's
+    neighbours (over_local_bound)."""
     longest = max(waits, default=float("nan"))
     bound = 2 * percentile(waits, 50) + starvation_s(config) * 1000
     out = {**benchlib.percentiles("wait", waits), "wait_max_ms": longest,

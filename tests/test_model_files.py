@@ -13,7 +13,7 @@ from ember.model_files import MAX_MODEL_JSON_BYTES, ModelFileError, read_model_j
 @pytest.mark.parametrize(("content", "expect", "message"), [
     (b'{"a": 1}', list, r"x\.json holds an object, where an array is expected"),
     (b"[1]", dict, r"x\.json holds an array, where an object is expected"),
-    (b"null", dict, r"holds true, false or null"),
+    (b"null", dict, r"holds null"),
     (b"3.5", dict, r"holds a number"),
     (b'{"a": ', dict, r"x\.json is not valid JSON \(Expecting value"),
     (b"\x80\x81", dict, r"x\.json is not valid JSON"),

@@ -2,8 +2,8 @@
 (an engine however often it dies once it has loaded its models), an engine that dies on
 every load ends the server, a request that kills the engine fails with a 503 after two
 engines instead of killing every new one, a killed supervisor takes every process with it,
-/metrics reports every process, a Ctrl-C drains the tree, and the API and reliability
-suites pass against it as they do against one process."""
+/metrics reports every process and a Ctrl-C drains the tree (tests/test_server_modes.py
+runs the API and reliability suites against it)."""
 
 from __future__ import annotations
 

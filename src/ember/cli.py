@@ -16,7 +16,6 @@ from typing import NoReturn, cast
 
 from ember import __version__, hub
 from ember.config import (
-    DEFAULT_MODEL,
     SPINNING,
     CatalogError,
     ModelSpec,
@@ -31,7 +30,7 @@ from ember.config import (
     spinning_mode,
 )
 from ember.engine import WorkerConfig
-from ember.engine.config import DISPATCH_MODES, LEAD_RATIO, SettingError
+from ember.engine.config import DISPATCH_MODES, SettingError
 from ember.errors import closest, did_you_mean
 from ember.logs import FORMATS, LEVELS
 
@@ -46,12 +45,17 @@ def number(text: str) -> float:
     return value
 
 
+# The flags' defaults are the settings' own: one place for each.
+SERVER = ServerSettings()
+WORKER = WorkerConfig()
+
 # (flag, type, default, help); the variable is EMBER_ + the flag in upper snake case.
 Parse = Callable[[str], object]  # a flag's type: a class, or `number`
 WORKER_FLAGS: list[tuple[str, Parse, object, str]] = [
-    ("max-batch-tokens", int, 16384, "padded tokens per forward (items x longest)"),
-    ("max-batch-items", int, 64, "items per forward"),
-    ("dispatch", str, "auto", "auto: the batch windows below that are not set follow the "
+    ("max-batch-tokens", int, WORKER.max_batch_tokens,
+     "padded tokens per forward (items x longest)"),
+    ("max-batch-items", int, WORKER.max_batch_items, "items per forward"),
+    ("dispatch", str, WORKER.dispatch, "auto: the batch windows below that are not set follow the "
      "cost per forward the engine measures on each model; fixed: unset windows take the "
      "fixed defaults (10 ms, 1.05, 3 ms)"),
     ("max-batch-wait-ms", number, None, "longest a batch stays open after its first item "
@@ -60,9 +64,10 @@ WORKER_FLAGS: list[tuple[str, Parse, object, str]] = [
      "text); 0 turns the cap off (default: learned; 1.05 until learned)"),
     ("idle-coalesce-ms", number, None, "quiet time that closes a burst reaching an idle model "
      "(default: learned, at most 3)"),
-    ("lead-ratio", number, LEAD_RATIO, "a request with at most 1/this the items of the largest "
+    ("lead-ratio", number, WORKER.lead_ratio,
+     "a request with at most 1/this the items of the largest "
      "queued beside it leads the next forward (a query beside a bulk request); 0: off"),
-    ("max-queue-items", int, 4096, "queued items per model before 429"),
+    ("max-queue-items", int, WORKER.max_queue_items, "queued items per model before 429"),
 ]
 
 
@@ -180,9 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
             serve.add_argument(f"--{name}", type=kind, default=value,
                                help=f"{text} [{env_name(name)}]", **extra)  # type: ignore[arg-type]
 
-    flag("host", str, "127.0.0.1", "address to listen on")
-    flag("port", int, 8080, "port to listen on")
-    flag("workers", int, 0, "API processes (HTTP, validation, tokenizing) beside one engine "
+    flag("host", str, SERVER.host, "address to listen on")
+    flag("port", int, SERVER.port, "port to listen on")
+    flag("workers", int, SERVER.workers,
+         "API processes (HTTP, validation, tokenizing) beside one engine "
          "process that batches and runs the models; 0 runs everything in one process "
          "(best on small machines; see the README)")
     flag("model-dir", str, None, "folder of extra model YAML files (repeatable; the "
@@ -195,20 +201,23 @@ def build_parser() -> argparse.ArgumentParser:
          "name, a model folder or a Hub id (repeatable; the variable takes a "
          "comma-separated list)",
          action=AppendOverEnv)
-    flag("default-model", str, DEFAULT_MODEL, "model behind /embed, /rerank, /v1/embeddings "
+    flag("default-model", str, SERVER.default_model, "model behind /embed, /rerank, /v1/embeddings "
          "and /readyz: a catalog name, a model folder (served as local/<folder>) or a Hub "
          "id")
-    flag("allow-hub-models", bool, False, "let a request name a Hub model the server does "
+    flag("allow-hub-models", bool, SERVER.allow_hub_models,
+         "let a request name a Hub model the server does "
          "not have, which it then downloads; off, only the models named at startup are "
          "downloaded")
-    flag("device", str, "cpu", "cpu, cuda or cuda:N (fp16 on CUDA)")
+    flag("device", str, SERVER.device, "cpu, cuda or cuda:N (fp16 on CUDA)")
     flag("torch-threads", int, None, "torch intra-op threads (default: all cores but one)")
-    flag("backend", str, "onnx", "forward backend, torch or onnx: onnx runs the models it "
+    flag("backend", str, SERVER.backend, "forward backend, torch or onnx: onnx runs the models it "
          "can (CPU, no LoRAs), torch the rest; a model's YAML 'backend:' overrides it",
          choices=["torch", "onnx"])
-    flag("cache-dir", str, None, "folder for ONNX exports (default ~/.cache/ember)")
+    flag("cache-dir", str, None,
+         "folder for ONNX exports (default $XDG_CACHE_HOME/ember or ~/.cache/ember)")
     flag("onnx-threads", int, None, "ONNX Runtime intra-op threads (default: every core)")
-    flag("onnx-spinning", str, "forward", "when ONNX Runtime's threads spin-wait: 'forward' "
+    flag("onnx-spinning", str, SERVER.onnx_spinning,
+         "when ONNX Runtime's threads spin-wait: 'forward' "
          "(within a forward, then they sleep), 'on' (also between forwards, which takes "
          "the cores the front end needs) or 'off' (never; each step of a forward wakes "
          "them); the flag alone means 'on'", choices=list(SPINNING), nargs="?", const="on",
@@ -216,15 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kind, default, text in WORKER_FLAGS:
         flag(name, kind, default, text,
              choices=list(DISPATCH_MODES) if name == "dispatch" else None)
-    flag("max-items-per-request", int, 2048, "items in one request before 413 (OpenAI's "
+    flag("max-items-per-request", int, SERVER.max_items_per_request,
+         "items in one request before 413 (OpenAI's "
          "2,048; the engine splits a request into forwards of --max-batch-items)")
-    flag("max-body-bytes", int, 16 * 1024 * 1024, "request body size before 413")
-    flag("max-text-chars", int, 200_000, "characters in one text before 422 (a text is "
+    flag("max-body-bytes", int, SERVER.max_body_bytes, "request body size before 413")
+    flag("max-text-chars", int, SERVER.max_text_chars,
+         "characters in one text before 422 (a text is "
          "cut to the model's token limit only after this check)")
-    flag("max-images-per-request", int, 32, "images in one request before 413")
+    flag("max-images-per-request", int, SERVER.max_images_per_request,
+         "images in one request before 413")
     flag("request-timeout-s", number, None, "end a request with 504 after this long; its "
          "queued work is dropped")
-    flag("max-loaded-models", int, 4, "models in memory at once (LRU eviction)")
+    flag("max-loaded-models", int, SERVER.max_loaded_models,
+         "models in memory at once (LRU eviction)")
     flag("memory-budget-mb", int, None, "weights in memory before LRU eviction")
     flag("api-key", str, None, "require 'Authorization: Bearer <key>' (all but /healthz, "
          "/readyz and /health)")
@@ -235,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     flag("forwarded-allow-ips", str, None, "proxies (comma-separated addresses or "
          "networks, * for any) whose X-Forwarded-For and X-Forwarded-Proto are believed: "
          "the access log then names the client behind the proxy (default: believe none)")
-    flag("token-ids", str, "refuse", "token-id input on /v1/embeddings: refuse (a 422 "
+    flag("token-ids", str, SERVER.token_ids, "token-id input on /v1/embeddings: refuse (a 422 "
          "that says to send text: clients such as LangChain send OpenAI's tiktoken ids, "
          "which no other model reads right), or model (read them as ids of the model's own "
          "tokenizer)", choices=["refuse", "model"])
@@ -264,8 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
          "idleness sustained this long before a replica is removed")
     flag("ray-cpus", int, ray.num_cpus, "with --ray, logical CPUs of the local Ray "
          "instance (default: enough for every engine replica)")
-    flag("log-level", str, "info", "debug, info, warning or error")
-    flag("log-format", str, "text", "text, or json: one JSON object a line for log shippers")
+    flag("log-level", str, SERVER.log_level, "debug, info, warning or error")
+    flag("log-format", str, SERVER.log_format,
+         "text, or json: one JSON object a line for log shippers")
 
     models = commands.add_parser("models", help="list the model catalog: name, tasks, "
                                  "state and dims", allow_abbrev=False)
@@ -402,12 +416,9 @@ def serve(settings: ServerSettings) -> int:
         return serve_processes(settings)
     from ember.registry import Registry
     from ember.server import run_http
-    from ember.supervisor import bind
+    from ember.supervisor import listening_socket
 
-    try:  # bound before anything loads, so a taken port is one line and exit code 1
-        sock = bind(settings.host, settings.port)
-    except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", settings.host, settings.port, exc.strerror)
+    if (sock := listening_socket(settings)) is None:
         return 1
     with sock:
         run_http(settings, Registry.serving(settings, catalog), sockets=[sock])

@@ -195,47 +195,11 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
     unknown = [t for t in tasks if t not in TASKS]
     if not tasks or unknown:
         raise CatalogError(f"{where}: tasks must be a non-empty list of {TASKS}, got {tasks}")
-    raw_source = data.get("source") or {}
-    if not isinstance(raw_source, Mapping):
-        raise CatalogError(f"{where}: 'source' must be a mapping (package, path or hub)")
-    _refuse_unknown(raw_source, SOURCE_FIELDS, where, "source.")
-
-    def local(value: object) -> Path:
-        path = Path(str(value)).expanduser()
-        return path if path.is_absolute() or base_dir is None else (base_dir / path)
-
-    source = Source(
-        package=raw_source.get("package"),
-        subdir=raw_source.get("subdir"),
-        path=local(raw_source["path"]) if raw_source.get("path") else None,
-        hub=raw_source.get("hub"),
-        revision=raw_source.get("revision"),
-    )
-    named = [key for key in WEIGHTS_FROM if raw_source.get(key)]
-    if adapter != "synthetic" and not named:
-        raise CatalogError(f"{where}: 'source' needs one of package, path or hub")
-    if len(named) > 1:  # which one would win is not what the file says: refuse
-        raise CatalogError(f"{where}: 'source' names {' and '.join(named)}; give exactly "
-                           "one of package, path or hub")
-    for key, needs in (("subdir", "package"), ("revision", "hub")):
-        if raw_source.get(key) is not None and not raw_source.get(needs):
-            raise CatalogError(f"{where}: source.{key} applies to source.{needs} only")
+    source = _parse_source(data, adapter, where, base_dir)
     loras = data.get("loras") or {}
     if not isinstance(loras, Mapping):
         raise CatalogError(f"{where}: 'loras' must map adapter names to directories")
-    batching = data.get("batching") or {}
-    allowed = set(WorkerConfig.__dataclass_fields__)
-    if not isinstance(batching, Mapping):
-        raise CatalogError(f"{where}: 'batching' must map settings to values")
-    unknown = sorted(map(str, set(batching) - allowed - UNREAD_BATCHING))
-    if unknown:
-        raise CatalogError(f"{where}: batching.{', batching.'.join(unknown)} is not a setting; "
-                           f"'batching' accepts only {sorted(allowed)}")
-    for unread in sorted(set(batching) & UNREAD_BATCHING):
-        log.warning("%s: batching.%s is accepted but no longer used by the engine; "
-                    "remove it (docs/architecture.md, settings)", where, unread)
-    batching = {key: value for key, value in batching.items() if key in allowed}
-    _check_batching(batching, where)
+    batching = _parse_batching(data, where)
     backend = _choice(data, "backend", BACKENDS, where)
     quantize = _choice(data, "quantize", QUANTIZE, where, " (or leave it out for float32)")
     if backend == "torch" and quantize:
@@ -250,6 +214,81 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
                            f"got {max_seq_length!r}")
     pooling = _choice(data, "pooling", POOLING_MODES, where,
                       " (or leave it out for the folder's own)")
+    _check_switches_and_tables(data, adapter, where)
+    return ModelSpec(
+        name=name,
+        adapter=adapter,
+        source=source,
+        tasks=tasks,
+        max_seq_length=max_seq_length,
+        pooling=pooling,
+        normalize=data.get("normalize"),
+        loras={str(k): _local(v, base_dir) for k, v in loras.items()},
+        batching=batching,
+        trust_remote_code=bool(data.get("trust_remote_code", False)),
+        allow_pickle=bool(data.get("allow_pickle", False)),
+        options=dict(data.get("options") or {}),
+        prompts=dict(data.get("prompts") or {}),
+        description=str(data.get("description", "")),
+        origin=base_dir,
+        backend=cast(Backend | None, backend),
+        quantize=quantize,
+    )
+
+
+def _local(value: object, base_dir: Path | None) -> Path:
+    """A path the YAML gives, relative ones taken from the YAML's folder."""
+    path = Path(str(value)).expanduser()
+    return path if path.is_absolute() or base_dir is None else (base_dir / path)
+
+
+def _parse_source(data: Mapping[str, Any], adapter: str, where: str,
+                  base_dir: Path | None) -> Source:
+    """`source:`, exactly one of package, path or hub (none for the synthetic family)."""
+    raw_source = data.get("source") or {}
+    if not isinstance(raw_source, Mapping):
+        raise CatalogError(f"{where}: 'source' must be a mapping (package, path or hub)")
+    _refuse_unknown(raw_source, SOURCE_FIELDS, where, "source.")
+    named = [key for key in WEIGHTS_FROM if raw_source.get(key)]
+    if adapter != "synthetic" and not named:
+        raise CatalogError(f"{where}: 'source' needs one of package, path or hub")
+    if len(named) > 1:  # which one would win is not what the file says: refuse
+        raise CatalogError(f"{where}: 'source' names {' and '.join(named)}; give exactly "
+                           "one of package, path or hub")
+    for key, needs in (("subdir", "package"), ("revision", "hub")):
+        if raw_source.get(key) is not None and not raw_source.get(needs):
+            raise CatalogError(f"{where}: source.{key} applies to source.{needs} only")
+    return Source(
+        package=raw_source.get("package"),
+        subdir=raw_source.get("subdir"),
+        path=_local(raw_source["path"], base_dir) if raw_source.get("path") else None,
+        hub=raw_source.get("hub"),
+        revision=raw_source.get("revision"),
+    )
+
+
+def _parse_batching(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """`batching:`, the WorkerConfig settings a model overrides (settings the engine no
+    longer reads are accepted with a warning)."""
+    batching = data.get("batching") or {}
+    allowed = set(WorkerConfig.__dataclass_fields__)
+    if not isinstance(batching, Mapping):
+        raise CatalogError(f"{where}: 'batching' must map settings to values")
+    unknown = sorted(map(str, set(batching) - allowed - UNREAD_BATCHING))
+    if unknown:
+        raise CatalogError(f"{where}: batching.{', batching.'.join(unknown)} is not a setting; "
+                           f"'batching' accepts only {sorted(allowed)}")
+    for unread in sorted(set(batching) & UNREAD_BATCHING):
+        log.warning("%s: batching.%s is accepted but no longer used by the engine; "
+                    "remove it (docs/architecture.md, settings)", where, unread)
+    kept = {key: value for key, value in batching.items() if key in allowed}
+    _check_batching(kept, where)
+    return kept
+
+
+def _check_switches_and_tables(data: Mapping[str, Any], adapter: str, where: str) -> None:
+    """The safety switches are booleans; options and prompts are mappings, the options
+    the family's own."""
     for flag in ("normalize", "trust_remote_code", "allow_pickle"):
         # bool("false") is True: a quoted word must not turn a safety switch on.
         if data.get(flag) is not None and not isinstance(data[flag], bool):
@@ -263,25 +302,6 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
             m3_score_weights(data["options"]["score_weights"])
         except ValueError as exc:
             raise CatalogError(f"{where}: options.score_weights {exc}") from None
-    return ModelSpec(
-        name=name,
-        adapter=adapter,
-        source=source,
-        tasks=tasks,
-        max_seq_length=max_seq_length,
-        pooling=pooling,
-        normalize=data.get("normalize"),
-        loras={str(k): local(v) for k, v in loras.items()},
-        batching=dict(batching),
-        trust_remote_code=bool(data.get("trust_remote_code", False)),
-        allow_pickle=bool(data.get("allow_pickle", False)),
-        options=dict(data.get("options") or {}),
-        prompts=dict(data.get("prompts") or {}),
-        description=str(data.get("description", "")),
-        origin=base_dir,
-        backend=cast(Backend | None, backend),
-        quantize=quantize,
-    )
 
 
 def load_spec_file(path: Path, check_paths: bool = False) -> ModelSpec:
@@ -552,17 +572,17 @@ def hub_wanted(spec: ModelSpec, backend: Backend | None = None, device: str = "c
                   onnx=runs_onnx, extra_files=heads)
 
 
-def spec_from_hub(ref: HubRef, download: bool | None = None, base: ModelSpec | None = None,
-                  wanted: Wanted | None = None) -> ModelSpec:
+def spec_from_hub(ref: HubRef, download: bool | None = None,
+                  base: ModelSpec | None = None) -> ModelSpec:
     """A catalog entry for a Hub id: a curated entry (`base`) at the revision asked for,
     or a plain one named after the repository, its family read from the downloaded files
-    (as for a local directory)."""
+    (as for a local directory; what the load needs besides comes with it: hub_wanted)."""
     if base is not None:  # from the Hub, whatever else the curated entry names
         pinned = base.source.revision if base.source.hub == ref.repo else None
         return replace(base, source=Source(hub=ref.repo, revision=ref.revision or pinned))
     from ember import hub
 
-    folder = hub.snapshot(ref, wanted or Wanted(), download)
+    folder = hub.snapshot(ref, Wanted(), download)
     family, tasks = _detect_family(folder)
     _refuse_remote_code(folder, str(ref))
     return ModelSpec(name=ref.repo, adapter=family, source=Source(hub=ref.repo,
@@ -685,7 +705,7 @@ class ServerSettings:
     device: str = "cpu"
     torch_threads: int | None = None  # None: all cores but one
     backend: Backend = "onnx"
-    cache_dir: Path | None = None  # None: $EMBER_CACHE_DIR, else ~/.cache/ember
+    cache_dir: Path | None = None  # None: $EMBER_CACHE_DIR, else the user cache (_onnx)
     onnx_threads: int | None = None  # None: every core
     onnx_spinning: Spinning = "forward"
     worker: WorkerConfig = field(default_factory=WorkerConfig)

@@ -23,6 +23,22 @@ def did_you_mean(word: str, choices: Sequence[str]) -> str:
     return f"did you mean {match!r}? " if match else ""
 
 
+def json_kind(value: object) -> str:
+    """What JSON calls a decoded value's type, with its article (msgpack's bytes count as a
+    string), for messages that say what was sent instead."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str | bytes):
+        return "a string"
+    if isinstance(value, list | tuple):
+        return "an array"
+    return "an object" if isinstance(value, dict) else type(value).__name__
+
+
 class EmberError(Exception):
     """Base of Ember's user-facing errors."""
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ember.errors import ModelLoadError
+from ember.errors import ModelLoadError, json_kind
 
 
 class ModelFileError(ValueError):
@@ -31,8 +31,8 @@ def read_model_json(path: Path, expect: type[dict[str, Any]] | type[list[Any]] =
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise ModelFileError(f"{path.name} is not valid JSON ({reason})") from None
     if not isinstance(data, expect):
-        raise ModelFileError(f"{path.name} holds {_json_kind(data)}, where "
-                             f"{_json_kind(expect())} is expected")
+        raise ModelFileError(f"{path.name} holds {json_kind(data)}, where "
+                             f"{json_kind(expect())} is expected")
     return data
 
 
@@ -44,11 +44,3 @@ def read_model_file(path: Path, model: str,
         return read_model_json(path, expect)
     except ModelFileError as exc:
         raise ModelLoadError(model, str(exc)) from None
-
-
-def _json_kind(value: object) -> str:
-    """What JSON calls a decoded value's type, with its article."""
-    if isinstance(value, bool) or value is None:
-        return "true, false or null"
-    kinds = {dict: "an object", list: "an array", str: "a string"}
-    return next((name for kind, name in kinds.items() if isinstance(value, kind)), "a number")

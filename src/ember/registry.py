@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import time
 from collections import Counter
@@ -17,11 +16,9 @@ from ember.adapters.base import (
     ModelAdapter,
     ModelInfo,
     Runtime,
-    one_load_at_a_time,
-    single_threaded_blas,
+    family_loader,
 )
 from ember.config import (
-    ADAPTERS,
     CatalogError,
     ModelSpec,
     ServerSettings,
@@ -63,9 +60,7 @@ def estimate_bytes(spec: ModelSpec) -> int:
 
 def adapter_loader(family: str) -> LoadFunction:
     """Each family is a module of `ember.adapters` exposing `load(spec, runtime)`."""
-    module = importlib.import_module(f"ember.adapters.{ADAPTERS[family]}")
-    single_threaded_blas()  # a process that serves models leaves the cores to them
-    return cast(LoadFunction, one_load_at_a_time(module.load))
+    return cast(LoadFunction, family_loader(family, "load"))
 
 
 def check_room(pending: int, items: int, limit: int) -> None:

@@ -393,3 +393,13 @@ def test_a_broken_head_fails_the_load_with_the_file_named(tmp_path: Path, broken
         match = "not a readable safetensors file"
     with pytest.raises(ModelLoadError, match=match):
         load(directory, allow_pickle=False)
+
+
+def test_a_hostile_config_fails_the_load_before_transformers_reads_it(tmp_path: Path) -> None:
+    """config.json goes through the model files' limits first (ember.model_files), in this
+    family too: nested past any parser's depth, it is a load error naming the file."""
+    directory = build_m3(tmp_path / "hostile", heads=".safetensors")
+    (directory / "config.json").write_bytes(b'{"a":' * 100_000 + b"1" + b"}" * 100_000)
+    with pytest.raises(ModelLoadError, match=r"config\.json is not valid JSON \(nested too "
+                                             r"deeply\)"):
+        load(directory, allow_pickle=False)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import BertModel
 
 from ember.adapters import multivector
+from ember.adapters._similarity import Matrix, maxsim
 from ember.adapters._tokenize import OFFLOAD_US, in_pool
 from ember.adapters.base import (
     Encoded,
@@ -23,7 +24,7 @@ from ember.adapters.base import (
     ScoreOptions,
     TaskOutput,
 )
-from ember.adapters.multivector import Matrix, MultiVectorAdapter, maxsim
+from ember.adapters.multivector import MultiVectorAdapter
 from ember.config import load_catalog, parse_spec
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
 from ember.registry import Registry

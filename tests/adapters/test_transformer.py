@@ -17,6 +17,7 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from ember.adapters import transformer
+from ember.adapters._similarity import Vector
 from ember.adapters.base import (
     Encoded,
     EncodeOptions,
@@ -25,7 +26,7 @@ from ember.adapters.base import (
     ScoreOptions,
     TaskOutput,
 )
-from ember.adapters.transformer import TransformerAdapter, Vector
+from ember.adapters.transformer import TransformerAdapter
 from ember.config import DEFAULT_MODEL, load_catalog, resolve_source
 from ember.engine import WorkerConfig
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask

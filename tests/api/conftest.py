@@ -82,7 +82,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def assert_error(response: httpx.Response, status: int, kind: str | None = None,
                  param: str | None = None) -> dict[str, Any]:
-    """The response is DESIGN.md's error body with this status; returns the error object."""
+    """The response is the documented error body with this status; returns the error object."""
     assert response.status_code == status, (response.status_code, response.text)
     assert response.headers["content-type"].startswith("application/json")
     body = response.json()

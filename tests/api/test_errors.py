@@ -1,4 +1,4 @@
-"""Every refusal of DESIGN.md's contract: its status and its body
+"""Every refusal of the HTTP contract (docs/architecture.md): its status and its body
 `{"error": {"type", "message", "param"?}}`."""
 
 from __future__ import annotations
@@ -392,7 +392,7 @@ async def test_a_vector_size_the_model_cannot_be_cut_to_is_refused_on_every_rout
      'expected a JSON object like {"text": "..."}, got a string'),
     ("/v1/embeddings", b"null", "body",
      "expected a JSON object with this route's fields (/docs lists them), got null"),
-    (f"/v1/encode/{SYNTH}", b"[1, 2]", "body", "got a list"),
+    (f"/v1/encode/{SYNTH}", b"[1, 2]", "body", "got an array"),
 ])
 async def test_a_value_where_an_object_belongs_is_told_what_object(
         shared: Served, route: str, content: bytes, param: str, wanted: str) -> None:

@@ -1,6 +1,6 @@
 """Smoke runs of the benchmarks (`--quick`, seconds each): they run, write strict JSON
 with the keys later runs are compared on, and render their tables. Figures are never
-asserted: benchmarks are not tests (DESIGN.md, Tests and benchmarks)."""
+asserted: benchmarks are not tests (docs/bench/notes.md)."""
 
 from __future__ import annotations
 

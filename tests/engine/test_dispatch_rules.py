@@ -1,4 +1,5 @@
-"""The dispatch rules of DESIGN.md, one test (or a few) per rule, through the public API."""
+"""The dispatch rules of docs/architecture.md, one test (or a few) per rule, through the
+public API."""
 
 from __future__ import annotations
 

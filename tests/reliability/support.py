@@ -1,5 +1,5 @@
 """Helpers of the reliability tests: a real `ember serve` process, the error body of
-DESIGN.md, Prometheus samples, model YAMLs and the figures each test writes.
+the documented error body, Prometheus samples, model YAMLs and the figures each test writes.
 
 Everything runs on 127.0.0.1 and every wait is bounded.
 """
@@ -96,7 +96,7 @@ def assert_no_leak(text: str, extra: Iterable[str] = ()) -> None:
 def assert_error(response: httpx.Response, status: int | Sequence[int],
                  kind: str | None = None, param: str | None = None,
                  leaks: Iterable[str] = ()) -> dict[str, Any]:
-    """DESIGN.md's error body `{"error": {"type", "message", "param"?}}` with this status,
+    """The error body `{"error": {"type", "message", "param"?, "code"}}` with this status,
     no stack trace and no internal path; returns the error object."""
     statuses = (status,) if isinstance(status, int) else tuple(status)
     assert response.status_code in statuses, (response.status_code, response.text[:500])

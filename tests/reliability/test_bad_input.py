@@ -1,5 +1,5 @@
 """Hand-made hostile input against a real `ember serve` process: every refusal is a 4xx
-with DESIGN.md's error body (no stack trace, no internal path), every edge case that is
+with the documented error body (no stack trace, no internal path), every edge case that is
 valid is served, and the server stays healthy throughout.
 
 The default model is the synthetic TEST model (fast, no weights); the real

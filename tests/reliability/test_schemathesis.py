@@ -1,5 +1,5 @@
 """schemathesis over the real server's OpenAPI document, every operation, positive and
-negative generation: no 5xx, no crash, each refusal a 4xx with DESIGN.md's error body.
+negative generation: no 5xx, no crash, each refusal a 4xx with the documented error body.
 
 Bounded: EMBER_FUZZ_EXAMPLES (default 25) examples per operation and mode, derandomized
 (the same cases every run), no shrinking. Model routes run on the synthetic TEST model

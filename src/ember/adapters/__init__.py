@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     # Static proof that every family satisfies the ModelAdapter protocol.
     from ember.adapters import (
+        clip,
         cross_encoder,
+        gliner,
         m3,
         multivector,
         spacy_ner,
@@ -26,4 +28,4 @@ if TYPE_CHECKING:
 
     _FAMILIES: tuple[Callable[[ModelSpec, Runtime], ModelAdapter], ...] = (
         transformer.load, cross_encoder.load, spacy_ner.load, synthetic.load, sparse.load,
-        multivector.load, m3.load)
+        multivector.load, m3.load, clip.load, gliner.load)

@@ -108,13 +108,10 @@ def load_model(spec: ModelSpec, model_dir: Path, runtime: Runtime, auto_class: A
     offline. `auto_class` builds the torch model; `output` names the model output the
     family reads; `inputs` are what its forward feeds (those the tokenizer makes).
     Without `weights` (an API process of several), the forward half stays elsewhere."""
-    from transformers import AutoConfig
-
     tokenizer = common.load_tokenizer(spec, model_dir)
     backend = choose_backend(spec, runtime)
     if not weights:
-        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True,
-                                            trust_remote_code=spec.trust_remote_code)
+        config = common.load_config(spec, model_dir)
         return ForwardElsewhere(backend, tuple(spec.loras)), config, tokenizer
     if backend == "torch":
         common.apply_runtime(runtime)
@@ -122,8 +119,7 @@ def load_model(spec: ModelSpec, model_dir: Path, runtime: Runtime, auto_class: A
         return common.TorchForward(model, spec.loras, runtime, output), model.config, tokenizer
     from ember.adapters import _onnx
 
-    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True,
-                                        trust_remote_code=spec.trust_remote_code)
+    config = common.load_config(spec, model_dir)
     made = set(tokenizer.model_input_names)
     feeds = tuple(n for n in inputs if n in made or n in FEEDABLE[:2])
 

@@ -208,9 +208,9 @@ def pad_with_mask(rows: Sequence[IdRow], value: int,
     return torch.from_numpy(ids).to(device), torch.from_numpy(mask).to(device)
 
 
-def require_items(count: int, param: str = "items") -> None:
+def require_items(count: int) -> None:
     if count == 0:
-        raise InvalidInput("at least one item is required; send 1 or more texts", param)
+        raise InvalidInput("at least one item is required; send 1 or more texts", "items")
 
 
 def module_bytes(model: torch.nn.Module) -> int:
@@ -290,6 +290,17 @@ class TorchModel:
 
 
 # -- loading, and the bi-encoders' request path ---------------------------------------
+
+
+def load_config(spec: ModelSpec, model_dir: Path) -> Any:
+    """The directory's transformers config, offline, its config.json read under the model
+    files' limits first (transformers reads it unchecked)."""
+    from transformers import AutoConfig
+
+    if (path := model_dir / "config.json").is_file():
+        read_model_file(path, spec.name)
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True,
+                                      trust_remote_code=spec.trust_remote_code)
 
 
 def load_tokenizer(spec: ModelSpec, model_dir: Path) -> Any:

@@ -9,6 +9,7 @@ items to `submit` (the model's worker) and shapes the results.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import threading
 from collections.abc import Awaitable, Callable, Hashable, Sequence
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import (
     TYPE_CHECKING,
+    Any,
     Generic,
     Literal,
     Protocol,
@@ -27,7 +29,7 @@ from typing import (
 import numpy as np
 import numpy.typing as npt
 
-from ember.config import Backend, ModelSpec, Spinning, resolve_source
+from ember.config import ADAPTERS, Backend, ModelSpec, Spinning, resolve_source
 from ember.engine.types import PreparedItem, RequestResult
 
 if TYPE_CHECKING:
@@ -253,6 +255,15 @@ def one_load_at_a_time(load: Callable[[ModelSpec, Runtime], LoadT]
     return serialized
 
 
+def family_loader(family: str, function: str) -> Callable[[ModelSpec, Runtime], Any]:
+    """A family module's `function` (`load`, or `load_front` for an API process), one load
+    at a time. The module is imported now, so torch or spaCy only come into a process
+    that loads a model of a family needing them."""
+    module = importlib.import_module(f"ember.adapters.{ADAPTERS[family]}")
+    single_threaded_blas()  # a process that serves models leaves the cores to them
+    return one_load_at_a_time(getattr(module, function))
+
+
 @dataclass(frozen=True)
 class Runtime:
     """Where and how a model runs: CPU here; CUDA with fp16 when present. `backend` is
@@ -261,7 +272,7 @@ class Runtime:
     device: str = "cpu"
     torch_threads: int | None = None  # None: default_threads()
     backend: Backend = "onnx"
-    cache_dir: Path | None = None  # None: $EMBER_CACHE_DIR, else ~/.cache/ember
+    cache_dir: Path | None = None  # None: $EMBER_CACHE_DIR, else the user cache (_onnx)
     onnx_threads: int | None = None  # None: default_onnx_threads()
     onnx_spinning: Spinning = "forward"
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from ember.adapters import _torch as common
 from ember.adapters._backend import ForwardElsewhere, choose_backend
 from ember.adapters._images import ItemInput, Preprocessor, decode
+from ember.adapters._similarity import cosine
 from ember.adapters._tokenize import TextTokenizer, id_rows, off_loop, pool
 from ember.adapters.base import (
     Encoded,
@@ -46,7 +47,6 @@ from ember.adapters.base import (
     TaskOutput,
     combine,
 )
-from ember.adapters.transformer import cosine
 from ember.config import ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
@@ -262,10 +262,7 @@ def features(output: Any) -> torch.Tensor:
 
 
 def _config(spec: ModelSpec, model_dir: Path) -> Any:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True,
-                                        trust_remote_code=spec.trust_remote_code)
+    config = common.load_config(spec, model_dir)
     if config.model_type not in KINDS:
         raise ModelLoadError(spec.name, f"the clip family loads CLIP and SigLIP checkpoints; "
                                         f"this one is {config.model_type!r}")

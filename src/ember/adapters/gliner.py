@@ -390,13 +390,13 @@ def check_weights(spec: ModelSpec, folder: Path) -> None:
     raise ModelLoadError(spec.name, f"{folder} holds no GLiNER weights (model.safetensors)")
 
 
-def ensure_backbone(folder: Path, download: bool | None = None) -> Path | None:
+def ensure_backbone(folder: Path) -> Path | None:
     """The local folder of the backbone's config and tokenizer (from the Hub's cache, or
     downloaded), when the model folder names a Hub id for them (ember.hub.backbone)."""
     from ember import hub
 
     ref = hub.backbone(folder)
-    return None if ref is None else hub.snapshot(ref, hub.Wanted(weights=False), download)
+    return None if ref is None else hub.snapshot(ref, hub.Wanted(weights=False))
 
 
 def read_config(folder: Path, backbone: Path | None, model: str) -> dict[str, Any]:

@@ -47,10 +47,9 @@ from ember.adapters import _torch as common
 from ember.adapters._backend import Forward, load_model
 from ember.adapters._dense_layers import DenseLayer, read_weights
 from ember.adapters._encoder import BiEncoder, Comparison
+from ember.adapters._similarity import dots, maxsim, similar
 from ember.adapters._tokenize import TextTokenizer
 from ember.adapters.base import Encoded, EncodeOptions, Runtime, ScoreOptions, SparseVector
-from ember.adapters.multivector import maxsim
-from ember.adapters.sparse import dots
 from ember.config import M3_HEADS, ModelSpec, m3_score_weights, resolve_source
 from ember.engine.types import PreparedItem
 from ember.errors import InvalidInput, ModelLoadError
@@ -238,8 +237,7 @@ class M3Adapter(BiEncoder[M3Params, Encoded]):
 def _dense_scores(query: Encoded, docs: Sequence[Encoded]) -> list[float]:
     vectors = [d.dense for d in docs if d.dense is not None]
     assert query.dense is not None and len(vectors) == len(docs)
-    return [float(s) for s in np.stack(vectors).astype(np.float64)
-            @ query.dense.astype(np.float64)]
+    return similar("dot", query.dense, vectors)
 
 
 def _sparse_scores(query: Encoded, docs: Sequence[Encoded]) -> list[float]:
@@ -263,13 +261,12 @@ _SCORES = {"dense": _dense_scores, "sparse": _sparse_scores,
 def load(spec: ModelSpec, runtime: Runtime, weights: bool = True) -> M3Adapter:
     """Load an encoder directory and its two heads, offline (the options and heads first, so
     a bad one fails the load before the encoder is read)."""
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoModel
 
     common.refuse_loras(spec, "m3")
     weights_of_scores = score_weights(spec)
     model_dir = resolve_source(spec)
-    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True,
-                                        trust_remote_code=spec.trust_remote_code)
+    config = common.load_config(spec, model_dir)
     hidden_size = int(config.hidden_size)
     sparse, colbert = M3_HEADS
     heads = (read_head(spec, model_dir, sparse, hidden_size, 1, "relu"),

@@ -61,6 +61,7 @@ from ember.adapters._colbert import (
 )
 from ember.adapters._dense_layers import DenseLayer
 from ember.adapters._encoder import BiEncoder
+from ember.adapters._similarity import Matrix, maxsim
 from ember.adapters._tokenize import TextTokenizer, cut, id_rows
 from ember.adapters.base import Encoded, EncodeOptions, Runtime
 from ember.config import FAMILY_OPTIONS, ModelSpec, resolve_source
@@ -72,7 +73,6 @@ OPTIONS = FAMILY_OPTIONS["multivector"]
 PROJECTION_FILE = "colbert_linear.safetensors"
 PROJECTION_KEY = "weight"
 STANFORD_FILE, STANFORD_KEY = "model.safetensors", "linear.weight"
-Matrix = npt.NDArray[np.float32]
 
 log = logging.getLogger(__name__)
 
@@ -135,14 +135,6 @@ class SideRows:
         attend = np.ones(len(ids) + missing, np.int32)
         attend[len(ids):] = int(self.expansion.attend)
         return np.concatenate([ids, np.full(missing, self.expansion_id, np.int32)]), attend
-
-
-def maxsim(query: Matrix, doc: Matrix) -> float:
-    """Sum over query rows of the best dot product with a document row (unit rows: cosine)."""
-    if query.shape[0] == 0 or doc.shape[0] == 0:
-        return 0.0
-    sims = query.astype(np.float64) @ doc.astype(np.float64).T
-    return float(sims.max(axis=1).sum())
 
 
 def read_projection(spec: ModelSpec, model_dir: Path, file: str = PROJECTION_FILE,

@@ -45,6 +45,7 @@ from ember.adapters import _arrays as arrays
 from ember.adapters import _torch as common
 from ember.adapters._backend import Forward, load_model
 from ember.adapters._encoder import BiEncoder
+from ember.adapters._similarity import dots
 from ember.adapters._tokenize import TextTokenizer
 from ember.adapters.base import Encoded, EncodeOptions, Runtime, SparseVector
 from ember.config import FAMILY_OPTIONS, ModelSpec, resolve_source
@@ -97,16 +98,6 @@ class Pruning:
             cut = indices.size - self.top_k
             indices = np.sort(indices[np.argpartition(weights[indices], cut)[cut:]])
         return SparseVector(indices.astype(np.int32), weights[indices].astype(np.float32), dims)
-
-
-def dots(query: SparseVector, docs: Sequence[SparseVector]) -> list[float]:
-    """The dot product of the query's sparse vector with each document's: the query laid
-    out over its vocabulary once, then one gather a document (a third of the time of
-    intersecting the two index sets a document)."""
-    weights = np.zeros(query.dims, dtype=np.float64)
-    weights[query.indices] = query.values
-    return [float(np.dot(weights[doc.indices], doc.values.astype(np.float64)))
-            for doc in docs]
 
 
 class SparseAdapter(BiEncoder[SparseParams, SparseVector]):

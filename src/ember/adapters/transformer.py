@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +31,7 @@ from ember.adapters import _torch as common
 from ember.adapters._backend import Forward, load_model
 from ember.adapters._dense_layers import DenseLayer, read_dense
 from ember.adapters._encoder import BiEncoder
+from ember.adapters._similarity import Vector, similar
 from ember.adapters._tokenize import TextTokenizer
 from ember.adapters.base import Encoded, EncodeOptions, Runtime
 from ember.config import POOLING_MODES, ModelSpec, resolve_source
@@ -45,7 +45,6 @@ SIMILARITIES = {"cosine": "cosine", "dot": "dot", "dot_product": "dot",
 # sentence-transformers' modules.json types (the class name) that Ember runs.
 MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
 OUTPUT_TYPES = ("dense",)
-Vector = npt.NDArray[np.float32]
 
 
 @dataclass(frozen=True)
@@ -163,26 +162,6 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
         return hidden.masked_fill(mask.unsqueeze(-1) == 0, float("-inf")).max(dim=1).values
     weights = mask.unsqueeze(-1).to(hidden.dtype)
     return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9)
-
-
-def cosine(query: Vector, docs: Sequence[Vector]) -> list[float]:
-    return similar("cosine", query, docs)
-
-
-def similar(name: str, query: Vector, docs: Sequence[Vector]) -> list[float]:
-    """`query` against each of `docs` by similarity `name` (a value of SIMILARITIES)."""
-    matrix = np.stack(docs).astype(np.float64)
-    q = query.astype(np.float64)
-    if name == "cosine":
-        norms = np.linalg.norm(matrix, axis=1) * np.linalg.norm(q)
-        values = (matrix @ q) / np.maximum(norms, 1e-12)
-    elif name == "dot":
-        values = matrix @ q
-    elif name == "euclidean":
-        values = -np.linalg.norm(matrix - q, axis=1)
-    else:
-        values = -np.abs(matrix - q).sum(axis=1)
-    return [float(v) for v in values]
 
 
 class TransformerAdapter(BiEncoder[EncodeParams, Vector]):

@@ -84,9 +84,9 @@ def encode(headers: Headers, payload: Any) -> tuple[bytes, str]:
     return dumps_json(payload), JSON
 
 
-def render(headers: Headers, payload: Any, status: int = 200) -> Response:
+def render(headers: Headers, payload: Any) -> Response:
     body, media_type = encode(headers, payload)
-    return Response(body, status_code=status, media_type=media_type)
+    return Response(body, media_type=media_type)
 
 
 def decode(raw: bytes, headers: Headers) -> Any:

@@ -30,11 +30,11 @@ from ember.api.model_task import (
     check_inputs,
     check_query,
     cut_dense,
+    ranked,
     requested_model,
     require_dense,
     run_task,
 )
-from ember.api.rerank import ranked
 from ember.api.routing import InferenceRoute
 from ember.api.state import ServedModel
 from ember.outputs import quantize, quantize_unit

@@ -1,7 +1,8 @@
-"""The error body of DESIGN.md, `{"error": {"type", "message", "param"?, "code"}}`, and its
-statuses. `code` is SIE's dialect: the upper-case codes sie-sdk maps to its typed errors
-(`INPUT_TOO_LONG` -> InputTooLongError, `MODEL_LOAD_FAILED` -> ModelLoadFailedError, a 429
--> RateLimitError after its retries)."""
+"""The error body of docs/architecture.md (HTTP API and wire contract),
+`{"error": {"type", "message", "param"?, "code"}}`, and its statuses. `code` is SIE's
+dialect: the upper-case codes sie-sdk maps to its typed errors (`INPUT_TOO_LONG` ->
+InputTooLongError, `MODEL_LOAD_FAILED` -> ModelLoadFailedError, a 429 -> RateLimitError
+after its retries)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from ember.errors import (
     ModelNotFound,
     UnsupportedOutput,
     UnsupportedTask,
+    json_kind,
 )
 from ember.ipc.wire import RemoteFault
 
@@ -210,19 +212,9 @@ def object_wanted(error: Mapping[str, Any]) -> str:
     name = context.get("class_name", "") if isinstance(context, dict) else ""
     like = f" like {_OBJECT_EXAMPLES[name]}" if name in _OBJECT_EXAMPLES else \
         " with this route's fields (/docs lists them)"
-    return f"expected a JSON object{like}, got {json_kind(error.get('input'))}"
-
-
-def json_kind(value: object) -> str:
-    if value is None:
-        return "null or no body"
-    if isinstance(value, bool):
-        return "true or false"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str | bytes):
-        return "a string"
-    return "a list" if isinstance(value, list | tuple) else type(value).__name__
+    sent = error.get("input")
+    got = "null or no body" if sent is None else json_kind(sent)
+    return f"expected a JSON object{like}, got {got}"
 
 
 # How pydantic names a union's member in an error's location (`input.list[str]`).

@@ -29,6 +29,12 @@ TaskCall = Callable[[ServedModel, TaskModel], Awaitable[TaskOutput[T]]]
 ParamNames = Callable[[str], str]
 
 
+def ranked(scores: list[float], top_n: int | None = None) -> list[int]:
+    """Indices by score, best first (ties in input order), cut to top_n."""
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    return order[:top_n] if top_n is not None else order
+
+
 def check_count(request: Request, count: int, field: str = "items") -> None:
     """At least one item, at most the server's limit per request (413)."""
     limit = server_state(request).settings.max_items_per_request

@@ -37,6 +37,7 @@ from ember.api.model_task import (
     ParamNames,
     check_inputs,
     check_query,
+    ranked,
     run_task,
     unnamed_model,
 )
@@ -238,10 +239,9 @@ async def encode(model: str, body: EncodeRequest, request: Request) -> Response:
 @router.post("/v1/score/{model:path}", summary="Score items against a query")
 async def score(model: str, body: ScoreRequest, request: Request) -> Response:
     output = await score_output(model, body, request)
-    count = len(body.items)
-    order = sorted(range(count), key=lambda i: -output.values[i])
     scores = [{"item_id": body.items[i].id if body.items[i].id is not None else str(i),
-               "score": output.values[i], "rank": rank} for rank, i in enumerate(order)]
+               "score": output.values[i], "rank": rank}
+              for rank, i in enumerate(ranked(output.values))]
     return render(request.headers, {"model": model, "scores": scores})
 
 

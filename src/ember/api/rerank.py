@@ -13,7 +13,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from ember.adapters.base import ScoreOptions
 from ember.api.codec import render
 from ember.api.errors import ApiError
-from ember.api.model_task import check_inputs, check_query, requested_model, run_task
+from ember.api.model_task import (
+    check_inputs,
+    check_query,
+    ranked,
+    requested_model,
+    run_task,
+)
 from ember.api.routing import InferenceRoute
 
 router = APIRouter(tags=["rerank"], route_class=InferenceRoute)
@@ -80,12 +86,6 @@ def not_json(value: object) -> str | None:
         elif not (isinstance(part, float) and math.isfinite(part)):
             return where
     return None
-
-
-def ranked(scores: list[float], top_n: int | None) -> list[int]:
-    """Indices by score, best first, cut to top_n."""
-    order = sorted(range(len(scores)), key=lambda i: -scores[i])
-    return order[:top_n] if top_n is not None else order
 
 
 @router.post("/v1/rerank", summary="Rerank documents for a query (Cohere/Jina shape)")

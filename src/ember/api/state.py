@@ -1,6 +1,6 @@
 """What every route reaches through `request.app.state.ember`, and the models as the routes
 see them: in one process the `Registry` itself; in an API process of several, the engine
-process's models through `ember.ipc.client.RemoteModels`."""
+process's models through `ember.ipc.models.RemoteModels`."""
 
 from __future__ import annotations
 

@@ -41,11 +41,11 @@ from ember.api.model_task import (
     check_inputs,
     check_query,
     cut_dense,
+    ranked,
     require_dense,
     require_output,
     run_task,
 )
-from ember.api.rerank import ranked
 from ember.api.routing import InferenceRoute
 from ember.api.state import ServedModel, server_state
 
@@ -264,7 +264,7 @@ async def tei_rerank(body: TeiRerankRequest, request: Request) -> Response:
                             lambda m, a: a.score(m.submit, body.query, body.texts, options),
                             len(body.texts), "texts", query=True)
     results = []
-    for index in ranked(output.values, None):
+    for index in ranked(output.values):
         result: dict[str, object] = {"index": index, "score": output.values[index]}
         if body.return_text:
             result["text"] = body.texts[index]

@@ -42,10 +42,6 @@ class CostEstimate:
             return float("inf")
         return self.fixed_ms * 1000 / self.per_token_us
 
-    def forward_of(self, padded_tokens: float) -> float:
-        """Predicted milliseconds of a forward of `padded_tokens`."""
-        return self.fixed_ms + self.per_token_us * padded_tokens / 1000
-
 
 class CostFit:
     """Learns a CostEstimate from the forwards a worker runs."""

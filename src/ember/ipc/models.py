@@ -7,7 +7,6 @@ replicas on Ray, `ember.cluster`). No transport is imported here."""
 from __future__ import annotations
 
 import asyncio
-import importlib
 import time
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -19,10 +18,9 @@ from ember.adapters.base import (
     ModelInfo,
     Runtime,
     TaskModel,
-    one_load_at_a_time,
-    single_threaded_blas,
+    family_loader,
 )
-from ember.config import ADAPTERS, CatalogError, ModelSpec, spec_from_hub
+from ember.config import CatalogError, ModelSpec, spec_from_hub
 from ember.engine import PreparedItem, QueueFull, RequestResult, RequestTooLarge
 from ember.errors import ModelLoadError
 from ember.hub import parse_hub_id
@@ -35,9 +33,7 @@ FRESH_DEPTH_S = 0.5
 
 def front_loader(family: str) -> FrontLoader:
     """Each family module exposes `load_front(spec, runtime)`: its request path alone."""
-    module = importlib.import_module(f"ember.adapters.{ADAPTERS[family]}")
-    single_threaded_blas()  # its similarities run beside the engine's forwards
-    return cast(FrontLoader, one_load_at_a_time(module.load_front))
+    return cast(FrontLoader, family_loader(family, "load_front"))
 
 
 class EngineCalls(Protocol):
