@@ -94,6 +94,61 @@ def test_a_dead_api_process_is_replaced_and_service_goes_on(
     assert titles == ["ember: api 0", "ember: api 1"], titles
 
 
+def test_a_drain_that_meets_an_api_process_still_starting_breaks_no_read(
+        two_api_processes: ServerProcess) -> None:
+    """Found when the suite first ran in two processes: a drain came while a replacement
+    API process was still starting. The serving one drained and closed its listener, but
+    the starting one kept its copy of the shared socket open until it ended: the clients'
+    new connections queued for a process that never accepted, and all 32 were reset. The
+    replacement here is stopped (SIGSTOP), a start-up of any length: the drain ends it."""
+    server = two_api_processes
+    [victim] = [child.pid for child in children_titled(server, "ember: api 0")]
+    since = server.log_size()
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not (started := re.search(r"started API process 0 \(pid (\d+)\)",
+                                    server.log_text(since))):
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.005)
+    starting = int(started.group(1))
+    os.kill(starting, signal.SIGSTOP)  # before it could serve: it takes seconds to import
+    outcomes: list[str] = []
+    stop = time.monotonic() + 30
+
+    def client(number: int) -> None:
+        with httpx.Client(timeout=30) as http:  # keep-alive, as a closed loop's clients
+            while time.monotonic() < stop:
+                try:
+                    response = http.post(f"{server.url}/v1/encode/{SYNTH}",
+                                         json={"items": [{"text": f"c{number}"}]})
+                except httpx.ConnectError:
+                    outcomes.append("refused")  # the listener is closed: the drain is over
+                    return
+                except httpx.TransportError as exc:
+                    outcomes.append(f"broken: {type(exc).__name__}")
+                    return
+                outcomes.append(str(response.status_code))
+                if response.status_code == 503:
+                    time.sleep(0.005)  # a real client backs off, then retries
+
+    with ThreadPoolExecutor(8) as pool:
+        clients = [pool.submit(client, n) for n in range(8)]
+        while outcomes.count("200") < 16:
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.01)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(30) == 0, server.log_tail()
+        for done in clients:
+            done.result()
+    assert not [o for o in outcomes if o.startswith("broken")], outcomes
+    assert set(outcomes) <= {"200", "503", "refused"}, outcomes
+    assert not psutil.pid_exists(starting) or \
+        psutil.Process(starting).status() == psutil.STATUS_ZOMBIE
+    log = server.log_text(since)
+    assert f"API process 0 (pid {starting}) had not served yet: ended" in log, log[-3000:]
+    assert "Traceback" not in log and "ended its drain" not in log, log[-3000:]
+
+
 def test_requests_in_flight_on_a_killed_api_process_fail_cleanly(
         two_api_processes: ServerProcess, tmp_path: Path) -> None:
     server = two_api_processes

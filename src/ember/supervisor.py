@@ -31,7 +31,6 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -115,9 +114,15 @@ def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: 
     if supervisor is not None and supervisor.pid is not None:
         die_with_parent(supervisor.pid)
 
-    # Until it listens, a drain has nothing to finish.
+    def leave(*_: object) -> None:
+        """Until it listens, a drain has nothing to finish: it leaves at once. Its copy of
+        the shared socket goes first, or the connections the kernel queued on it meanwhile
+        would wait for a process that never accepts, and be reset when it ends."""
+        sock.close()
+        os._exit(0)
+
     ignore_stop_signals()
-    signal.signal(DRAIN_ORDER, lambda *_: sys.exit(0))
+    signal.signal(DRAIN_ORDER, leave)
     take_drain_orders()
     name_process(f"api {index}")
     configure_logging(settings)
@@ -364,8 +369,17 @@ class Supervisor:
         meanwhile: what the API processes accepted needs one to finish (they resend it).
         Their exit codes, and the engine that is left."""
         for api in self.apis:
-            if api.process.is_alive() and api.process.pid is not None:
+            if not api.process.is_alive() or api.process.pid is None:
+                continue
+            if api.has_served():
                 os.kill(api.process.pid, DRAIN_ORDER)
+            else:
+                # Still starting (it may not act on a signal for a while): it has nothing
+                # to finish, and the copy of the socket it holds would keep the connections
+                # the kernel queues on it waiting, to be reset when it ends.
+                log.info("API process %d (pid %d) had not served yet: ended", api.index,
+                         api.process.pid)
+                api.process.kill()
         while draining := [api.process.sentinel for api in self.apis
                            if api.process.is_alive()]:
             wait([*draining, engine.sentinel])
