@@ -22,6 +22,8 @@ log = logging.getLogger("ember")
 
 # Long enough for a request on a just-accepted connection to be read and answered.
 SETTLE_S = 0.1
+# Long enough for the event loop to accept the connections queued on its listener.
+QUEUE_SETTLE_S = 0.02
 # An idle keep-alive connection stays open longer than clients keep theirs in a pool
 # (httpx 5 s, aiohttp 15 s) and than load balancers' idle timeouts (often 60 s): with
 # uvicorn's 5 s, a client could send a request on a connection the server was closing.
@@ -96,6 +98,12 @@ class DrainingServer(uvicorn.Server):
         loop = asyncio.get_running_loop()
         started = loop.time()
         await self.state.wait_idle()
+        # Closing a listening socket resets the connections still queued on it, and every
+        # answer in a drain says `Connection: close`, so its clients reconnect: first the
+        # queue is cut to one (the kernel drops further connection attempts, which retry
+        # and are refused once it is closed), and the loop accepts what it held.
+        self._queue_no_more()
+        await asyncio.sleep(QUEUE_SETTLE_S)
         # Stop accepting before exiting, then answer (503) what was accepted meanwhile: with
         # several API processes on one socket, one that exits straight away would reset
         # connections it had just accepted while the others still drain.
@@ -109,6 +117,14 @@ class DrainingServer(uvicorn.Server):
         log.info("drained in %.2f s; exiting", loop.time() - started)
         self.should_exit = True
 
+
+    def _queue_no_more(self) -> None:
+        """The listening sockets' backlog to 0 (shared with the other API processes, which
+        drain too), through a copy of each: the event loop's own take no listen()."""
+        for server in self.servers:
+            for listener in server.sockets:
+                with socket.socket(fileno=os.dup(listener.fileno())) as copy:
+                    copy.listen(0)
 
     async def _let_idle_connections_go(self, grace_s: float) -> None:
         """Wait until every connection has closed (each answer in a drain says `Connection:
