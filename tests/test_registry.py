@@ -237,11 +237,14 @@ async def test_load_failure_is_clear_and_other_models_still_serve(tmp_path: Path
     broken = parse_spec({"name": "broken", "adapter": "transformer", "tasks": ["encode"],
                          "source": {"path": str(tmp_path / "missing")}}, "test")
     registry = Registry(catalog(broken, synthetic("ok")))
+    attempts: list[str] = []
+    registry.on_load_failure.append(attempts.append)
     with pytest.raises(ModelLoadError, match="'broken' failed to load: FileNotFoundError"):
         await registry.get("broken")
     assert registry.state("broken") == "failed"
-    with pytest.raises(ModelLoadError):  # remembered, not retried on every request
+    with pytest.raises(ModelLoadError, match="FileNotFoundError"):
         await registry.get("broken")
+    assert attempts == ["broken"]  # remembered, not retried on every request
     model = await registry.get("ok")
     output = await model.adapter.encode(model.submit, ["fine"], EncodeOptions())
     assert output.values[0].dense is not None

@@ -56,6 +56,7 @@ async def encode(served: Served, model: str, texts: list[str], **params: Any) ->
 async def test_sparse_output_in_the_native_wire_shape(tiny: Served) -> None:
     response = await encode(tiny, SPARSE, ["hello world", "a much longer text " * 5])
     assert response.status_code == 200
+    assert len(response.json()["items"]) == 2
     for item in response.json()["items"]:
         sparse = item["sparse"]
         assert set(sparse) == {"dims", "dtype", "indices", "values"}

@@ -369,10 +369,10 @@ async def test_text_p99_on_another_model_holds_while_images_stream(app: Served) 
             sent = sum(await asyncio.gather(*streams))
         assert sent >= 3, "the image stream did not run beside the probe"
         tries.append((round(quiet * 1e3, 1), round(busy * 1e3, 1), sent))
-        if busy <= 2 * quiet:
+        if busy <= max(2 * quiet, quiet + 0.05):
             return
-    raise AssertionError(f"text p99 over 2x its quiet value, (quiet ms, busy ms, image "
-                         f"requests) in each try: {tries}")
+    raise AssertionError(f"text p99 over 2x its quiet value (and 50 ms over it), (quiet ms, "
+                         f"busy ms, image requests) in each try: {tries}")
 
 
 def test_max_images_per_request_is_a_flag_and_a_variable(monkeypatch: pytest.MonkeyPatch

@@ -141,7 +141,9 @@ async def test_score_on_the_synthetic_model_is_the_dot_product(shared: Served) -
     adapter = shared.synthetic()
     expected = {str(i): float(adapter.vector("query") @ adapter.vector(d))
                 for i, d in enumerate(docs)}
-    for entry in response.json()["scores"]:
+    scores = response.json()["scores"]
+    assert {entry["item_id"] for entry in scores} == set(expected)
+    for entry in scores:
         assert entry["score"] == pytest.approx(expected[entry["item_id"]], abs=1e-6)
 
 

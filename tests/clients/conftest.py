@@ -4,6 +4,7 @@ query and document prompts (so the query side is observable), and spaCy for extr
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -26,6 +27,7 @@ M3 = "test/tiny-m3"  # BGE-M3's layout, tiny and random (tests/adapters/tiny_mod
 QUERY_PROMPT = "query: "
 SDK = "sie-sdk==0.10.1"
 VENV = REPO / ".venv-sie"  # built once for sie-sdk, rebuilt when SDK changes
+VENV_LOCK = REPO / ".venv-sie.lock"
 PROMPTED_YAML = f"""
 name: {PROMPTED}
 description: all-MiniLM-L6-v2 with query and document prompts (a test model)
@@ -54,15 +56,18 @@ def python312() -> str | None:
 def sie_python() -> Path:
     stamp = VENV / "ember-stamp"
     python = VENV / "bin" / "python"
-    if not (stamp.exists() and stamp.read_text() == SDK and python.exists()):
-        interpreter = python312()
-        if interpreter is None:
-            pytest.skip("sie-sdk 0.10.1 needs Python 3.12 and none was found (set "
-                        "EMBER_TEST_PYTHON312 to one)")
-        shutil.rmtree(VENV, ignore_errors=True)
-        subprocess.run([interpreter, "-m", "venv", str(VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", SDK], check=True)
-        stamp.write_text(SDK)
+    # Both test processes (pytest-xdist) may ask at once: one builds, the other waits.
+    with VENV_LOCK.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (stamp.exists() and stamp.read_text() == SDK and python.exists()):
+            interpreter = python312()
+            if interpreter is None:
+                pytest.skip("sie-sdk 0.10.1 needs Python 3.12 and none was found (set "
+                            "EMBER_TEST_PYTHON312 to one)")
+            shutil.rmtree(VENV, ignore_errors=True)
+            subprocess.run([interpreter, "-m", "venv", str(VENV)], check=True)
+            subprocess.run([str(python), "-m", "pip", "install", "--quiet", SDK], check=True)
+            stamp.write_text(SDK)
     return python
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import AsyncIterator, Hashable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -88,6 +90,20 @@ async def running(config: WorkerConfig | None = None, *, overhead_ms: float = 1.
         yield worker, adapter
     finally:
         await worker.stop()
+
+
+async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait for `condition` (polled every 2 ms), instead of sleeping for a guess: a busy
+    machine can hold a sleeping test past the moment it meant to catch."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never came true"
+        await asyncio.sleep(0.002)
+
+
+async def until_forward_runs(worker: ModelWorker) -> None:
+    """Until a forward holds items (a forward of a few hundred ms, so the poll sees it)."""
+    await until(lambda: worker.running_items > 0)
 
 
 def forward_sizes(adapter: LoggingSynthetic) -> list[int]:

@@ -14,7 +14,7 @@ from ember.engine import (
     WorkerConfig,
     WorkerFailed,
 )
-from tests.engine.helpers import items, payloads, running
+from tests.engine.helpers import items, payloads, running, until, until_forward_runs
 
 SLOW = WorkerConfig(idle_coalesce_ms=0.0)
 
@@ -25,14 +25,14 @@ def loop_task(name: str) -> asyncio.Task[object]:
 
 
 async def test_an_error_in_the_loop_fails_every_accepted_request_with_an_error() -> None:
-    async with running(SLOW, overhead_ms=20.0) as (worker, _):
+    async with running(SLOW, overhead_ms=200.0) as (worker, _):
 
         def broken(*args: object) -> None:  # the cost model, learning from each forward
             raise RuntimeError("policy bug")
 
         worker.policy.observe = broken  # type: ignore[method-assign]
         in_flight = await worker.submit(items(2), "p")
-        await asyncio.sleep(0.005)  # its forward runs
+        await until_forward_runs(worker)
         queued = await worker.submit(items(2), "q")  # another group: waits behind it
         done = await asyncio.wait_for(asyncio.gather(in_flight, queued,
                                                      return_exceptions=True), 2.0)
@@ -73,9 +73,9 @@ async def test_a_failing_stats_listener_is_logged_and_loses_no_answer(
 
 
 async def test_a_cancelled_loop_during_a_forward_fails_its_requests_with_an_error() -> None:
-    async with running(SLOW, overhead_ms=30.0) as (worker, _):
+    async with running(SLOW, overhead_ms=300.0) as (worker, _):
         in_flight = await worker.submit(items(2), "p")
-        await asyncio.sleep(0.005)
+        await until_forward_runs(worker)
         queued = await worker.submit(items(2), "q")
         loop_task(worker.name).cancel()
         done = await asyncio.wait_for(asyncio.gather(in_flight, queued,
@@ -88,11 +88,11 @@ async def test_a_cancelled_loop_during_a_forward_fails_its_requests_with_an_erro
 
 
 async def test_a_request_cancelled_while_its_forward_runs_is_not_a_success() -> None:
-    async with running(SLOW, overhead_ms=30.0) as (worker, _):
+    async with running(SLOW, overhead_ms=300.0) as (worker, _):
         future = await worker.submit(items(2, 2), "p")
-        await asyncio.sleep(0.005)  # dispatched: its forward runs
+        await until_forward_runs(worker)
         future.cancel()
-        await asyncio.sleep(0.06)
+        await until(lambda: bool(worker.stats.recent_requests))  # its forward ended
         record = worker.stats.recent_requests[-1]
         assert record.cancelled and not record.succeeded
         after = await (await worker.submit(items(2), "p"))

@@ -115,11 +115,25 @@ async def forwards(client: EngineClient) -> tuple[int, int]:
     return int(batches), int(items)
 
 
+async def until_engine(client: EngineClient, running: int, pending: int) -> None:
+    """Until the engine's worker holds `running` items in its forward and `pending` queued
+    (its status, polled): a sleep would guess, and a busy machine outlasts the guess."""
+    deadline = time.monotonic() + 10
+    while True:
+        status = await client.call("status")
+        now = (status["running"].get(SLOW, 0), status["pending"].get(SLOW, 0))
+        if now == (running, pending):
+            return
+        assert time.monotonic() < deadline, f"running and pending {now}, not " \
+                                             f"{(running, pending)}"
+        await asyncio.sleep(0.01)
+
+
 async def test_requests_of_two_api_processes_share_one_forward(
         clients: list[EngineClient]) -> None:
     first, second = clients
     busy = submit(first, "busy")
-    await asyncio.sleep(0.1)  # its 300 ms forward runs; the next two queue behind it
+    await until_engine(first, 1, 0)  # its 300 ms forward runs; the next two queue behind it
     mine, theirs = submit(first, "from one"), submit(second, "from the other")
     results = await asyncio.gather(busy, mine, theirs)
     assert await forwards(first) == (2, 3)  # the two later requests rode together
@@ -134,9 +148,9 @@ async def test_a_caller_that_goes_away_has_its_queued_item_dropped(
         clients: list[EngineClient]) -> None:
     first, second = clients
     busy = submit(first, "busy")
-    await asyncio.sleep(0.1)
+    await until_engine(first, 1, 0)
     abandoned = submit(second, "abandoned")
-    await asyncio.sleep(0.05)
+    await until_engine(first, 1, 1)
     abandoned.cancel()
     await busy
     await asyncio.sleep(0.4)  # a forward's time: the abandoned item would have run by now
@@ -147,9 +161,9 @@ async def test_the_queue_refuses_what_it_cannot_take_from_any_process(
         clients: list[EngineClient]) -> None:
     first, second = clients
     busy = submit(first, "busy")
-    await asyncio.sleep(0.1)
+    await until_engine(first, 1, 0)
     queued = submit(first, *[f"q{i}" for i in range(6)])
-    await asyncio.sleep(0.05)
+    await until_engine(first, 1, 6)
     with pytest.raises(QueueFull) as refused:
         await submit(second, "one", "two", "three")  # 6 pending + 3 > max_queue_items 8
     assert (refused.value.pending, refused.value.requested, refused.value.limit) == (6, 3, 8)
@@ -161,9 +175,9 @@ async def test_a_dead_api_process_has_its_work_forgotten(
     address, _ = engine
     first, second = clients
     busy = submit(first, "busy")
-    await asyncio.sleep(0.1)
+    await until_engine(first, 1, 0)
     orphan = submit(second, "orphan one", "orphan two")
-    await asyncio.sleep(0.05)
+    await until_engine(first, 1, 2)
     supervisor = EngineClient(address, "supervisor-test")
     await supervisor.notify("forget", peer=second.identity)
     await busy

@@ -6,6 +6,7 @@ Everything runs on 127.0.0.1 and every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -231,14 +232,29 @@ def soak_seconds() -> float:
 
 def benchmarks_running() -> list[str]:
     """Command lines of running `bench/` processes other than this one's ancestors (the
-    report script runs these tests from bench/ itself)."""
+    report script runs these tests from bench/ itself) and this test run's own (the
+    benchmarks' smoke tests, in the other pytest-xdist process)."""
     mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    session = _session_root()
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmdline = " ".join(proc.info.get("cmdline") or [])
         if "bench/" in cmdline and proc.info["pid"] not in mine:
-            found.append(cmdline)
+            with contextlib.suppress(psutil.Error):
+                if session not in {parent.pid for parent in proc.parents()}:
+                    found.append(cmdline)
     return found
+
+
+def _session_root() -> int:
+    """The pid of the outermost pytest process above this one (pytest-xdist's controller;
+    with the suite's nested rerun, the outer run's), else this process's."""
+    root = os.getpid()
+    for parent in psutil.Process().parents():
+        with contextlib.suppress(psutil.Error):
+            if "pytest" in " ".join(parent.cmdline()):
+                root = parent.pid
+    return root
 
 
 def wait_for_benchmarks(limit_s: float = 600, poll_s: float = 30) -> float:

@@ -72,6 +72,11 @@ def metrics_of(server: ServerProcess) -> str:
         return scrape(client, server.url)
 
 
+def running(server: ServerProcess, model: str) -> float:
+    """The items in `model`'s forward now."""
+    return metric(metrics_of(server), "ember_running_items", model=model)
+
+
 # -- SIGTERM under load ------------------------------------------------------------------
 
 
@@ -211,7 +216,10 @@ async def test_forward_fault_fails_only_its_batch(fault_server: ServerProcess,
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         blocker = asyncio.create_task(client.post(f"/v1/encode/{FAULT}",
                                                   json=encode_body("blocker")))
-        await asyncio.sleep(0.03)  # the blocker's forward runs; the rest queue behind it
+        # The blocker's forward runs and the rest queue behind it (or, on a machine that
+        # held this test up, it is over and they share forwards: the checks below hold).
+        await asyncio.to_thread(wait_until, lambda: blocker.done() or running(
+            fault_server, FAULT) >= 1, 10, "the blocker's forward")
         texts = [*good, "__fail__ injected"]
         answers = await asyncio.gather(*(client.post(f"/v1/encode/{FAULT}",
                                                      json=encode_body(t)) for t in texts))
@@ -267,7 +275,8 @@ async def test_client_disconnect_while_queued_drops_its_items(fault_server: Serv
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             first = asyncio.create_task(client.post(f"/v1/encode/{SLOW}",
                                                     json=encode_body("first")))
-            await asyncio.sleep(0.05)  # its 800 ms forward is running
+            await asyncio.to_thread(wait_until, lambda: running(fault_server, SLOW) >= 1, 10,
+                                    "the first request's 800 ms forward")
             _, writer = await raw_post(fault_server.port, f"/v1/encode/{SLOW}",
                                        encode_body("goes away"))
             await asyncio.sleep(0.02)

@@ -43,10 +43,10 @@ def p99(times: list[float]) -> float:
 
 def allowed(quiet_p99: float) -> float:
     """The small requests' p99 beside the extract and the loads: twice the quiet one, or
-    25 ms more on a machine so loaded that the extract's own CPU (spaCy holds the GIL
-    between its steps) shows; a stall, the old full collection after each load, added
-    ~900 ms."""
-    return max(2 * quiet_p99, quiet_p99 + 0.025)
+    150 ms more on a machine so loaded that the extract's own CPU (spaCy holds the GIL
+    between its steps) shows, or another test process runs beside this one; a stall, the
+    old full collection after each load, added ~900 ms."""
+    return max(2 * quiet_p99, quiet_p99 + 0.15)
 
 
 def test_big_extract_and_model_loads_leave_small_requests_alone(servers: ServerPool) -> None:
