@@ -5,15 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ember.outputs import (
-    dequantize_int8,
-    hamming,
-    quantize,
-    quantize_sparse,
-    quantize_unit,
-    unit_range,
-    unpack_binary,
-)
+from ember.outputs import quantize, quantize_sparse, quantize_unit, unit_range
+from tests.client_outputs import dequantize_int8, hamming, unpack_binary
 
 
 def unit(seed: int, dims: int = 384) -> np.ndarray:

@@ -470,10 +470,18 @@ def _pickled_m3_dense(path: Path, family: str) -> dict[str, Any]:
     """An M3 folder served as a dense encoder (its heads pickled, no YAML) gives BGE-M3's
     dense output, the normalized CLS vector, where no sentence-transformers files say how
     it pools."""
-    pickled = all((path / f"{head}.pt").is_file() for head in M3_HEADS)
-    pools = (path / "modules.json").is_file() or (path / "sentence_bert_config.json").is_file()
-    return {"pooling": "cls", "normalize": True} \
-        if family == "transformer" and pickled and not pools else {}
+    if family != "transformer" or not all((path / f"{head}.pt").is_file()
+                                          for head in M3_HEADS):
+        return {}
+    # Pickles are read only where a YAML allows them; the encoder alone serves here.
+    log.warning("%s has an M3 model's heads as pickles (.pt): served as a dense encoder; "
+                "for its sparse and multivector outputs give it a YAML with adapter: m3 and "
+                "allow_pickle: true", path)
+    return {} if _sentence_transformers_folder(path) else {"pooling": "cls", "normalize": True}
+
+
+def _sentence_transformers_folder(path: Path) -> bool:
+    return (path / "modules.json").is_file() or (path / "sentence_bert_config.json").is_file()
 
 
 def _detect_family(path: Path) -> tuple[str, tuple[str, ...]]:
@@ -483,11 +491,6 @@ def _detect_family(path: Path) -> tuple[str, tuple[str, ...]]:
         return "gliner", ("extract",)
     if all((path / f"{head}.safetensors").is_file() for head in M3_HEADS):
         return "m3", ("encode", "score")
-    if all((path / f"{head}.pt").is_file() for head in M3_HEADS):
-        # Pickles are read only where a YAML allows them; the encoder alone serves here.
-        log.warning("%s has an M3 model's heads as pickles (.pt): served as a dense "
-                    "encoder; for its sparse and multivector outputs give it a YAML with "
-                    "adapter: m3 and allow_pickle: true", path)
     if (path / "colbert_linear.safetensors").is_file():  # the multivector family's layout
         return "multivector", ("encode", "score")
     st_config = path / "config_sentence_transformers.json"
@@ -501,24 +504,27 @@ def _detect_family(path: Path) -> tuple[str, tuple[str, ...]]:
         return "sparse", ("encode", "score")
     if kind in ("MultiVectorEncoder", "ColBERT") or "query_prefix" in st_json:
         return "multivector", ("encode", "score")  # sentence-transformers' or PyLate's ColBERT
-    if (path / "modules.json").is_file() or (path / "sentence_bert_config.json").is_file():
+    if _sentence_transformers_folder(path):
         return "transformer", ("encode", "score")
-    config = path / "config.json"
-    if config.is_file():
-        architectures = " ".join(str(a) for a in _model_json(config).get("architectures")
-                                 or [])
-        if "HF_ColBERT" in architectures:  # Stanford-NLP's ColBERT
-            return "multivector", ("encode", "score")
-        if "ForSequenceClassification" in architectures:
-            return "cross_encoder", ("score",)
-        if architectures in ("CLIPModel", "SiglipModel"):
-            return "clip", ("encode", "score")
-        if "ForMaskedLM" in architectures:
-            return "sparse", ("encode", "score")
-        return "transformer", ("encode", "score")
+    if (path / "config.json").is_file():
+        return _family_of_architectures(path / "config.json")
     raise CatalogError(f"{path} holds no model Ember recognises (a sentence-transformers, "
                        "transformers, ColBERT, CLIP/SigLIP, GLiNER or spaCy directory); "
                        "describe it in a YAML file in a --model-dir instead")
+
+
+def _family_of_architectures(config: Path) -> tuple[str, tuple[str, ...]]:
+    """A plain transformers folder's family, by the architectures its config names."""
+    architectures = " ".join(str(a) for a in _model_json(config).get("architectures") or [])
+    if "HF_ColBERT" in architectures:  # Stanford-NLP's ColBERT
+        return "multivector", ("encode", "score")
+    if "ForSequenceClassification" in architectures:
+        return "cross_encoder", ("score",)
+    if architectures in ("CLIPModel", "SiglipModel"):
+        return "clip", ("encode", "score")
+    if "ForMaskedLM" in architectures:
+        return "sparse", ("encode", "score")
+    return "transformer", ("encode", "score")
 
 
 def resolve_source(spec: ModelSpec, download: bool | None = None) -> Path:

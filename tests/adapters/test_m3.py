@@ -346,7 +346,7 @@ def test_a_head_that_runs_code_when_unpickled_is_refused_and_never_run(
 
 
 async def test_a_folder_served_as_its_dense_encoder_never_opens_its_pickled_heads(
-        tmp_path: Path, serve: ServeFactory) -> None:
+        tmp_path: Path, serve: ServeFactory, caplog: pytest.LogCaptureFixture) -> None:
     """Without a YAML, pickled heads only tell the family (their names); neither is read,
     so heads that run code when unpickled stay shut, and a head that is a folder or a link
     out of the model's folder changes nothing."""
@@ -357,6 +357,8 @@ async def test_a_folder_served_as_its_dense_encoder_never_opens_its_pickled_head
             pickle.dump({"weight": _Bait(marker)}, file, protocol=2)
     spec = spec_from_directory(hostile)
     assert (spec.adapter, spec.pooling) == ("transformer", "cls")
+    said = [r.getMessage() for r in caplog.records if "heads as pickles" in r.getMessage()]
+    assert len(said) == 1 and "adapter: m3 and allow_pickle: true" in said[0], said
     encoder = transformer.load(spec, Runtime(backend="torch"))
     async with serve(encoder) as served:
         out = await encoder.encode(served.submit, TEXTS[:2], EncodeOptions())

@@ -13,7 +13,6 @@ import pytest
 import pytest_asyncio
 
 from ember.config import ServerSettings
-from ember.outputs import dequantize_int8, hamming
 from tests.adapters.tiny_models import (
     build_bi_encoder,
     build_colbert,
@@ -22,6 +21,7 @@ from tests.adapters.tiny_models import (
     vocabulary,
 )
 from tests.api.conftest import MINILM, SYNTH, Served, assert_error, serving
+from tests.client_outputs import dequantize_int8, hamming
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
