@@ -101,7 +101,11 @@ class DrainingServer(uvicorn.Server):
         # Closing a listening socket resets the connections still queued on it, and every
         # answer in a drain says `Connection: close`, so its clients reconnect: first the
         # queue is cut to one (the kernel drops further connection attempts, which retry
-        # and are refused once it is closed), and the loop accepts what it held.
+        # and are refused once it is closed), and the loop accepts what it held. With
+        # several API processes the socket is shared: the others, still draining, accept
+        # through that queue of one too (a connection may wait for its retry, a second or
+        # more, where it would get a 503 at once); a reset after a request was sent is
+        # worse, since the client cannot know whether it was served.
         self._queue_no_more()
         await asyncio.sleep(QUEUE_SETTLE_S)
         # Stop accepting before exiting, then answer (503) what was accepted meanwhile: with

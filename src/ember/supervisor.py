@@ -144,6 +144,7 @@ class ApiProcess:
     index: int  # its slot: a replacement takes the dead one's, so names stay 0..N-1
     started: float = field(default_factory=time.monotonic)
     served: bool = False
+    ended_unserved: bool = False  # ended by the drain before it served
 
     def has_served(self) -> bool:
         if not self.served and self.serving.poll(0):
@@ -153,8 +154,11 @@ class ApiProcess:
 
     def drain_code(self) -> int:
         """Its exit code, as its drain's outcome: one that never served had nothing to
-        finish (a drain order can reach it before its handler is set, and end it)."""
-        return (self.process.exitcode or 0) if self.has_served() else 0
+        finish (a drain order can reach it before its handler is set, and end it), nor
+        one the drain ended as it started (even if it said it serves just then)."""
+        if self.ended_unserved or not self.has_served():
+            return 0
+        return self.process.exitcode or 0
 
 
 class Supervisor:
@@ -368,18 +372,7 @@ class Supervisor:
         """Order each API process to drain and wait for all, replacing an engine that dies
         meanwhile: what the API processes accepted needs one to finish (they resend it).
         Their exit codes, and the engine that is left."""
-        for api in self.apis:
-            if not api.process.is_alive() or api.process.pid is None:
-                continue
-            if api.has_served():
-                os.kill(api.process.pid, DRAIN_ORDER)
-            else:
-                # Still starting (it may not act on a signal for a while): it has nothing
-                # to finish, and the copy of the socket it holds would keep the connections
-                # the kernel queues on it waiting, to be reset when it ends.
-                log.info("API process %d (pid %d) had not served yet: ended", api.index,
-                         api.process.pid)
-                api.process.kill()
+        self._order_drain()
         while draining := [api.process.sentinel for api in self.apis
                            if api.process.is_alive()]:
             wait([*draining, engine.sentinel])
@@ -394,16 +387,34 @@ class Supervisor:
     def _stop_apis(self, grace_s: float | None = None) -> list[int]:
         """Order each API process to drain what it accepted and wait for all; after
         `grace_s`, if given, end the ones still running."""
-        for api in self.apis:
-            if api.process.is_alive() and api.process.pid is not None:
-                os.kill(api.process.pid, DRAIN_ORDER)
+        self._order_drain()
         deadline = None if grace_s is None else time.monotonic() + grace_s
-        for api in self.apis:
-            api.process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if api.process.is_alive():
-                api.process.kill()
-                api.process.join()
+        while alive := [api.process for api in self.apis if api.process.is_alive()]:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                for process in alive:
+                    process.kill()
+                    process.join()
+                break
+            wait([process.sentinel for process in alive], timeout=left)
         return [api.drain_code() for api in self.apis]
+
+    def _order_drain(self) -> None:
+        """DRAIN_ORDER to every API process that serves: it finishes what it accepted. One
+        still starting has nothing to finish and is ended now: it may not act on a signal
+        for a while (its imports, a stop), and its copy of the shared socket would keep
+        the connections the kernel queues on it, once the others close theirs, waiting
+        for a process that never accepts, to be reset when it ends."""
+        for api in self.apis:
+            if not api.process.is_alive() or api.process.pid is None:
+                continue
+            if api.has_served():
+                os.kill(api.process.pid, DRAIN_ORDER)
+            else:
+                api.process.kill()
+                api.ended_unserved = True
+                log.info("API process %d (pid %d) had not served yet: ended", api.index,
+                         api.process.pid)
 
     def _stop_engine(self, engine: BaseProcess) -> int:
         if engine.is_alive() and engine.pid is not None:

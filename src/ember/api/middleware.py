@@ -93,10 +93,12 @@ class RequestContextMiddleware(HttpMiddleware):
                 server.metrics.rejected("client_disconnected")
             raise
         finally:
-            server.leave()
-            # 500: what the client sees if the app failed before it answered
-            self.account(scope, state, status or 500, time.perf_counter() - started)
-            REQUEST_ID.reset(logged_as)
+            try:  # logged before it stops counting as in flight: a drain's count holds it
+                # 500: what the client sees if the app failed before it answered
+                self.account(scope, state, status or 500, time.perf_counter() - started)
+            finally:
+                server.leave()
+                REQUEST_ID.reset(logged_as)
 
     def account(self, scope: Scope, state: dict[str, Any], status: int,
                 seconds: float) -> None:
