@@ -121,7 +121,6 @@ class DrainingServer(uvicorn.Server):
         log.info("drained in %.2f s; exiting", loop.time() - started)
         self.should_exit = True
 
-
     def _queue_no_more(self) -> None:
         """The listening sockets' backlog to 0 (shared with the other API processes, which
         drain too), through a copy of each: the event loop's own take no listen()."""
