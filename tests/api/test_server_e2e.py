@@ -329,12 +329,13 @@ def start_slow_server(model_dir: Path, log: Path, *flags: str) -> ServerProcess:
 def send_in_flight(server: ServerProcess, pool: ThreadPoolExecutor,
                    count: int) -> list[Future[httpx.Response]]:
     """`count` requests on the slow model (one item per 300 ms forward), returned once the
-    server holds all of them: one in its forward, the rest queued."""
+    server has taken all of them: one in its forward, the rest queued (on a busy machine
+    the last may arrive after the first was answered, so those answered count too)."""
     futures = [pool.submit(httpx.post, f"{server.url}/v1/encode/{SLOW}",
                            json=encode_body(f"in flight {i}"), timeout=60)
                for i in range(count)]
     deadline = time.monotonic() + 30
-    while held_items(server) < count:
+    while held_items(server) + sum(future.done() for future in futures) < count:
         assert time.monotonic() < deadline, server.log_tail()
         time.sleep(0.02)
     return futures
