@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -28,7 +27,7 @@ from ember.api.state import ServerState
 from ember.config import DEFAULT_MODEL, ModelSpec, ServerSettings, load_catalog
 from ember.engine import ModelWorker, WorkerConfig
 from ember.registry import LoadFunction, Registry, RegistryLimits, adapter_loader
-from tests.engine.helpers import PausableWorker
+from tests.engine.helpers import PausableWorker, wait_for
 from tests.live_server import ServerProcess, start_server
 
 SYNTH = "ember/synthetic"  # the catalog's test model: deterministic vectors, no weights
@@ -258,12 +257,3 @@ async def fill_queue(served: Served) -> asyncio.Task[httpx.Response]:
                                                    json=encode_body("a", "b")))
     await wait_for(lambda: worker.pending_items == 2)
     return first
-
-
-async def wait_for(condition: Any, timeout: float = 10.0) -> None:
-    """Yield to the loop until `condition()` holds (a bound, not a measurement)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.002)

@@ -92,18 +92,19 @@ async def running(config: WorkerConfig | None = None, *, overhead_ms: float = 1.
         await worker.stop()
 
 
-async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    """Wait for `condition` (polled every 2 ms), instead of sleeping for a guess: a busy
-    machine can hold a sleeping test past the moment it meant to catch."""
+async def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Yield to the loop until `condition()` holds (a bound, not a measurement): a sleep
+    would guess, and a busy machine can hold a test past the moment it meant to catch."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, "the condition never came true"
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.002)
 
 
 async def until_forward_runs(worker: ModelWorker) -> None:
     """Until a forward holds items (a forward of a few hundred ms, so the poll sees it)."""
-    await until(lambda: worker.running_items > 0)
+    await wait_for(lambda: worker.running_items > 0)
 
 
 def forward_sizes(adapter: LoggingSynthetic) -> list[int]:

@@ -12,7 +12,7 @@ import pytest
 
 from ember.engine import PreparedItem, WorkerConfig
 from tests.cycles import cyclic_garbage
-from tests.engine.helpers import items, running, until
+from tests.engine.helpers import items, running, wait_for
 
 ENGINE_TYPES = {"ember.engine.worker:_Request", "ember.engine.batcher:PendingItem",
                 "ember.engine.types:PreparedItem", "ember.engine.types:RequestResult"}
@@ -48,4 +48,4 @@ async def test_an_idle_engine_keeps_no_answer_its_caller_let_go() -> None:
         values = [weakref.ref(value) for value in answer.values]
         del answer
         # The thread lets go once it waits for the next batch: then none is alive.
-        await until(lambda: all(ref() is None for ref in values))
+        await wait_for(lambda: all(ref() is None for ref in values))

@@ -14,7 +14,7 @@ from ember.engine import (
     WorkerConfig,
     WorkerFailed,
 )
-from tests.engine.helpers import items, payloads, running, until, until_forward_runs
+from tests.engine.helpers import items, payloads, running, until_forward_runs, wait_for
 
 SLOW = WorkerConfig(idle_coalesce_ms=0.0)
 
@@ -92,7 +92,7 @@ async def test_a_request_cancelled_while_its_forward_runs_is_not_a_success() -> 
         future = await worker.submit(items(2, 2), "p")
         await until_forward_runs(worker)
         future.cancel()
-        await until(lambda: bool(worker.stats.recent_requests))  # its forward ended
+        await wait_for(lambda: bool(worker.stats.recent_requests))  # its forward ended
         record = worker.stats.recent_requests[-1]
         assert record.cancelled and not record.succeeded
         after = await (await worker.submit(items(2), "p"))
