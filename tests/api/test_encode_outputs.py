@@ -260,3 +260,53 @@ async def test_is_query_under_options_is_the_query_side(tiny: Served) -> None:
     assert got != document.json()["items"][0]["dense"]["values"]
     clash = await encode(tiny, PROMPTED, ["x"], is_query=True, options={"is_query": False})
     assert_error(clash, 422, "invalid_request", "params.options.is_query")
+
+
+async def test_dimensions_on_the_native_route_match_the_openai_routes_shortened_vectors(
+        shared: Served, tiny: Served) -> None:
+    # MiniLM normalizes: its first 96 components, unit again, as /v1/embeddings cuts them
+    # (that route's own test checks it against sentence-transformers' truncate_dim).
+    texts = ["hello world", "a second, longer sentence about search"]
+    native = await encode(shared, MINILM, texts, dimensions=96)
+    assert native.status_code == 200, native.text
+    dense = [item["dense"] for item in native.json()["items"]]
+    assert [d["dims"] for d in dense] == [96, 96]
+    openai = await shared.client.post("/v1/embeddings", json={"model": MINILM, "input": texts,
+                                                              "dimensions": 96})
+    np.testing.assert_allclose([d["values"] for d in dense],
+                               [row["embedding"] for row in openai.json()["data"]], atol=1e-6)
+    whole = (await encode(shared, MINILM, texts)).json()["items"]
+    assert all(len(item["dense"]["values"]) == 384 for item in whole)
+    # Unit again where the request normalizes; the plain cut where it does not.
+    raw = await encode(tiny, PROMPTED, ["x"], options={"normalize": False})
+    cut = await encode(tiny, PROMPTED, ["x"], dimensions=4, options={"normalize": False})
+    assert cut.json()["items"][0]["dense"]["values"] == pytest.approx(
+        raw.json()["items"][0]["dense"]["values"][:4], abs=1e-6)
+    unit = await encode(tiny, PROMPTED, ["x"], dimensions=4, options={"normalize": True})
+    assert np.linalg.norm(unit.json()["items"][0]["dense"]["values"]) == pytest.approx(1.0)
+    # BGE-M3's dense vectors are cut beside its other outputs, which stay whole; int8
+    # scales the shortened vector.
+    both = await encode(tiny, M3, ["hello cat"], dimensions=8,
+                        output_types=["dense", "sparse"], output_dtype="int8")
+    item = both.json()["items"][0]
+    assert item["dense"]["dims"] == 8 and len(item["dense"]["values"]) == 8
+    assert max(abs(v) for v in item["dense"]["values"]) == 127
+    assert item["sparse"]["values"]
+
+
+@pytest.mark.parametrize(("model", "params", "words"), [
+    (MINILM, {"dimensions": 0}, "send 1 to 384"),
+    (MINILM, {"dimensions": 385}, "send 1 to 384"),
+    (MINILM, {"dimensions": 2**63 - 1}, "send 1 to 384"),
+    (MINILM, {"dimensions": "8"}, "valid integer"),
+    (MINILM, {"dimensions": 8.0}, "valid integer"),
+    (SPARSE, {"dimensions": 8}, "gets sparse from 'tiny/sparse'"),
+    (M3, {"dimensions": 8, "output_types": ["sparse"]}, "ask for dense"),
+])
+async def test_native_dimensions_that_cannot_apply_are_a_422_naming_the_field(
+        shared: Served, tiny: Served, model: str, params: dict[str, Any],
+        words: str) -> None:
+    served = tiny if model.startswith("tiny/") else shared
+    error = assert_error(await encode(served, model, ["x"], **params), 422,
+                         "invalid_request", "params.dimensions")
+    assert words in error["message"], error

@@ -7,19 +7,20 @@ so an option this server does not know is never silently dropped."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 from ember.adapters.base import (
     Encoded,
     EncodeOptions,
     ExtractOptions,
     ScoreOptions,
+    TaskModel,
     TaskOutput,
 )
 from ember.api.codec import render
@@ -34,14 +35,18 @@ from ember.api.images import (
     texts_of,
 )
 from ember.api.model_task import (
+    CUT_HELP,
     ParamNames,
     check_inputs,
     check_query,
+    cut_dense,
     ranked,
+    require_dense,
     run_task,
     unnamed_model,
 )
 from ember.api.routing import InferenceRoute
+from ember.api.state import ServedModel
 from ember.config import FAMILY_OPTIONS, ModelSpec
 from ember.errors import InvalidInput
 from ember.outputs import PACKED_BITS, quantize, quantize_sparse
@@ -87,6 +92,7 @@ class EncodeParams(Strict):
         "`scale`, value ~= q * scale); uint8 is int8 shifted by 128 (value ~= (q - 128) * "
         "scale); binary and ubinary pack sign bits, 8 per byte, as uint8 (dense and "
         "multivector only)")
+    dimensions: StrictInt | None = Field(None, description=f"dense vectors: {CUT_HELP}")
     instruction: str | None = Field(None, description="task instruction, for models "
                                     "configured with prompts")
     is_query: bool | None = Field(None, description="the query side of an asymmetric "
@@ -149,6 +155,22 @@ def encode_options(params: EncodeParams) -> EncodeOptions:
                          truncate=params.options.truncate, normalize=params.options.normalize,
                          lora=params.options.lora,
                          output_types=tuple(params.output_types or ()))
+
+
+def check_dimensions(model: ServedModel, params: EncodeParams) -> None:
+    """`params.dimensions` shortens dense vectors: the model must make them, the request
+    must ask for them, and the size must be one they can be cut to."""
+    if params.dimensions is None:
+        return
+    made = model.adapter.info.output_types
+    asked = params.output_types
+    if "dense" not in made or (asked and "dense" not in asked):
+        outputs = ", ".join(asked or made) or "no vectors"
+        raise ApiError(422, "invalid_request", f"params.dimensions shortens dense vectors, and "
+                       f"this request gets {outputs} from {model.spec.name!r}; ask for dense "
+                       "in params.output_types or leave params.dimensions out",
+                       "params.dimensions")
+    require_dense(model, "/v1/encode", params.dimensions, "params.dimensions")
 
 
 def score_options(body: ScoreRequest) -> ScoreOptionsBody:
@@ -218,18 +240,25 @@ for _task in ("encode", "score", "extract"):  # plain routes: they read no body
 
 @router.post("/v1/encode/{model:path}", summary="Embed items")
 async def encode(model: str, body: EncodeRequest, request: Request) -> Response:
+    options, dims = encode_options(body.params), body.params.dimensions
+    run: Callable[[ServedModel, TaskModel], Awaitable[TaskOutput[list[Encoded]]]]
     if has_images(body.items):
         inputs, where = item_inputs(request, body.items), first_images(body.items)
         takes_images(request, model, where)
-        options = encode_options(body.params)
-        output = await run_task(request, model, "encode", lambda m, a: image_model(
-            a, model, where).encode_items(m.submit, inputs, options), len(inputs))
+        count = len(inputs)
+        run = lambda m, a: image_model(a, model, where).encode_items(  # noqa: E731
+            m.submit, inputs, options)
     else:
         texts = texts_of(body.items)
         check_inputs(request, texts, suffix=".text")
-        options = encode_options(body.params)
-        output = await run_task(request, model, "encode",
-                                lambda m, a: a.encode(m.submit, texts, options), len(texts))
+        count = len(texts)
+        run = lambda m, a: a.encode(m.submit, texts, options)  # noqa: E731
+
+    async def forward(m: ServedModel, adapter: TaskModel) -> TaskOutput[list[Encoded]]:
+        check_dimensions(m, body.params)
+        return cut_dense(m, await run(m, adapter), dims, options)
+
+    output = await run_task(request, model, "encode", forward, count)
     dtype = body.params.output_dtype
     items = [with_id(item, encoded_wire(enc, dtype))
              for item, enc in zip(body.items, output.values, strict=True)]
