@@ -38,8 +38,10 @@ def mode_args(args: Sequence[str]) -> tuple[str, ...]:
 
 
 def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The test's environment without EMBER_* settings, offline, unbuffered."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EMBER_")}
+    """The test's environment without EMBER_* settings but the run's cache folder
+    (tests/conftest.py), offline, unbuffered."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("EMBER_") or k == "EMBER_CACHE_DIR"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.update(extra or {})
     return env
