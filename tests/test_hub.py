@@ -476,6 +476,54 @@ asyncio.run(main())
         assert answers[alias][:2] == [404, "model_not_found"]  # type: ignore[index]
 
 
+NOT_DOWNLOADED = """
+import asyncio, json
+from ember.api.errors import as_api_error
+from ember.config import ModelSpec, Source, parse_spec
+from ember.registry import Registry, RegistryLimits
+from ember.adapters.base import Runtime
+
+async def main():
+    hub_model = ModelSpec(name={repo!r}, adapter="transformer", source=Source(hub={repo!r}),
+                          tasks=("encode",))
+    other = parse_spec({{"name": "test/loaded", "adapter": "synthetic", "tasks": ["encode"]}},
+                       "test")
+    registry = Registry({{spec.name: spec for spec in (hub_model, other)}}, Runtime(),
+                        limits=RegistryLimits(max_loaded_models=1))
+    await registry.get("test/loaded")
+    out = {{}}
+    try:
+        await registry.get({repo!r})
+        out["answer"] = "loaded"
+    except Exception as exc:
+        error = as_api_error(exc)
+        out["answer"] = [error.status, error.kind, error.message]
+    out["state"] = registry.state({repo!r})
+    out["loaded"] = sorted(registry.loaded)
+    await registry.close()
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("where", ["offline", "downloads not allowed"])
+def test_a_catalog_model_this_server_may_not_download_is_a_404_that_evicts_nothing(
+        standin: HubStandIn, tmp_path: Path, where: str) -> None:
+    """Found by a review: such a request was a 502 (a load failure, logged as an error and
+    remembered), which clients retry; and room was made for it first, evicting a model."""
+    offline = where == "offline"
+    answer = run(standin, tmp_path / "hf", NOT_DOWNLOADED.format(repo=TINY), offline=offline,
+                 extra={"EMBER_ALLOW_HUB_MODELS": "1" if offline else "0"})
+    status, kind, message = answer["answer"]  # type: ignore[misc]
+    assert (status, kind) == (404, "model_not_found"), answer
+    assert "is not in the Hugging Face cache" in message
+    assert ("HF_HUB_OFFLINE is set" if offline else f"--preload {TINY}") in message
+    assert answer["state"] == "available"  # not a failure to wait 30 s for
+    assert answer["loaded"] == ["test/loaded"]
+    assert not [path for method, path, _ in standin.requests if TINY in path]
+
+
 def test_a_download_does_not_hold_up_the_loads_of_models_on_disk(
         standin: HubStandIn, tmp_path: Path) -> None:
     """Found by a black-box review: a catalog model's download (its YAML names a Hub

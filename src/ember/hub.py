@@ -54,6 +54,11 @@ class NotOnHub(HubError):
     """No such repository (or one the token may not see): an unknown model, not a fault."""
 
 
+class NotDownloaded(HubError):
+    """A model missing from the cache that this process may not download (offline, or not
+    named at the start): not on this server, not a fault."""
+
+
 @dataclass(frozen=True)
 class HubRef:
     repo: str
@@ -117,6 +122,11 @@ def downloads_allowed() -> bool:
     return os.environ.get(ALLOW_ENV, "1").lower() not in ("0", "false", "no", "off")
 
 
+def may_download() -> bool:
+    """Whether a model missing from the cache would be downloaded now."""
+    return downloads_allowed() and not offline()
+
+
 def offline() -> bool:
     from huggingface_hub import constants
 
@@ -167,11 +177,11 @@ def snapshot(ref: HubRef, wanted: Wanted, download: bool | None = None,
              if (cache_root() / f"models--{ref.repo.replace('/', '--')}").is_dir()
              else "is not in the Hugging Face cache")
     if offline():
-        raise HubError(f"model {ref} {where} ({cache_root()}) and "
+        raise NotDownloaded(f"model {ref} {where} ({cache_root()}) and "
                        "HF_HUB_OFFLINE is set; fetch it once online (unset HF_HUB_OFFLINE "
                        f"and start `ember serve --preload {ref}`), or copy the cache here")
     if not (downloads_allowed() if download is None else download):
-        raise HubError(f"model {ref} {where} ({cache_root()}) and "
+        raise NotDownloaded(f"model {ref} {where} ({cache_root()}) and "
                        "this server downloads only the models named at its start; name it "
                        f"with --preload {ref}, or start with --allow-hub-models")
     return fetch(ref, wanted)

@@ -34,7 +34,13 @@ from ember.engine import (
     WorkerConfig,
 )
 from ember.errors import ModelLoadError, ModelNotFound
-from ember.hub import NotOnHub, parse_hub_id, requests_may_download
+from ember.hub import (
+    NotDownloaded,
+    NotOnHub,
+    may_download,
+    parse_hub_id,
+    requests_may_download,
+)
 
 log = logging.getLogger("ember.registry")
 # A load or eviction leaves the whole-heap collection for when nothing has run this long.
@@ -288,6 +294,8 @@ class Registry(CatalogLookup):
         adapter: ModelAdapter | None = None
         worker: ModelWorker | None = None
         try:
+            if spec.source.hub is not None and not may_download():
+                await asyncio.to_thread(resolve_source, spec)  # not here: nothing is evicted
             await self._make_room(spec.name)
             log.info("loading model %s (%s adapter) ...", spec.name, spec.adapter)
             started = time.monotonic()
@@ -309,6 +317,11 @@ class Registry(CatalogLookup):
             for hook in self.on_load:
                 hook(model)
             done.set_result(model)
+        except NotDownloaded as exc:
+            # A model this server does not have: the request's 404, not a load failure.
+            log.info("model %s was asked for and is not here: %s", spec.name, exc)
+            done.set_exception(ModelNotFound(spec.name, self.names, str(exc)))
+            done.exception()
         except Exception as exc:
             if adapter is not None and spec.name not in self._loaded:
                 # Nothing of a load that failed stays running or in memory.
