@@ -52,6 +52,11 @@ class InvalidInput(EmberError):
         super().__init__(message)
 
 
+# An over-long input's advice, in the native routes' terms; a compatible route puts its
+# own field in its place (api.model_task).
+TRUNCATE_ADVICE = "set truncate=true (params.options.truncate on /v1/encode and /v1/score)"
+
+
 class InputTooLong(InvalidInput):
     """An input over the model's token limit with truncation off (HTTP 400 INPUT_TOO_LONG)."""
 

@@ -127,7 +127,7 @@ async def test_an_m3_models_weights_per_request_and_its_shortened_vectors(
         other = await score(COLBERT, {"score_weights": {"dense": 1}}, where)
         assert "scores by one output" in assert_error(other, 422, "invalid_request", param)[
             "message"]
-    # Refused from the catalog entry, before a load (which would fail here, offline: 502).
+    # Refused from the catalog entry, before a load (offline, its files not here: a 404).
     cold = await score("BAAI/bge-base-en-v1.5", {"score_weights": {"dense": 1}}, "params")
     assert "scores by one output" in assert_error(
         cold, 422, "invalid_request", "params.options.score_weights")["message"]

@@ -72,6 +72,23 @@ async def test_cohere_truncate_none_over_the_limit_names_cohere_s_own_setting(
     assert "set truncate to END" in error["message"] and "=true" not in error["message"]
 
 
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("/v1/embeddings", {"model": MINILM, "input": ["fine", "word " * 600], "truncate": False},
+     "input[1]"),
+    ("/embed", {"inputs": ["fine", "word " * 600], "truncate": False}, "inputs[1]"),
+    ("/similarity", {"inputs": {"source_sentence": "fine", "sentences": ["word " * 600]},
+                     "truncate": False}, "inputs.sentences[0]"),
+])
+async def test_compatible_routes_over_the_limit_name_their_own_truncate_field(
+        apps: AppFactory, route: str, body: dict[str, object], param: str) -> None:
+    """Found by a fresh-clone walkthrough: /v1/embeddings advised the native option."""
+    async with apps.serve(default_model=MINILM) as served:  # TEI's routes take the default
+        response = await served.client.post(route, json=body)
+    error = assert_error(response, 400, "input_too_long", param)
+    assert "set truncate to true" in error["message"], error
+    assert "params.options" not in error["message"], error
+
+
 async def test_score_query_over_the_limit_with_truncate_false(shared: Served) -> None:
     body = {"query": {"text": "long " * 600}, "items": [{"text": "a"}],
             "params": {"options": {"truncate": False}}}

@@ -28,7 +28,7 @@ import numpy.typing as npt
 from tokenizers import Encoding, Tokenizer
 
 from ember.adapters.base import TokenSpan, usable_cores
-from ember.errors import InputTooLong, InvalidInput
+from ember.errors import TRUNCATE_ADVICE, InputTooLong, InvalidInput
 
 T = TypeVar("T")
 EncodeInput = str | tuple[str, str]
@@ -126,10 +126,6 @@ def first_outside_rows(rows: Sequence[Sequence[int]],
         if index is not None:
             return row_index, index
     return None
-
-
-# What turns truncation on: each compatible route's own field, the native routes' option.
-TRUNCATE_ADVICE = "set truncate=true (params.options.truncate on /v1/encode and /v1/score)"
 
 
 def over_limit(count: int, limit: int, param: str) -> InputTooLong:

@@ -19,7 +19,6 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from ember.adapters._images import ItemInput
-from ember.adapters._tokenize import TRUNCATE_ADVICE
 from ember.adapters.base import Encoded, EncodeOptions, ScoreOptions, TaskModel, TaskOutput
 from ember.api.codec import render
 from ember.api.errors import ApiError
@@ -155,12 +154,8 @@ async def embedded(body: CohereEmbedRequest, request: Request, model: str,
         return cut_dense(m, await adapter.encode(m.submit, texts, options),
                          body.output_dimension, options)
 
-    try:
-        output = await run_task(request, model, "encode", encode, len(texts), "texts")
-    except ApiError as error:  # the limit's advice in this route's own terms
-        if error.kind == "input_too_long":
-            error.message = error.message.replace(TRUNCATE_ADVICE, "set truncate to END")
-        raise
+    output = await run_task(request, model, "encode", encode, len(texts), "texts",
+                            truncate="truncate to END")
     return answer(body, output, texts, meta(version, input_tokens=output.tokens))
 
 

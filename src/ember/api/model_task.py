@@ -19,7 +19,7 @@ from ember.api.errors import ApiError, ClientGone, RequestTimeout, as_api_error
 from ember.api.state import ServedModel, server_state
 from ember.config import ModelSpec
 from ember.engine import RequestTooLarge
-from ember.errors import UnsupportedTask
+from ember.errors import TRUNCATE_ADVICE, InputTooLong, UnsupportedTask
 from ember.metrics import labelled
 from ember.outputs import shortened
 
@@ -168,11 +168,13 @@ async def until_disconnect(request: Request, work: Awaitable[T], timeout: float 
 
 
 def task_error(request: Request, exc: Exception, items: int, field: str, query: bool,
-               names: ParamNames | None) -> ApiError:
+               names: ParamNames | None, truncate: str) -> ApiError:
     """`exc` as the answer of a model's task, in the route's terms, and counted where the
     server refused the request."""
     error = as_api_error(exc)
     error.param = route_param(error.param, field)
+    if isinstance(exc, InputTooLong) and field != "items":
+        error.message = error.message.replace(TRUNCATE_ADVICE, f"set {truncate}")
     if names is not None and error.param is not None:
         error.param = names(error.param)
     if query and isinstance(exc, RequestTooLarge):  # in the client's terms
@@ -204,14 +206,16 @@ def route_param(param: str | None, field: str) -> str | None:
 async def run_task(request: Request, model_name: str, task: str | None, call: TaskCall[T],
                    items: int, field: str = "items", query: bool = False,
                    names: ParamNames | None = None,
-                   fits: Callable[[ModelSpec], None] | None = None) -> TaskOutput[T]:
+                   fits: Callable[[ModelSpec], None] | None = None,
+                   truncate: str = "truncate to true") -> TaskOutput[T]:
     """Run `call` on the named model under the server's timeout; record timing and metrics.
     `items` is how many inputs the request sent under `field` (its name for them, for the
     errors' `param`; `task` None: any model's, as the call checks, and no forward, so no
     room in the queue); `query`: a query is
     queued beside them (score, rerank); `names`: how
     the route names the other fields an error may point at, where its body moves them;
-    `fits`: raises where the model's entry cannot serve the request as asked."""
+    `fits`: raises where the model's entry cannot serve the request as asked; `truncate`:
+    what a compatible route's client sets to have an over-long input cut."""
     state = server_state(request)
     request.state.items = queued = items + query  # for the access log
     if not model_name:
@@ -245,7 +249,7 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
     except Exception as exc:
         # Made in a call of its own: the error raised holds this frame (its traceback), so
         # a local here naming it would be a cycle holding the request until a collection.
-        raise task_error(request, exc, items, field, query, names) from None
+        raise task_error(request, exc, items, field, query, names, truncate) from None
     finally:
         # The request is counted, with its status, by RequestContextMiddleware.
         request.state.model = state.model_label(model_name)
