@@ -42,6 +42,26 @@ def test_every_line_on_stderr_is_json_whoever_writes_it() -> None:
     assert any("a library warns" in m for m in messages)
 
 
+BARS = """
+from huggingface_hub.utils import are_progress_bars_disabled
+from ember.config import ServerSettings
+from ember.logs import configure_logging
+configure_logging(ServerSettings(log_format="text"))
+from transformers.utils import logging as transformers_logging
+print(are_progress_bars_disabled(), transformers_logging.is_progress_bar_enabled())
+"""
+
+
+def test_text_logs_have_no_progress_bars() -> None:
+    """Found by a fresh-clone walkthrough: transformers' "Loading weights" bar in the log
+    of a first load (the JSON log had none already)."""
+    env = {k: v for k, v in server_env().items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    result = subprocess.run([sys.executable, "-c", BARS], capture_output=True, text=True,
+                            env=env, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]
+
+
 @pytest.mark.parametrize(("path", "status", "level"), [
     ("/readyz", 503, logging.INFO), ("/health", 503, logging.INFO),
     ("/readyz", 500, logging.WARNING), ("/v1/encode/x", 503, logging.WARNING),

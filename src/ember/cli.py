@@ -119,18 +119,25 @@ class Parser(argparse.ArgumentParser):
                      if word.startswith("--") and (hint := self._hint(word.split("=")[0]))]
             if hints:
                 message += "; " + ", ".join(hints)
-        super().error(message)
+        # The chosen command's usage, not the top level's: argparse reports a command's
+        # unknown flags from here.
+        chosen = self._chosen() or self
+        chosen.print_usage(sys.stderr)
+        chosen.exit(2, f"{chosen.prog}: error: {message}\n")
 
     def _hint(self, flag: str) -> str | None:
         """The chosen command's closest flag, or the command that has this one."""
-        commands = self._commands()
-        chosen = next((commands[word] for word in self.words if word in commands), None)
+        commands, chosen = self._commands(), self._chosen()
         own = [name for action in (chosen or self)._actions for name in action.option_strings]
         for command, parser in commands.items():
             if parser is not chosen and any(flag in a.option_strings for a in parser._actions):
                 return f"{flag} is a flag of `ember {command}`"
         match = closest(flag, own)
         return f"{flag} (did you mean {match}?)" if match else None
+
+    def _chosen(self) -> argparse.ArgumentParser | None:
+        commands = self._commands()
+        return next((commands[word] for word in self.words if word in commands), None)
 
     def _commands(self) -> dict[str, argparse.ArgumentParser]:
         for action in self._actions:
@@ -209,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
          "not have, which it then downloads; off, only the models named at startup are "
          "downloaded")
     flag("device", str, SERVER.device, "cpu, cuda or cuda:N (fp16 on CUDA)")
-    flag("torch-threads", int, None, "torch intra-op threads (default: all cores but one)")
+    flag("torch-threads", int, None, "torch intra-op threads (default: all cores but one; 1 "
+         "where every model runs on ONNX Runtime)")
     flag("backend", str, SERVER.backend, "forward backend, torch or onnx: onnx runs the models it "
          "can (CPU, no LoRAs), torch the rest; a model's YAML 'backend:' overrides it",
          choices=["torch", "onnx"])
@@ -277,12 +285,17 @@ def build_parser() -> argparse.ArgumentParser:
          "idleness sustained this long before a replica is removed")
     flag("ray-cpus", int, ray.num_cpus, "with --ray, logical CPUs of the local Ray "
          "instance (default: enough for every engine replica)")
-    flag("log-level", str, SERVER.log_level, "debug, info, warning or error")
+    flag("log-level", str, SERVER.log_level, "debug, info, warning or error",
+         metavar="{" + ",".join(LEVELS) + "}")
     flag("log-format", str, SERVER.log_format,
-         "text, or json: one JSON object a line for log shippers")
+         "text, or json: one JSON object a line for log shippers",
+         metavar="{" + ",".join(FORMATS) + "}")
 
     models = commands.add_parser("models", help="list the model catalog: name, tasks, "
-                                 "state and dims", allow_abbrev=False)
+                                 "state and dims", allow_abbrev=False,
+                                 description="List the model catalog: each model's name, "
+                                 "tasks, whether its files are on this machine (cached), "
+                                 "their size, and with --url its live state and dims.")
     models.add_argument("--model-dir", action="append", default=None,
                         help="folder of extra model YAML files (repeatable)")
     models.add_argument("--url", default=None, help="a running server (http://host:port) "

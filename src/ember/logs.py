@@ -112,9 +112,11 @@ _captured: list[int] = []  # the stderr this process writes JSON to, once captur
 
 def configure_logging(settings: ServerSettings) -> None:
     json_lines = settings.log_format == "json"
+    # No progress bars in a server's log: downloads log their own progress lines, and a
+    # load's bar is noise. Set before the libraries are imported; children inherit it.
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    _no_progress_bars()
     if json_lines:
-        # Set before the libraries are imported; child processes inherit them.
-        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         stream = capture_stderr()
     else:
@@ -132,9 +134,9 @@ def configure_logging(settings: ServerSettings) -> None:
         _quiet_libraries()
 
 
-def _quiet_libraries() -> None:
-    """Progress bars off and handlers routed through ours, in libraries already imported
-    (those imported later read HF_HUB_DISABLE_PROGRESS_BARS)."""
+def _no_progress_bars() -> None:
+    """Progress bars off in libraries already imported (those imported later read
+    HF_HUB_DISABLE_PROGRESS_BARS)."""
     if "huggingface_hub" in sys.modules:
         from huggingface_hub.utils.tqdm import disable_progress_bars
 
@@ -143,6 +145,13 @@ def _quiet_libraries() -> None:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+
+
+def _quiet_libraries() -> None:
+    """Handlers routed through ours, in libraries already imported."""
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
         transformers_logging.disable_default_handler()
         transformers_logging.enable_propagation()
 

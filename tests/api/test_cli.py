@@ -528,7 +528,10 @@ def test_a_mistyped_flag_is_told_the_closest_one(argv: list[str], hint: str,
     gets a suggestion."""
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)
-    assert hint in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert hint in err
+    # The command's own usage (found by a fresh-clone walkthrough: the top level's).
+    assert err.startswith(f"usage: ember {argv[0]} ") and f"ember {argv[0]}: error:" in err
 
 
 def test_help_gives_each_default_once(capsys: pytest.CaptureFixture[str]) -> None:
@@ -542,6 +545,9 @@ def test_help_gives_each_default_once(capsys: pytest.CaptureFixture[str]) -> Non
     assert "[EMBER_PORT] (default: 8080)" in text
     # A help text that says "defaults" in passing still gets its own (found by a review).
     assert "[EMBER_DISPATCH] (default: auto)" in text
+    # Found by a fresh-clone walkthrough: the ONNX default left out, the choices unsaid.
+    assert "1 where every model runs on ONNX Runtime" in text
+    assert "--log-level {debug,info,warning,error}" in text
 
 
 def test_help_never_shows_the_api_key(monkeypatch: pytest.MonkeyPatch,
