@@ -36,6 +36,34 @@ async def test_unknown_fields_are_refused_by_name(shared: Served, route: str,
     assert param in error["message"] and "unknown field" in error["message"]
 
 
+@pytest.mark.parametrize("route, body, param, meant", [
+    (f"/v1/encode/{SYNTH}", {"items": [{"text": "x"}, {"txt": "y"}]}, "items[1].txt",
+     "items[1].text"),
+    (f"/v1/encode/{SYNTH}", encode_body("x") | {"params": {"truncate": False}},
+     "params.truncate", "params.options.truncate"),
+    (f"/v1/score/{SYNTH}", {"querry": {"text": "q"}, "items": [{"text": "x"}]}, "querry",
+     "query"),
+    ("/v1/embeddings", {"model": SYNTH, "inputs": ["x"]}, "inputs", "input"),
+    ("/", {"inputs": "x", "truncat": True}, "truncat", "truncate"),  # TEI's root route
+])
+async def test_a_misspelled_or_misplaced_field_is_told_the_one_it_stands_for(
+        shared: Served, route: str, body: dict[str, object], param: str,
+        meant: str) -> None:
+    """Found by a fresh-clone walkthrough: "remove it", where the field was misspelled."""
+    error = assert_error(await shared.client.post(route, json=body), 422, "invalid_request",
+                         param)
+    assert f"unknown field {param} (did you mean {meant}?)" in error["message"], error
+    assert "remove it" not in error["message"]
+
+
+async def test_a_body_of_many_unknown_fields_gets_a_short_answer(shared: Served) -> None:
+    body = encode_body("x") | {f"field{i}": i for i in range(20_000)}
+    error = assert_error(await shared.client.post(f"/v1/encode/{SYNTH}", json=body), 422,
+                         "invalid_request", "field0")
+    assert "field4, and 19995 more: remove them" in error["message"], error
+    assert len(error["message"]) < 300
+
+
 async def test_other_servers_routes_say_what_to_use_instead(shared: Served) -> None:
     """Found by a black-box review: TEI's /predict and /embed_all got a bare 404."""
     for path, hint in (("/predict", "/rerank"), ("/embed_all", "multivector"),

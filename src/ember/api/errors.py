@@ -14,9 +14,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ember.api.fields import suggestion
 from ember.engine import (
     EngineError,
     QueueFull,
@@ -110,6 +112,11 @@ def error_response(status: int, kind: str, message: str, param: str | None = Non
     return JSONResponse(error_body(kind, message, param), status_code=status, headers=headers)
 
 
+def _body_loc(error: Mapping[str, Any]) -> tuple[int | str, ...]:
+    loc = tuple(error.get("loc", ()))
+    return loc[1:] if loc and loc[0] == "body" else loc
+
+
 def field_path(loc: tuple[int | str, ...]) -> str:
     """('body', 'items', 3, 'text') -> 'items[3].text'"""
     path = ""
@@ -166,17 +173,28 @@ def as_api_error(exc: Exception) -> ApiError:
     return ApiError(500, "inference_error", scrub(f"inference failed: {what}"))
 
 
-def validation_error(errors: Sequence[Any]) -> ApiError:
-    """A 422 naming the first field pydantic refused (`items[3].text`, or `body`)."""
-    unknown = [field_path(tuple(e.get("loc", ()))) for e in errors
-               if e.get("type") == "extra_forbidden"]
+UNKNOWN_NAMED = 5  # unknown fields an error names
+
+
+def validation_error(errors: Sequence[Any], model: type[BaseModel] | None = None) -> ApiError:
+    """A 422 naming the first field pydantic refused (`items[3].text`, or `body`); an
+    unknown field of `model`'s body is told the one it most likely stands for."""
+    unknown = [_body_loc(e) for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:
         many = len(unknown) > 1
+        named = []
+        for loc in unknown[:UNKNOWN_NAMED]:
+            meant = suggestion(model, loc) if model is not None else None
+            named.append(field_path(loc) + (f" (did you mean {field_path(meant)}?)"
+                                            if meant is not None else ""))
+        if len(unknown) > UNKNOWN_NAMED:  # a body of many keys makes no long message
+            named.append(f"and {len(unknown) - UNKNOWN_NAMED} more")
+        advice = "" if any("did you mean" in name for name in named) else \
+            f" remove {'them' if many else 'it'};"
         return ApiError(422, "invalid_request",
-                        f"unknown field{'s' if many else ''} {', '.join(unknown)}: remove "
-                        f"{'them' if many else 'it'}; the server refuses what it does not "
-                        "know rather than ignore it (/docs lists each route's fields)",
-                        unknown[0])
+                        f"unknown field{'s' if many else ''} {', '.join(named)}:{advice} the "
+                        "server refuses what it does not know rather than ignore it (/docs "
+                        "lists each route's fields)", field_path(unknown[0]))
     first = errors[0] if errors else {"loc": (), "msg": "invalid body"}
     if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
         context = first.get("ctx")

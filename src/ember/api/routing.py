@@ -71,7 +71,7 @@ class _Handler:
             try:
                 body = self.body_model.model_validate(data)
             except ValidationError as exc:
-                raise validation_error(exc.errors(include_url=False)) from None
+                raise validation_error(exc.errors(include_url=False), self.body_model) from None
             arguments: dict[str, Any] = {**scope.get("path_params", {}), self.body_arg: body}
             if self.request_arg is not None:
                 arguments[self.request_arg] = request

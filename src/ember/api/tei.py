@@ -348,11 +348,18 @@ async def decode(body: DecodeRequest, request: Request) -> Response:
              "`{query, texts}` rerank, `{inputs}` embed)")
 async def root(body: AnyTeiBody, request: Request) -> Response:
     data = body.root
+    kind: type[Strict] = EmbedRequest
+    if "query" in data or "texts" in data:
+        kind = TeiRerankRequest
+    elif isinstance(data.get("inputs"), dict):
+        kind = SimilarityRequest
     try:
-        if "query" in data or "texts" in data:
-            return await tei_rerank(TeiRerankRequest.model_validate(data), request)
-        if isinstance(data.get("inputs"), dict):
-            return await similarity(SimilarityRequest.model_validate(data), request)
-        return await embed(EmbedRequest.model_validate(data), request)
+        parsed = kind.model_validate(data)
     except ValidationError as exc:
-        raise validation_error(exc.errors(include_url=False)) from None
+        raise validation_error(exc.errors(include_url=False), kind) from None
+    if isinstance(parsed, TeiRerankRequest):
+        return await tei_rerank(parsed, request)
+    if isinstance(parsed, SimilarityRequest):
+        return await similarity(parsed, request)
+    assert isinstance(parsed, EmbedRequest)
+    return await embed(parsed, request)
