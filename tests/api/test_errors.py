@@ -408,7 +408,8 @@ async def test_a_vector_size_the_model_cannot_be_cut_to_is_refused_on_every_rout
     (f"/v1/score/{SYNTH}", b'{"query": "q", "items": [{"text": "a"}]}', "query",
      'expected a JSON object like {"text": "..."}, got a string'),
     ("/v1/embeddings", b"null", "body",
-     "expected a JSON object with this route's fields (/docs lists them), got null"),
+     "expected a JSON object with this route's fields (/openapi.json and /docs list "
+     "them), got null"),
     (f"/v1/encode/{SYNTH}", b"[1, 2]", "body", "got an array"),
 ])
 async def test_a_value_where_an_object_belongs_is_told_what_object(

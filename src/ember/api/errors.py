@@ -193,8 +193,9 @@ def validation_error(errors: Sequence[Any], model: type[BaseModel] | None = None
             f" remove {'them' if many else 'it'};"
         return ApiError(422, "invalid_request",
                         f"unknown field{'s' if many else ''} {', '.join(named)}:{advice} the "
-                        "server refuses what it does not know rather than ignore it (/docs "
-                        "lists each route's fields)", field_path(unknown[0]))
+                        "server refuses what it does not know rather than ignore it "
+                        "(/openapi.json and /docs list each route's fields)",
+                        field_path(unknown[0]))
     first = errors[0] if errors else {"loc": (), "msg": "invalid body"}
     if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
         context = first.get("ctx")
@@ -229,7 +230,7 @@ def object_wanted(error: Mapping[str, Any]) -> str:
     context = error.get("ctx")
     name = context.get("class_name", "") if isinstance(context, dict) else ""
     like = f" like {_OBJECT_EXAMPLES[name]}" if name in _OBJECT_EXAMPLES else \
-        " with this route's fields (/docs lists them)"
+        " with this route's fields (/openapi.json and /docs list them)"
     sent = error.get("input")
     got = "null or no body" if sent is None else json_kind(sent)
     return f"expected a JSON object{like}, got {got}"
