@@ -170,7 +170,11 @@ async def test_a_native_path_without_its_model_says_how_to_name_one(
 
 async def test_unknown_route_and_wrong_method(shared: Served) -> None:
     assert_error(await shared.client.get("/v2/nothing"), 404, "not_found")
-    assert_error(await shared.client.get(f"/v1/encode/{SYNTH}"), 405, "method_not_allowed")
+    wrong = await shared.client.get(f"/v1/encode/{SYNTH}")
+    error = assert_error(wrong, 405, "method_not_allowed")
+    # Found by a fresh-clone walkthrough: a bare "Method Not Allowed".
+    assert error["message"] == f"Method Not Allowed: /v1/encode/{SYNTH} takes POST, not GET"
+    assert wrong.headers["allow"] == "POST"
 
 
 # -- 413 ----------------------------------------------------------------------------------------

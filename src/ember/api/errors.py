@@ -264,6 +264,9 @@ def install(app: FastAPI) -> None:
         detail = str(exc.detail)
         if exc.status_code == 404 and request.url.path in UNSERVED_ROUTES:
             detail = f"{detail}: {request.url.path} {UNSERVED_ROUTES[request.url.path]}"
+        allowed = (exc.headers or {}).get("Allow")
+        if exc.status_code == 405 and allowed:
+            detail = f"{detail}: {request.url.path} takes {allowed}, not {request.method}"
         return error_response(exc.status_code, kinds.get(exc.status_code, "http_error"),
                               detail, headers=dict(exc.headers or {}))
 
