@@ -390,6 +390,27 @@ def test_a_compressed_body_is_a_415_naming_its_encoding(route: str, sent: dict[s
     assert plain.status_code == 200, plain.text
 
 
+@pytest.mark.parametrize(("kind", "origin"), [
+    ("text/plain;charset=UTF-8", None), ("application/x-www-form-urlencoded", None),
+    ("multipart/form-data; boundary=x", None), (None, "https://page.example")])
+def test_a_body_a_page_of_another_origin_could_send_is_never_read(
+        kind: str | None, origin: str | None, client: httpx.Client) -> None:
+    """Found by a fresh-clone walkthrough: any Content-Type was read as JSON, so a web page
+    could make a browser post to a server on the user's machine without a CORS preflight
+    (loading and evicting models, or downloading with --allow-hub-models)."""
+    headers = {key: value for key, value in (("content-type", kind), ("origin", origin))
+               if value is not None}
+    raw = json.dumps(encode_body("hello")).encode()
+    response = client.post(ENC, content=raw, headers=headers)
+    error = assert_error(response, 415, "unsupported_media_type", "body")
+    assert "send Content-Type: application/json" in error["message"], error
+    # A script's bare body (no Origin) and a JSON body are read as ever.
+    assert client.post(ENC, content=raw).status_code == 200
+    assert client.post(ENC, content=raw, headers={"content-type": JSON,
+                                                  "origin": "https://page.example"}
+                       ).status_code == 200
+
+
 @pytest.mark.parametrize("model", [SYNTH, MINILM])
 def test_lone_surrogate_is_a_422(model: str, client: httpx.Client) -> None:
     """Found by these tests (fixed in 7f33662): a lone UTF-16 surrogate (valid JSON

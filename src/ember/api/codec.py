@@ -73,6 +73,22 @@ def is_msgpack(headers: Headers) -> bool:
     return kind.split(";", 1)[0].strip().lower() in MSGPACK_TYPES
 
 
+# What a browser's form or a page's fetch may send another origin without asking it first
+# (no CORS preflight): a body of one of these kinds is never read.
+FORM_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def check_body_type(headers: Headers) -> None:
+    """Refuse a body a web page could have sent here from another origin: of a form's
+    type, or (from a browser, which names the page's origin) of no type at all. A page
+    that may call the server (--cors-allow-origin) sends JSON after its preflight."""
+    kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind in FORM_TYPES or (not kind and "origin" in headers):
+        sent = f"Content-Type {kind}" if kind else "a body without a Content-Type"
+        raise ApiError(415, "unsupported_media_type", f"{sent} is not read: send "
+                       "Content-Type: application/json (or application/msgpack)", "body")
+
+
 def dumps_json(payload: Any) -> bytes:
     return orjson.dumps(payload, default=_orjson_default, option=_ORJSON_OPTIONS)
 
@@ -98,6 +114,7 @@ def decode(raw: bytes, headers: Headers) -> Any:
     if coding != "identity":  # read as sent, it would be called invalid JSON or msgpack
         raise ApiError(415, "unsupported_media_type", f"Content-Encoding {coding!r} is not "
                        "supported: send the body uncompressed", "body")
+    check_body_type(headers)
     if is_msgpack(headers):
         return decode_msgpack(raw)
     try:
