@@ -478,14 +478,17 @@ asyncio.run(main())
 
 NOT_DOWNLOADED = """
 import asyncio, json
+from ember import hub
 from ember.api.errors import as_api_error
-from ember.config import ModelSpec, Source, parse_spec
+from ember.config import ModelSpec, Source, hub_wanted, parse_spec
 from ember.registry import Registry, RegistryLimits
 from ember.adapters.base import Runtime
 
 async def main():
-    hub_model = ModelSpec(name={repo!r}, adapter="transformer", source=Source(hub={repo!r}),
-                          tasks=("encode",))
+    hub_model = ModelSpec(name={repo!r}, adapter={family!r}, source=Source(hub={repo!r}),
+                          tasks=({task!r},))
+    if {own_files_here}:  # its own files, not its backbone's
+        hub.snapshot(hub.HubRef({repo!r}), hub_wanted(hub_model), download=True)
     other = parse_spec({{"name": "test/loaded", "adapter": "synthetic", "tasks": ["encode"]}},
                        "test")
     registry = Registry({{spec.name: spec for spec in (hub_model, other)}}, Runtime(),
@@ -507,17 +510,24 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.parametrize("where", ["offline", "downloads not allowed"])
+@pytest.mark.parametrize("where", ["offline", "downloads not allowed", "backbone missing"])
 def test_a_catalog_model_this_server_may_not_download_is_a_404_that_evicts_nothing(
         standin: HubStandIn, tmp_path: Path, where: str) -> None:
     """Found by a review: such a request was a 502 (a load failure, logged as an error and
-    remembered), which clients retry; and room was made for it first, evicting a model."""
+    remembered), which clients retry; and room was made for it first, evicting a model.
+    A GLiNER whose backbone's tokenizer is not here is checked before room is made too."""
     offline = where == "offline"
-    answer = run(standin, tmp_path / "hf", NOT_DOWNLOADED.format(repo=TINY), offline=offline,
+    gliner = where == "backbone missing"
+    code = NOT_DOWNLOADED.format(repo=GLINER if gliner else TINY, own_files_here=gliner,
+                                 family="gliner" if gliner else "transformer",
+                                 task="extract" if gliner else "encode")
+    answer = run(standin, tmp_path / "hf", code, offline=offline,
                  extra={"EMBER_ALLOW_HUB_MODELS": "1" if offline else "0"})
     status, kind, message = answer["answer"]  # type: ignore[misc]
     assert (status, kind) == (404, "model_not_found"), answer
-    assert "is not in the Hugging Face cache" in message
+    assert f"model {TINY}" in message and "is not in the Hugging Face cache" in message
+    if gliner:
+        assert message.startswith(f"model {GLINER} takes its tokenizer from {TINY}: ")
     assert ("HF_HUB_OFFLINE is set" if offline else f"--preload {TINY}") in message
     assert answer["state"] == "available"  # not a failure to wait 30 s for
     assert answer["loaded"] == ["test/loaded"]

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
-from ember import heap
+from ember import heap, hub
 from ember.adapters.base import (
     ModelAdapter,
     ModelInfo,
@@ -62,6 +62,21 @@ def estimate_bytes(spec: ModelSpec) -> int:
     except (FileNotFoundError, OSError):
         return 0
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def files_here(spec: ModelSpec) -> None:
+    """Raise as the load would where the model's files, or the Hub files its folder names
+    (a GLiNER's backbone tokenizer), are not here and may not be downloaded."""
+    if spec.adapter == "synthetic":
+        return
+    folder = resolve_source(spec)
+    companion = hub.backbone(folder)
+    if companion is not None:
+        try:
+            hub.snapshot(companion, hub.Wanted(weights=False))
+        except NotDownloaded as exc:
+            raise NotDownloaded(f"model {spec.name} takes its tokenizer from {companion}: "
+                                f"{exc}") from None
 
 
 def adapter_loader(family: str) -> LoadFunction:
@@ -202,6 +217,7 @@ class Registry(CatalogLookup):
         self.on_load: list[Callable[[LoadedModel], None]] = []
         self.on_evict: list[Callable[[str], None]] = []
         self.on_load_failure: list[Callable[[str], None]] = []
+        self.on_absent: list[Callable[[str], None]] = []  # asked for, its files not here
         self.on_worker: list[Callable[[LoadedModel], None]] = []
         self.closing = False
         self._idle_collection: asyncio.Task[None] | None = None
@@ -290,12 +306,12 @@ class Registry(CatalogLookup):
         heap.settle()
 
     async def _load(self, spec: ModelSpec, done: asyncio.Future[LoadedModel]) -> None:
-        self._incoming[spec.name] = estimate_bytes(spec)
         adapter: ModelAdapter | None = None
         worker: ModelWorker | None = None
         try:
-            if spec.source.hub is not None and not may_download():
-                await asyncio.to_thread(resolve_source, spec)  # not here: nothing is evicted
+            if not may_download():  # a model whose files are not here evicts nothing
+                await asyncio.to_thread(files_here, spec)
+            self._incoming[spec.name] = estimate_bytes(spec)
             await self._make_room(spec.name)
             log.info("loading model %s (%s adapter) ...", spec.name, spec.adapter)
             started = time.monotonic()
@@ -320,6 +336,8 @@ class Registry(CatalogLookup):
         except NotDownloaded as exc:
             # A model this server does not have: the request's 404, not a load failure.
             log.info("model %s was asked for and is not here: %s", spec.name, exc)
+            for absent in self.on_absent:
+                absent(spec.name)
             done.set_exception(ModelNotFound(spec.name, self.names, str(exc)))
             done.exception()
         except Exception as exc:

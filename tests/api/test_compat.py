@@ -4,12 +4,16 @@ item-count rules of /v1/embeddings, task checks before a load, and the access lo
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
+from typing import Any
 
 import numpy as np
 import pytest
 
+from ember.api import fields
+from ember.api.native import EncodeRequest
 from ember.logs import JsonFormatter
 from tests.api.conftest import MINILM, SPACY, SYNTH, AppFactory, Served, assert_error, encode_body
 
@@ -62,6 +66,29 @@ async def test_a_body_of_many_unknown_fields_gets_a_short_answer(shared: Served)
                          "invalid_request", "field0")
     assert "field4, and 19995 more: remove them" in error["message"], error
     assert len(error["message"]) < 300
+    # Found by a review: long keys came back whole in the message, and each was compared
+    # with every field (five of 3 M characters held the event loop for 2.9 s).
+    long_keys = encode_body("x") | {str(i) * 100_000: i for i in range(1, 6)}
+    long = await shared.client.post(f"/v1/encode/{SYNTH}", json=long_keys)
+    error = assert_error(long, 422, "invalid_request")
+    assert error["param"] == "1" * 80 + "... (100000 characters)"
+    assert len(error["message"]) < 900
+
+
+
+def test_a_name_too_long_to_be_a_misspelling_is_never_compared(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    compared: list[str] = []
+    real = difflib.get_close_matches
+
+    def counted(word: str, *args: Any, **kwargs: Any) -> list[str]:
+        compared.append(word)
+        return real(word, *args, **kwargs)
+
+    monkeypatch.setattr(fields.difflib, "get_close_matches", counted)
+    assert fields.suggestion(EncodeRequest, ("itemz",)) == ("items",)
+    assert fields.suggestion(EncodeRequest, ("i" * 65,)) is None
+    assert compared == ["itemz"]
 
 
 async def test_other_servers_routes_say_what_to_use_instead(shared: Served) -> None:

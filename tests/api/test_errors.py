@@ -200,6 +200,10 @@ async def test_body_over_the_byte_limit(apps: AppFactory) -> None:
         assert_error(chunked, 413, "payload_too_large", "body")
         text = await served.metrics()
         assert 'ember_rejections_total{reason="body_too_large"} 2.0' in text
+        # A form's body is refused from its headers, before a byte of it is read.
+        form = await served.client.post(f"/v1/encode/{SYNTH}", content=chunks(),
+                                        headers={"content-type": "text/plain"})
+        assert_error(form, 415, "unsupported_media_type", "body")
 
 
 @pytest.mark.parametrize(("route", "body", "param"), [

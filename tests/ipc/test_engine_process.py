@@ -29,9 +29,9 @@ import zmq.asyncio
 
 from ember.adapters.base import Runtime
 from ember.api.errors import as_api_error
-from ember.config import ServerSettings, load_catalog, parse_spec
+from ember.config import ModelSpec, ServerSettings, Source, load_catalog, parse_spec
 from ember.engine import PreparedItem, QueueFull, ShuttingDown, WorkerConfig
-from ember.errors import ModelLoadError
+from ember.errors import ModelLoadError, ModelNotFound
 from ember.ipc import engine as ipc_engine
 from ember.ipc.batch import items_from_wire, items_to_wire, values_to_wire
 from ember.ipc.client import EngineClient, EngineDiedTwice, EngineUnavailable
@@ -717,6 +717,31 @@ async def test_one_forward_answers_an_api_process_in_one_message(
     finally:
         raw.close(0)
         context.term()
+
+
+async def test_a_model_whose_files_are_not_here_is_told_as_ended(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review: its 404 left it among the models the supervisor believed were
+    loading, so a later death of the engine was blamed on it (and, soon after a start,
+    counted toward the crash-loop guard)."""
+    monkeypatch.setenv("EMBER_ALLOW_HUB_MODELS", "0")  # as `ember serve` runs
+    absent = ModelSpec(name="someone/never-downloaded", adapter="transformer",
+                       source=Source(hub="someone/never-downloaded"), tasks=("encode",))
+    registry = Registry({absent.name: absent})
+    notes_read, notes_write = multiprocessing.Pipe(duplex=False)
+    notes = LoadNotes(notes_write, registry)
+    try:
+        notes.note(absent.name)  # as a request that names it begins its load
+        with pytest.raises(ModelNotFound, match="is not in the Hugging Face cache"):
+            await registry.get(absent.name)
+        told = []
+        while notes_read.poll(0):
+            told.append(notes_read.recv())
+        assert told == [("loading", absent.name), ("failed", absent.name)]
+    finally:
+        await registry.close()
+        notes_read.close()
+        notes_write.close()
 
 
 async def test_the_supervisor_is_told_each_load_that_ended_and_when_start_loads_are_done(

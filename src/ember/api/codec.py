@@ -114,7 +114,6 @@ def decode(raw: bytes, headers: Headers) -> Any:
     if coding != "identity":  # read as sent, it would be called invalid JSON or msgpack
         raise ApiError(415, "unsupported_media_type", f"Content-Encoding {coding!r} is not "
                        "supported: send the body uncompressed", "body")
-    check_body_type(headers)
     if is_msgpack(headers):
         return decode_msgpack(raw)
     try:

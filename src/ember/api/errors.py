@@ -176,6 +176,11 @@ def as_api_error(exc: Exception) -> ApiError:
 UNKNOWN_NAMED = 5  # unknown fields an error names
 
 
+def shown(path: str, limit: int = 80) -> str:
+    """A field's path as a message quotes it: a client's long key is cut."""
+    return path if len(path) <= limit else f"{path[:limit]}... ({len(path)} characters)"
+
+
 def validation_error(errors: Sequence[Any], model: type[BaseModel] | None = None) -> ApiError:
     """A 422 naming the first field pydantic refused (`items[3].text`, or `body`); an
     unknown field of `model`'s body is told the one it most likely stands for."""
@@ -185,17 +190,18 @@ def validation_error(errors: Sequence[Any], model: type[BaseModel] | None = None
         named = []
         for loc in unknown[:UNKNOWN_NAMED]:
             meant = suggestion(model, loc) if model is not None else None
-            named.append(field_path(loc) + (f" (did you mean {field_path(meant)}?)"
-                                            if meant is not None else ""))
+            named.append(shown(field_path(loc)) + (f" (did you mean {field_path(meant)}?)"
+                                                   if meant is not None else ""))
         if len(unknown) > UNKNOWN_NAMED:  # a body of many keys makes no long message
             named.append(f"and {len(unknown) - UNKNOWN_NAMED} more")
-        advice = "" if any("did you mean" in name for name in named) else \
-            f" remove {'them' if many else 'it'};"
+        told = sum("did you mean" in name for name in named)
+        advice = f" remove {'them' if many else 'it'};" if not told else \
+            " remove the others;" if told < len(named) else ""
         return ApiError(422, "invalid_request",
                         f"unknown field{'s' if many else ''} {', '.join(named)}:{advice} the "
                         "server refuses what it does not know rather than ignore it "
                         "(/openapi.json and /docs list each route's fields)",
-                        field_path(unknown[0]))
+                        shown(field_path(unknown[0])))
     first = errors[0] if errors else {"loc": (), "msg": "invalid body"}
     if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
         context = first.get("ctx")

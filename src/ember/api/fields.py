@@ -12,6 +12,8 @@ from typing import Any, NamedTuple, get_args, get_origin
 from pydantic import BaseModel, RootModel
 
 Path = tuple[str, ...]  # field names from the body down, list indices left out
+# Past this, a name is no misspelling of a field (and comparing it would cost seconds).
+LONGEST_NAME = 64
 
 
 class Level(NamedTuple):
@@ -54,7 +56,7 @@ def field_levels(model: type[BaseModel]) -> dict[Path, Level]:
 def suggestion(model: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[int | str, ...] | None:
     """Where an unknown field at `loc` (pydantic's location, without "body") most likely
     belongs: a close spelling beside it, else the same name at another level."""
-    if not loc or not isinstance(loc[-1], str):
+    if not loc or not isinstance(loc[-1], str) or len(loc[-1]) > LONGEST_NAME:
         return None
     levels = field_levels(model)
     parent = tuple(part for part in loc[:-1] if isinstance(part, str))

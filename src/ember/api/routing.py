@@ -67,6 +67,7 @@ class _Handler:
         if named is not None:  # counted under its model even if the body is refused
             state["model"] = server.model_label(named)
         try:
+            codec.check_body_type(request.headers)  # from its headers: none of it is read
             data = codec.decode(await read_body(receive, server), request.headers)
             try:
                 body = self.body_model.model_validate(data)

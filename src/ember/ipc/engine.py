@@ -390,6 +390,7 @@ class LoadNotes:
         self.registry = registry
         self.loading: set[str] = set()
         registry.on_load.append(lambda model: self._send("loaded", model.spec.name))
+        registry.on_absent.append(lambda name: self._send("failed", name))  # nothing ran
 
     def note(self, name: str) -> None:
         if name not in self.loading:
