@@ -67,8 +67,6 @@ def estimate_bytes(spec: ModelSpec) -> int:
 def files_here(spec: ModelSpec) -> None:
     """Raise as the load would where the model's files, or the Hub files its folder names
     (a GLiNER's backbone tokenizer), are not here and may not be downloaded."""
-    if spec.adapter == "synthetic":
-        return
     folder = resolve_source(spec)
     companion = hub.backbone(folder)
     if companion is not None:
@@ -309,7 +307,8 @@ class Registry(CatalogLookup):
         adapter: ModelAdapter | None = None
         worker: ModelWorker | None = None
         try:
-            if not may_download():  # a model whose files are not here evicts nothing
+            # A model whose files are not here evicts nothing (the synthetic one has none).
+            if spec.adapter != "synthetic" and not may_download():
                 await asyncio.to_thread(files_here, spec)
             self._incoming[spec.name] = estimate_bytes(spec)
             await self._make_room(spec.name)
