@@ -65,6 +65,17 @@ class ServerProcess:
     def pid(self) -> int:
         return self.process.pid
 
+    def wait_loaded(self, model: str, timeout: float = 120) -> None:
+        """Until `model` is loaded: /readyz waits for the default model only, and a preload
+        still loading (an ONNX export, say) would take the cores from what a test times."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = httpx.get(f"{self.url}/v1/models/{model}", timeout=10).json().get("state")
+            if state == "loaded":
+                return
+            assert state in ("loading", "available") and time.monotonic() < deadline, state
+            time.sleep(0.2)
+
     def log_text(self, since: int = 0) -> str:
         return self.log.read_text(errors="replace")[since:]
 
