@@ -177,13 +177,13 @@ def snapshot(ref: HubRef, wanted: Wanted, download: bool | None = None,
              if (cache_root() / f"models--{ref.repo.replace('/', '--')}").is_dir()
              else "is not in the Hugging Face cache")
     if offline():
-        raise NotDownloaded(f"model {ref} {where} ({cache_root()}) and "
-                       "HF_HUB_OFFLINE is set; fetch it once online (unset HF_HUB_OFFLINE "
-                       f"and start `ember serve --preload {ref}`), or copy the cache here")
+        raise NotDownloaded(f"model {ref} {where} ({cache_root()}) and HF_HUB_OFFLINE is "
+                            "set; fetch it once online (unset HF_HUB_OFFLINE and start "
+                            f"`ember serve --preload {ref}`), or copy the cache here")
     if not (downloads_allowed() if download is None else download):
-        raise NotDownloaded(f"model {ref} {where} ({cache_root()}) and "
-                       "this server downloads only the models named at its start; name it "
-                       f"with --preload {ref}, or start with --allow-hub-models")
+        raise NotDownloaded(f"model {ref} {where} ({cache_root()}) and this server "
+                            "downloads only the models named at its start; name it with "
+                            f"--preload {ref}, or start with --allow-hub-models")
     return fetch(ref, wanted)
 
 
