@@ -513,8 +513,7 @@ def prefetch(settings: ServerSettings, catalog: dict[str, ModelSpec]) -> None:
         try:
             folder = hub.snapshot(hub_ref(spec), hub_wanted(spec, settings.backend,
                                                            settings.device), download=True)
-            if (companion := hub.backbone(folder)) is not None:  # a GLiNER's tokenizer
-                hub.snapshot(companion, hub.Wanted(weights=False), download=True)
+            hub.backbone_folder(folder, download=True)  # a GLiNER's tokenizer
         except FileNotFoundError as exc:
             if name in settings.preload and name != settings.default_model:
                 log.error("could not fetch %s: %s", name, exc)

@@ -339,6 +339,14 @@ def backbone(folder: Path) -> HubRef | None:
     return parse_hub_id(name)
 
 
+def backbone_folder(folder: Path, download: bool | None = None) -> Path | None:
+    """The local folder of the repository `folder` takes its backbone's config and
+    tokenizer from (`backbone`), fetched where `download` (default: this process's policy)
+    allows; None when it needs none."""
+    ref = backbone(folder)
+    return None if ref is None else snapshot(ref, Wanted(weights=False), download=download)
+
+
 def snapshot_bytes(folder: Path) -> int:
     """Bytes of a snapshot's files (the blobs its links point at)."""
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())

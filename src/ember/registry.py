@@ -68,13 +68,11 @@ def files_here(spec: ModelSpec) -> None:
     """Raise as the load would where the model's files, or the Hub files its folder names
     (a GLiNER's backbone tokenizer), are not here and may not be downloaded."""
     folder = resolve_source(spec)
-    companion = hub.backbone(folder)
-    if companion is not None:
-        try:
-            hub.snapshot(companion, hub.Wanted(weights=False))
-        except NotDownloaded as exc:
-            raise NotDownloaded(f"model {spec.name} takes its tokenizer from {companion}: "
-                                f"{exc}") from None
+    try:
+        hub.backbone_folder(folder)
+    except NotDownloaded as exc:
+        raise NotDownloaded(f"model {spec.name} takes its tokenizer from "
+                            f"{hub.backbone(folder)}: {exc}") from None
 
 
 def adapter_loader(family: str) -> LoadFunction:

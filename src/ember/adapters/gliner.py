@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ember import hub
 from ember.adapters import _torch as common
 from ember.adapters._tokenize import off_loop
 from ember.adapters.base import (
@@ -390,15 +391,6 @@ def check_weights(spec: ModelSpec, folder: Path) -> None:
     raise ModelLoadError(spec.name, f"{folder} holds no GLiNER weights (model.safetensors)")
 
 
-def ensure_backbone(folder: Path) -> Path | None:
-    """The local folder of the backbone's config and tokenizer (from the Hub's cache, or
-    downloaded), when the model folder names a Hub id for them (ember.hub.backbone)."""
-    from ember import hub
-
-    ref = hub.backbone(folder)
-    return None if ref is None else hub.snapshot(ref, hub.Wanted(weights=False))
-
-
 def read_config(folder: Path, backbone: Path | None, model: str) -> dict[str, Any]:
     """gliner_config.json, its backbone named by its local folder when it has one, so
     nothing loads from the network."""
@@ -415,7 +407,7 @@ def _load(spec: ModelSpec, runtime: Runtime) -> Any:
     if not (folder / CONFIG_FILE).is_file():
         raise ModelLoadError(spec.name, f"{folder} is not a GLiNER model (no {CONFIG_FILE})")
     check_weights(spec, folder)
-    backbone = ensure_backbone(folder)
+    backbone = hub.backbone_folder(folder)
     common.apply_runtime(runtime)
     with tempfile.TemporaryDirectory(prefix="ember-gliner-") as staged:
         # gliner reads the backbone's name from the config: a folder that names its
@@ -459,7 +451,7 @@ def load_front(spec: ModelSpec, runtime: Runtime) -> GlinerFront:
     from transformers import AutoTokenizer
 
     folder = resolve_source(spec)
-    fields = read_config(folder, ensure_backbone(folder), spec.name)
+    fields = read_config(folder, hub.backbone_folder(folder), spec.name)
     fields.pop("model_type", None)
     config = GLiNERConfig(**fields)
     own = (folder / "tokenizer_config.json").is_file()

@@ -112,15 +112,15 @@ def error_response(status: int, kind: str, message: str, param: str | None = Non
     return JSONResponse(error_body(kind, message, param), status_code=status, headers=headers)
 
 
-def _body_loc(error: Mapping[str, Any]) -> tuple[int | str, ...]:
-    loc = tuple(error.get("loc", ()))
-    return loc[1:] if loc and loc[0] == "body" else loc
+def body_loc(loc: Sequence[int | str]) -> tuple[int | str, ...]:
+    """pydantic's location of a body field, without FastAPI's leading 'body'."""
+    return tuple(loc[1:] if loc and loc[0] == "body" else loc)
 
 
 def field_path(loc: tuple[int | str, ...]) -> str:
     """('body', 'items', 3, 'text') -> 'items[3].text'"""
     path = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
+    for part in body_loc(loc):
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path or "body"
 
@@ -184,19 +184,19 @@ def shown(path: str, limit: int = 80) -> str:
 def validation_error(errors: Sequence[Any], model: type[BaseModel] | None = None) -> ApiError:
     """A 422 naming the first field pydantic refused (`items[3].text`, or `body`); an
     unknown field of `model`'s body is told the one it most likely stands for."""
-    unknown = [_body_loc(e) for e in errors if e.get("type") == "extra_forbidden"]
+    unknown = [body_loc(e.get("loc", ())) for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:
         many = len(unknown) > 1
-        named = []
-        for loc in unknown[:UNKNOWN_NAMED]:
-            meant = suggestion(model, loc) if model is not None else None
-            named.append(shown(field_path(loc)) + (f" (did you mean {field_path(meant)}?)"
-                                                   if meant is not None else ""))
+        listed = unknown[:UNKNOWN_NAMED]
+        meant = [suggestion(model, loc) if model is not None else None for loc in listed]
+        named = [shown(field_path(loc)) + ("" if where is None else
+                                           f" (did you mean {field_path(where)}?)")
+                 for loc, where in zip(listed, meant, strict=True)]
         if len(unknown) > UNKNOWN_NAMED:  # a body of many keys makes no long message
             named.append(f"and {len(unknown) - UNKNOWN_NAMED} more")
-        told = sum("did you mean" in name for name in named)
+        told = sum(where is not None for where in meant)
         advice = f" remove {'them' if many else 'it'};" if not told else \
-            " remove the others;" if told < len(named) else ""
+            " remove the others;" if told < len(unknown) else ""
         return ApiError(422, "invalid_request",
                         f"unknown field{'s' if many else ''} {', '.join(named)}:{advice} the "
                         "server refuses what it does not know rather than ignore it "
