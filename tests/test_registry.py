@@ -52,7 +52,7 @@ async def test_concurrent_first_requests_load_once() -> None:
 
 async def test_unknown_model_names_the_available_ones() -> None:
     registry = Registry(catalog(synthetic("a"), synthetic("b")))
-    with pytest.raises(ModelNotFound, match="available: a, b"):
+    with pytest.raises(ModelNotFound, match="on this machine\\): a, b"):
         await registry.get("../etc/passwd")
 
 
@@ -415,3 +415,20 @@ def test_loads_started_together_in_a_fresh_process_all_succeed(tmp_path: Path) -
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+async def test_an_unknown_hub_id_says_how_this_server_would_serve_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Hub id the catalog lacks, on a server whose requests may not fetch models: the 404
+    names the start's flags that would serve it; a name that is no Hub id gets no such hint."""
+    monkeypatch.delenv("EMBER_ALLOW_HUB_MODELS", raising=False)
+    registry = Registry(catalog(synthetic("org/a")))
+    with pytest.raises(ModelNotFound) as found:
+        await registry.get("someone/model")
+    message = str(found.value)
+    assert "--model someone/model" in message and "--allow-hub-models" in message
+    assert message.endswith("on this machine): org/a")
+    for name in ("no-slash", "local/thing"):
+        with pytest.raises(ModelNotFound) as found:
+            await registry.get(name)
+        assert "--allow-hub-models" not in str(found.value)

@@ -68,12 +68,15 @@ class UnsupportedOutput(InvalidInput):
 class ModelNotFound(EmberError):
     """No catalog entry by that name (HTTP 404)."""
 
-    def __init__(self, name: str, available: Sequence[str], why: str | None = None) -> None:
+    def __init__(self, name: str, available: Sequence[str], why: str | None = None,
+                 hint: str = "") -> None:
         self.name = name
         self.available = list(available)
         self.why = why  # where the name was looked for beyond the catalog, and what to do
+        self.hint = hint  # how this server would serve it
         super().__init__(why or f"model {name!r} is not in the catalog; "
-                                f"{did_you_mean(name, self.available)}available: "
+                                f"{did_you_mean(name, self.available)}{hint}the catalog's models "
+                                "(GET /v1/models says which are on this machine): "
                                 f"{', '.join(self.available) or 'none'}")
 
 

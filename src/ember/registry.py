@@ -22,6 +22,7 @@ from ember.config import (
     CatalogError,
     ModelSpec,
     ServerSettings,
+    hub_id,
     hub_spec_on_request,
     resolve_source,
 )
@@ -175,7 +176,10 @@ class CatalogLookup:
                 raise ModelNotFound(name, self.names, f"model {name!r}: a request may not "
                                     "name a Hub revision; pin it when the server starts "
                                     f"(--model {name}), or name {ref.repo}") from None
-            raise ModelNotFound(name, self.names) from None
+            hint = "" if hub_id(name) is None else (
+                f"a Hub model is served when the server's start names it (--model {name} or "
+                "--preload), or when it lets requests fetch models (--allow-hub-models); ")
+            raise ModelNotFound(name, self.names, hint=hint) from None
         cast(dict[str, ModelSpec], self.catalog)[name] = found
         return found
 

@@ -124,6 +124,8 @@ ERRORS: list[tuple[Exception, int, str]] = [
     (UnsupportedOutput("output_types ['sparse'] not supported", "params.output_types"), 422,
      "unsupported_output"),
     (ModelNotFound("nope", ["a", "b"]), 404, "model_not_found"),
+    (ModelNotFound("org/x", ["a"], hint="start it with --model org/x; "), 404,
+     "model_not_found"),
     (ModelLoadError("m", "weights missing"), 502, "model_load_failed"),
     (UnsupportedTask("m", "extract", ("encode",)), 422, "unsupported_task"),
     (QueueFull(4000, 200, 4096), 429, "queue_full"),

@@ -134,7 +134,7 @@ def error_to_wire(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, InvalidInput):
         body["args"] = [exc.message, exc.param]
     elif isinstance(exc, ModelNotFound):
-        body["args"] = [exc.name, exc.available, exc.why]
+        body["args"] = [exc.name, exc.available, exc.why, exc.hint]
     elif isinstance(exc, ModelLoadError):
         body["args"] = [exc.name, exc.cause]
     elif isinstance(exc, UnsupportedTask):
