@@ -87,6 +87,23 @@ def test_fit_with_one_length_keeps_a_slope_of_zero_and_finds_the_time() -> None:
     assert derive_windows(WorkerConfig(), fit.estimate).max_padding == 0
 
 
+def test_a_few_forwards_of_another_size_do_not_wipe_a_measured_slope() -> None:
+    """Found by a black-box review: lone one-text forwards, then batches of eight. Once a
+    window held a handful of the small forwards among the large, both outer thirds sat on
+    the large size, the slope read 0 and replaced the measured one, and the padding bound
+    went off on a device where padding costs (the spread test read the extremes)."""
+    rng = np.random.default_rng(4)
+    fit = CostFit()
+    slopes = []
+    for padded, items, forwards in ((10, 1, 600), (83, 8, 400)):
+        for _ in range(forwards):
+            seconds = (4.0 + 0.43 * padded) / 1000 * (1 + rng.normal(0, 0.1))
+            if fit.observe(padded, padded, items, seconds) and fit.estimate.per_token_seen:
+                slopes.append(fit.estimate.per_token_us)
+                assert derive_windows(WorkerConfig(), fit.estimate).max_padding > 0
+    assert slopes and min(slopes) == pytest.approx(430, rel=0.3)
+
+
 @pytest.mark.parametrize("seconds", [float("nan"), float("inf"), -1.0, 0.0, 1e9])
 def test_fit_refuses_impossible_forwards(seconds: float) -> None:
     fit = CostFit()

@@ -18,8 +18,8 @@ import numpy.typing as npt
 WINDOW = 128  # recent forwards a fit reads
 REFIT_EVERY = 32
 MIN_FORWARDS = 8  # until this many forwards, there is no estimate
-# Below this spread of padded tokens (largest / smallest) a slope is noise: the last one
-# found (or 0) stays, and only the fixed part is refitted.
+# Below this spread of padded tokens (the outer thirds' medians, highest / lowest) a slope
+# is noise: the last one found (or 0) stays, and only the fixed part is refitted.
 MIN_SPREAD = 1.5
 
 
@@ -84,8 +84,9 @@ class CostFit:
 
     def _fit(self, count: int) -> CostEstimate:
         x, y = np.array(self._padded[:count]), np.array(self._seconds[:count])
-        if x.max() >= MIN_SPREAD * x.min():
-            self._slope_s = max(0.0, resistant_slope(x, y))
+        slope = resistant_slope(x, y)
+        if slope is not None:
+            self._slope_s = max(0.0, slope)
             self._slope_seen = True
         fixed = max(0.0, float(np.median(y - self._slope_s * x)))
         return CostEstimate(fixed_ms=fixed * 1000, per_token_us=self._slope_s * 1e6,
@@ -94,13 +95,16 @@ class CostFit:
                             per_token_seen=self._slope_seen)
 
 
-def resistant_slope(x: npt.NDArray[np.float64], y: npt.NDArray[np.float64]) -> float:
+def resistant_slope(x: npt.NDArray[np.float64],
+                    y: npt.NDArray[np.float64]) -> float | None:
     """Tukey's resistant line's slope: through the medians of the lowest and the highest
-    third of the points by x (0 when those medians share an x)."""
+    third of the points by x; None when those medians are under MIN_SPREAD apart. The
+    spread is the thirds', not the extremes': a few forwards of another size leave both
+    thirds on one size, and a slope of 0 read there would switch the padding bound off."""
     order = np.argsort(x, kind="stable")
     third = max(1, len(order) // 3)
     low, high = order[:third], order[-third:]
-    run = float(np.median(x[high]) - np.median(x[low]))
-    if run <= 0:
-        return 0.0
-    return float(np.median(y[high]) - np.median(y[low])) / run
+    low_x, high_x = float(np.median(x[low])), float(np.median(x[high]))
+    if high_x < MIN_SPREAD * low_x:
+        return None
+    return float(np.median(y[high]) - np.median(y[low])) / (high_x - low_x)
