@@ -296,6 +296,33 @@ def test_a_wedged_engine_cannot_hold_the_drain_for_good(
     assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
 
 
+def test_a_stopped_api_process_cannot_hold_the_drain_for_good(
+        two_api_processes: ServerProcess) -> None:
+    """Found by a black-box review: with an API process that had served stopped
+    (SIGSTOP), SIGTERM drained the other, then the supervisor waited on the stopped one
+    without end, and its copy of the listening socket queued connections no one took.
+    A draining API process says it is alive every second; one silent for 10 s is ended."""
+    server = two_api_processes
+    victim = min(api_pids(server))
+    index = psutil.Process(victim).cmdline()[0].rsplit(" ", 1)[-1]  # "ember: api N"
+    wait_serving(server, index, victim)
+    assert encode(server.url, "before the stop").status_code == 200
+    stopped = psutil.Process(victim)
+    stopped.suspend()
+    try:
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(90) == 1, server.log_tail()
+        assert time.monotonic() - started < 60
+    finally:
+        if stopped.is_running():
+            stopped.resume()
+    log = server.log_text()
+    assert re.search(rf"API process {index} \(pid {victim}\) gave no sign of life for 10 s "
+                     "of its drain", log), server.log_tail()
+    assert "engine drained" in log, server.log_tail()
+
+
 def test_a_taken_port_is_one_line_and_exit_1(two_api_processes: ServerProcess) -> None:
     taken = two_api_processes.port
     result = subprocess.run(
@@ -584,23 +611,51 @@ def crashing_model(folder: Path) -> Path:
 
 def test_an_engine_that_dies_on_every_load_ends_the_server_with_exit_1(
         tmp_path: Path) -> None:
+    """And the requests waiting on the last engine get a 503 that says why, at once: found
+    by a black-box review, they had hung until the API processes were killed, 5 s on, and
+    their clients read a reset connection."""
     catalog = crashing_model(tmp_path)
     env = server_env({"HF_MODULES_CACHE": str(tmp_path / "hf-modules"),
                       "EMBER_CACHE_DIR": str(tmp_path / "cache")})
+    port, log_path = free_port(), tmp_path / "server.log"
     started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "ember.cli", "serve", "--port", str(free_port()),
-         "--workers", "1", "--model-dir", str(catalog), "--default-model", CRASHER],
-        capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr
+    with log_path.open("w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "ember.cli", "serve", "--port", str(port),
+             "--workers", "1", "--model-dir", str(catalog), "--default-model", CRASHER],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+        # After the second death, requests wait on the third engine, which dies too.
+        while log_path.read_text().count("starting another") < 2:
+            assert server.poll() is None and time.monotonic() - started < 120, \
+                log_path.read_text()[-3000:]
+            time.sleep(0.05)
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda i: _answer(port, f"waiting {i}"), range(3)))
+        assert server.wait(timeout=120) == 1
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    stderr = log_path.read_text()
+    for answer in answers:
+        assert isinstance(answer, httpx.Response), (answer, stderr[-3000:])
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+        assert "keeps dying as it loads its models" in answer.text, answer.text
+    assert "Traceback" not in stderr
     assert len(re.findall(rf"the engine process died \(killed by SIGKILL while it loaded "
-                          rf"{CRASHER}\); starting another", result.stderr)) == 2, \
-        result.stderr[-3000:]
+                          rf"{CRASHER}\); starting another", stderr)) == 2, stderr[-3000:]
     assert re.search(r"the engine process keeps dying: 3 times in a row within 30 s of its "
                      r"start, the last killed by SIGKILL while it loaded "
-                     rf"{CRASHER}; stopping", result.stderr), result.stderr[-3000:]
+                     rf"{CRASHER}; stopping", stderr), stderr[-3000:]
     assert time.monotonic() - started < 200
+
+
+def _answer(port: int, text: str) -> httpx.Response | Exception:
+    try:
+        return encode(f"http://127.0.0.1:{port}", text, CRASHER)
+    except httpx.HTTPError as exc:
+        return exc
 
 
 def test_a_runtime_folder_left_by_a_killed_supervisor_is_swept(

@@ -16,7 +16,7 @@ import uvicorn
 
 from ember.api.state import Models, ServerState
 from ember.config import ServerSettings
-from ember.ipc.lifeline import DRAIN_ORDER, repeated_hangup, takes_hangup
+from ember.ipc.lifeline import DRAIN_ORDER, ENGINE_GONE_ORDER, repeated_hangup, takes_hangup
 
 log = logging.getLogger("ember")
 
@@ -32,6 +32,7 @@ KEEP_ALIVE_S = 75
 # without `Connection: close`) may be carrying a request right now: it stays open this
 # long for the client to send (answered 503, `Connection: close`) or to close it.
 IDLE_GRACE_S = 1.0
+DRAIN_BEAT_S = 1.0  # a managed process's sign of life to its supervisor, while it drains
 
 
 class DrainingServer(uvicorn.Server):
@@ -44,11 +45,15 @@ class DrainingServer(uvicorn.Server):
     once (`ember.ipc.lifeline`); `on_serving` is called once it listens."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, managed: bool = False,
-                 on_serving: Callable[[], None] | None = None) -> None:
+                 on_serving: Callable[[], None] | None = None,
+                 on_engine_gone: Callable[[], None] | None = None,
+                 on_draining: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.state = state
         self.managed = managed
         self.on_serving = on_serving
+        self.on_engine_gone = on_engine_gone
+        self.on_draining = on_draining  # called every DRAIN_BEAT_S of a drain: it is alive
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -59,6 +64,7 @@ class DrainingServer(uvicorn.Server):
         if threading.current_thread() is threading.main_thread():  # as uvicorn's own
             if self.managed:
                 signal.signal(DRAIN_ORDER, self.handle_exit)
+                signal.signal(ENGINE_GONE_ORDER, self.handle_engine_gone)
             elif takes_hangup():
                 signal.signal(signal.SIGHUP, self.handle_exit)
         if self.should_exit:
@@ -76,6 +82,10 @@ class DrainingServer(uvicorn.Server):
             for sock in server.sockets:
                 return int(sock.getsockname()[1])
         return self.state.settings.port
+
+    def handle_engine_gone(self, sig: int, frame: FrameType | None) -> None:
+        if self.on_engine_gone is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.on_engine_gone)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.managed and (sig != DRAIN_ORDER or self.state.draining):
@@ -97,6 +107,8 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
+        if self.on_draining is not None:
+            self._beat = asyncio.create_task(self._beat_while_draining(self.on_draining))
         await self.state.wait_idle()
         # Closing a listening socket resets the connections still queued on it, and every
         # answer in a drain says `Connection: close`, so its clients reconnect: first the
@@ -121,6 +133,14 @@ class DrainingServer(uvicorn.Server):
         log.info("drained in %.2f s; exiting", loop.time() - started)
         self.should_exit = True
 
+    @staticmethod
+    async def _beat_while_draining(beat: Callable[[], None]) -> None:
+        """A drain may take long (a large request); the beats tell the supervisor this
+        process still acts on it, which one stopped or wedged does not."""
+        while True:
+            beat()
+            await asyncio.sleep(DRAIN_BEAT_S)
+
     def _queue_no_more(self) -> None:
         """The listening sockets' backlog to 0 (shared with the other API processes, which
         drain too), through a copy of each: the event loop's own take no listen()."""
@@ -140,7 +160,9 @@ class DrainingServer(uvicorn.Server):
 
 def run_http(settings: ServerSettings, registry: Models,
              sockets: list[socket.socket] | None = None, managed: bool = False,
-             on_serving: Callable[[], None] | None = None) -> None:
+             on_serving: Callable[[], None] | None = None,
+             on_engine_gone: Callable[[], None] | None = None,
+             on_draining: Callable[[], None] | None = None) -> None:
     """Serve the HTTP API for `registry` until a signal has drained it: on the address of
     the settings, or on `sockets` bound by a supervisor (shared by several processes)."""
     from ember.api.app import create_app
@@ -153,4 +175,5 @@ def run_http(settings: ServerSettings, registry: Models,
                             forwarded_allow_ips=settings.forwarded_allow_ips,
                             timeout_graceful_shutdown=None,
                             timeout_keep_alive=KEEP_ALIVE_S)
-    DrainingServer(config, app.state.ember, managed, on_serving).run(sockets=sockets)
+    DrainingServer(config, app.state.ember, managed, on_serving, on_engine_gone,
+                   on_draining).run(sockets=sockets)

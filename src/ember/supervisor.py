@@ -46,6 +46,7 @@ from ember.config import ServerSettings
 from ember.ipc.client import peer_name
 from ember.ipc.lifeline import (
     DRAIN_ORDER,
+    ENGINE_GONE_ORDER,
     die_with_parent,
     drain_on_stop_signals,
     held_for_child,
@@ -65,9 +66,14 @@ ENGINE_QUICK_DEATH_S = 30.0  # an engine that dies as it loads this soon after i
 ENGINE_QUICK_DEATHS = 3  # ... this many times in a row cannot load its models: give up
 ENGINE_BACKOFF_S = (0.0, 1.0, 4.0)  # pause before a restart, by quick deaths in a row
 ENGINE_GONE_GRACE_S = 5.0  # API processes answer what they can once the engine is gone
+ENGINE_GONE = ("it keeps dying as it loads its models, so the server is stopping; its log "
+               "says why")
 # Once the API processes have drained, no client waits on the engine: its own drain is
 # given this long, then it is killed, so a wedged engine cannot hold the exit for good.
 ENGINE_DRAIN_S = 10.0
+# An API process that says nothing this long in its drain (it says it is alive every
+# second: ember.server.DRAIN_BEAT_S) is stopped or wedged, and is ended.
+API_DRAIN_SILENCE_S = 10.0
 
 
 OWNER_FILE = "supervisor.pid"  # in a runtime folder, locked while its supervisor lives
@@ -126,31 +132,49 @@ def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: 
     take_drain_orders()
     name_process(f"api {index}")
     configure_logging(settings)
+    client = EngineClient(address)
     models = RemoteModels(load_catalog(settings.model_dirs, settings.model_paths),
-                          Runtime.from_settings(settings),
-                          EngineClient(address), settings.worker.max_queue_items)
+                          Runtime.from_settings(settings), client,
+                          settings.worker.max_queue_items)
     def listening() -> None:
-        serving.send(True)
-        serving.close()
+        serving.send(True)  # the pipe stays open: the drain's beats go on it
         log.info("API process %d (pid %d) serves", index, os.getpid())
 
-    run_http(settings, models, sockets=[sock], managed=True, on_serving=listening)
+    def draining() -> None:
+        with contextlib.suppress(OSError):  # the supervisor is gone: so is this, soon
+            serving.send(True)
+
+    def engine_gone() -> None:
+        client.engine_gone(ENGINE_GONE)
+
+    run_http(settings, models, sockets=[sock], managed=True, on_serving=listening,
+             on_engine_gone=engine_gone, on_draining=draining)
 
 
 @dataclass
 class ApiProcess:
     process: BaseProcess
-    serving: Connection  # it says once it listens: a death before is a failed start
+    # It says once it listens (a death before is a failed start), then, while it drains,
+    # every DRAIN_BEAT_S that it is alive.
+    serving: Connection
     index: int  # its slot: a replacement takes the dead one's, so names stay 0..N-1
     started: float = field(default_factory=time.monotonic)
     served: bool = False
     ended_unserved: bool = False  # ended by the drain before it served
+    heard: float = 0.0  # when it last said anything
+    silent: bool = False  # its end of the pipe is closed: it will say nothing more
 
     def has_served(self) -> bool:
-        if not self.served and self.serving.poll(0):
-            with contextlib.suppress(EOFError, OSError):  # it ended without a word
-                self.served = bool(self.serving.recv())
+        self.read_news()
         return self.served
+
+    def read_news(self) -> None:
+        with contextlib.suppress(EOFError, OSError):  # it ended without a word
+            while not self.silent and self.serving.poll(0):
+                self.served = bool(self.serving.recv()) or self.served
+                self.heard = time.monotonic()
+            return
+        self.silent = True
 
     def drain_code(self) -> int:
         """Its exit code, as its drain's outcome: one that never served had nothing to
@@ -322,7 +346,7 @@ class Supervisor:
             if not engine.is_alive():
                 replacement = self._replace_engine(engine)
                 if replacement is None:
-                    self._stop_apis(ENGINE_GONE_GRACE_S)  # what they hold cannot finish
+                    self._stop_apis(ENGINE_GONE_GRACE_S, engine_gone=True)
                     return 1
                 engine = replacement
             for api in [a for a in self.apis if not a.process.is_alive()]:
@@ -334,7 +358,7 @@ class Supervisor:
         if not engine.is_alive():  # it died as the drain began: what is accepted needs one
             replacement = self._replace_engine(engine)
             if replacement is None:
-                self._stop_apis(ENGINE_GONE_GRACE_S)
+                self._stop_apis(ENGINE_GONE_GRACE_S, engine_gone=True)
                 return 1
             engine = replacement
         log.info("draining %d API processes, then the engine", len(self.apis))
@@ -373,20 +397,42 @@ class Supervisor:
         meanwhile: what the API processes accepted needs one to finish (they resend it).
         Their exit codes, and the engine that is left."""
         self._order_drain()
-        while draining := [api.process.sentinel for api in self.apis
-                           if api.process.is_alive()]:
-            wait([*draining, engine.sentinel])
+        ordered = time.monotonic()
+        while draining := [api for api in self.apis if api.process.is_alive()]:
+            news = [api.serving for api in draining if not api.silent]
+            wait([*(api.process.sentinel for api in draining), *news, engine.sentinel],
+                 timeout=API_DRAIN_SILENCE_S / 4)
+            for api in draining:
+                self._end_if_wedged(api, ordered)
             if not engine.is_alive() and any(api.process.is_alive() for api in self.apis):
                 self._read_engine_notes()
                 replacement = self._replace_engine(engine)
                 if replacement is None:  # a crash loop at load: nothing left to finish with
-                    return self._stop_apis(ENGINE_GONE_GRACE_S), engine
+                    return self._stop_apis(ENGINE_GONE_GRACE_S, engine_gone=True), engine
                 engine = replacement
         return [api.drain_code() for api in self.apis], engine
 
-    def _stop_apis(self, grace_s: float | None = None) -> list[int]:
+    def _end_if_wedged(self, api: ApiProcess, ordered: float) -> None:
+        """End an API process that said nothing for API_DRAIN_SILENCE_S of its drain (a
+        stopped or wedged one would hold the exit for good); what it holds is lost."""
+        api.read_news()
+        if not api.process.is_alive() or not api.has_served():
+            return
+        if time.monotonic() - max(api.heard, ordered) > API_DRAIN_SILENCE_S:
+            log.error("API process %d (pid %s) gave no sign of life for %.0f s of its drain "
+                      "(stopped or wedged); killing it: the requests it holds are lost with "
+                      "their connections", api.index, api.process.pid, API_DRAIN_SILENCE_S)
+            api.process.kill()
+            api.process.join()
+
+    def _stop_apis(self, grace_s: float | None = None, engine_gone: bool = False) -> list[int]:
         """Order each API process to drain what it accepted and wait for all; after
-        `grace_s`, if given, end the ones still running."""
+        `grace_s`, if given, end the ones still running. With `engine_gone` (no engine will
+        answer again), they first fail what waits on one: a 503 each, not a reset."""
+        if engine_gone:
+            for api in self.apis:
+                if api.process.is_alive() and api.process.pid is not None and api.has_served():
+                    os.kill(api.process.pid, ENGINE_GONE_ORDER)
         self._order_drain()
         deadline = None if grace_s is None else time.monotonic() + grace_s
         while alive := [api.process for api in self.apis if api.process.is_alive()]:

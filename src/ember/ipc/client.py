@@ -116,6 +116,7 @@ class EngineClient:
         self._sent_params: set[int] = set()  # the groups the engine `self.engine` was sent
         self._pings = itertools.count(1)
         self._last_ping = 0  # the number of the last ping sent
+        self._gone: str | None = None  # why no engine will answer again (`engine_gone`)
 
     @property
     def silent_s(self) -> float:
@@ -126,6 +127,8 @@ class EngineClient:
         engine too (its queued items are dropped, R9)."""
         if self._socket.closed:  # this process drained and let go of the engine
             raise ShuttingDown()
+        if self._gone is not None:
+            raise EngineUnavailable(self._gone)
         self._start()
         if self.silent_s > self.restart_wait_s:
             raise EngineUnavailable(f"no answer for {self.silent_s:.0f} s")
@@ -134,6 +137,8 @@ class EngineClient:
                 await asyncio.wait_for(self._met.wait(), self.restart_wait_s)
             except TimeoutError:
                 raise EngineUnavailable(f"no answer for {self.silent_s:.0f} s") from None
+            if self._gone is not None:
+                raise EngineUnavailable(self._gone)
             if self._socket.closed or self.engine is None:
                 raise ShuttingDown()
         call_id = next(self._ids)
@@ -215,6 +220,13 @@ class EngineClient:
     async def notify(self, op: str, **fields: Any) -> None:
         """Send a message that has no answer."""
         await self._socket.send(pack({"op": op, **fields}))
+
+    def engine_gone(self, reason: str) -> None:
+        """No engine will answer again (the supervisor gave up on it): what waits on one
+        fails now, and so does every later call, each a 503 saying `reason`."""
+        self._gone = reason
+        self._fail_waiting(EngineUnavailable(reason))
+        self._met.set()  # a call awaiting the first engine learns it too
 
     def close(self) -> None:
         for task in (self._reader, self._heart, *self._sends):
@@ -322,8 +334,9 @@ class EngineClient:
             call.lost += 1
         resend = [c for c in lost if c.lost < ENGINE_SENDS]
         dropped = [c for c in lost if c.lost >= ENGINE_SENDS]  # maybe what kills them
-        log.warning("a new engine process answers; sending it the %d requests the last "
-                    "one left unanswered", len(resend))
+        # A warning only where the death cost requests; an idle one's is routine.
+        log.log(logging.WARNING if resend else logging.INFO, "a new engine process answers; "
+                "sending it the %d requests the last one left unanswered", len(resend))
         if dropped:
             log.error("%d requests fail with 503: the engine process died twice while "
                       "serving each, so they are not sent again", len(dropped))

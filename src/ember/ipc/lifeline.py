@@ -24,6 +24,9 @@ from types import FrameType
 
 log = logging.getLogger("ember.supervisor")
 DRAIN_ORDER = signal.SIGUSR1  # the supervisor to a child: finish what you accepted, exit
+# The supervisor to an API process that serves: it gave up on the engine (a crash loop as
+# it loads), so what waits on one fails now, with a 503, rather than with a reset.
+ENGINE_GONE_ORDER = signal.SIGUSR2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # what a server drains on
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 WATCH_S = 0.2  # how often the fallback watch looks at the parent
