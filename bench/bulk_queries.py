@@ -15,12 +15,17 @@ to answer), p50 / p99 / longest; the bulk requests' latency and the documents se
 second; the forwards' padding.
 
 With `--http`, the same over HTTP on the default model (all-MiniLM-L6-v2): `ember serve`
-with its defaults and with `--lead-ratio 0`, one at a time, alternating; bulk clients post
-64 texts of 5-120 words to /v1/encode, queries one 10-word text with `is_query`.
+with its defaults and with `--lead-ratio 0` (or the `--variants` named), one at a time,
+alternating; bulk clients post 64 texts of 5-120 words (`--documents long`: 300-400, cut
+to the model's 256 tokens) to /v1/encode, queries one 10-word text with `is_query`. The
+documents a second are the items the server's forwards held in the window (its
+/metrics), less the queries.
 
     python bench/bulk_queries.py                 # ~2 min on 2 cores
     python bench/bulk_queries.py --quick         # ~20 s
     python bench/bulk_queries.py --http          # ~4 min on 2 cores
+    python bench/bulk_queries.py --http --documents long \
+        --variants default,max_batch_tokens=16384 --reps 3 --seconds 40   # ~6 min
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import benchlib
 import loadgen
@@ -116,13 +122,28 @@ async def one_run(config: WorkerConfig, cost: CostModel, seconds: float, seed: i
 
 HTTP_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 HTTP_QUERIES_PER_S = 2.0
-HTTP_SERVE_ARGS = {"default": [], "lead_ratio=0": ["--lead-ratio", "0"]}
+HTTP_SERVE_ARGS = {"default": [], "lead_ratio=0": ["--lead-ratio", "0"],
+                   # the token budget before it was learned, and budgets set by hand
+                   **{f"max_batch_tokens={n}": ["--max-batch-tokens", str(n)]
+                      for n in (1024, 2048, 4096, 16384)}}
 
 
-async def one_http_run(server: loadgen.Server, seconds: float, seed: int) -> Json:
+async def forwarded_items(session: Any, base: str) -> float:
+    """Items the server's forwards have held so far (its /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with session.get(f"{base}/metrics") as response:
+        text = await response.text()
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               if family.name == "ember_batch_items" for sample in family.samples
+               if sample.name == "ember_batch_items_sum")
+
+
+async def one_http_run(server: loadgen.Server, seconds: float, seed: int,
+                       documents_kind: str) -> Json:
     url = f"{server.url}/v1/encode/{HTTP_MODEL}"
     rng = np.random.default_rng(seed)
-    documents = loadgen.encode_bodies("mixed", 32, per_request=DOCUMENTS)
+    documents = loadgen.encode_bodies(documents_kind, 32, per_request=DOCUMENTS)
     queries = [json.dumps({"items": [{"text": text}], "params": {"is_query": True}}).encode()
                for text in loadgen.texts("short", 64, seed)]
     query_latency: list[float] = []
@@ -130,6 +151,7 @@ async def one_http_run(server: loadgen.Server, seconds: float, seed: int) -> Jso
     bulk_latency: list[float] = []
     begin = time.perf_counter() + 2.0  # the bulk clients' queue has filled by then
     end = begin + seconds
+    counted: list[float] = []  # items forwarded at begin and at end
     async with loadgen.client_session(BULK_CLIENTS + 16, timeout_s=300.0) as session:
         async def bulk(client: int) -> None:
             sent = 0
@@ -147,31 +169,42 @@ async def one_http_run(server: loadgen.Server, seconds: float, seed: int) -> Jso
 
         async def stream() -> None:
             at, sent = begin, []
+            await asyncio.sleep(max(0.0, begin - time.perf_counter()))
+            counted.append(await forwarded_items(session, server.url))
             while (at := at + float(rng.exponential(1 / HTTP_QUERIES_PER_S))) < end:
                 await asyncio.sleep(max(0.0, at - time.perf_counter()))
                 sent.append(asyncio.create_task(query(queries[len(sent) % len(queries)])))
+            await asyncio.sleep(max(0.0, end - time.perf_counter()))
+            counted.append(await forwarded_items(session, server.url))
             await asyncio.gather(*sent)
 
         await asyncio.gather(*(bulk(c) for c in range(BULK_CLIENTS)), stream())
-    done = time.perf_counter()
+        async with session.get(f"{server.url}/v1/models/{HTTP_MODEL}") as response:
+            dispatch = (await response.json())["dispatch"]
     return {
         **benchlib.percentiles("query_wait", query_wait),
         "query_wait_max_ms": max(query_wait),
         **benchlib.percentiles("query_latency", query_latency),
         "queries": len(query_latency),
         **benchlib.percentiles("bulk_latency", bulk_latency),
-        "documents_per_s": len(bulk_latency) * DOCUMENTS / (done - begin),
+        # Forwarded in the window, less the queries: a bulk request outlasts a few
+        # seconds, so counting those answered in it would be coarse.
+        "documents_per_s": (counted[1] - counted[0] - len(query_latency)) / seconds,
+        "max_batch_tokens": dispatch["windows"]["max_batch_tokens"],  # at the end
+        "dispatch": dispatch,  # the learned cost and windows at the end
     }
 
 
-def run_http(reps: int, seconds: float, logs: Path) -> Json:
-    runs: dict[str, list[Json]] = {name: [] for name in HTTP_SERVE_ARGS}
+def run_http(reps: int, seconds: float, logs: Path, variants: Sequence[str],
+             documents_kind: str) -> Json:
+    runs: dict[str, list[Json]] = {name: [] for name in variants}
     for rep in range(reps):
-        order = list(HTTP_SERVE_ARGS) if rep % 2 == 0 else list(reversed(HTTP_SERVE_ARGS))
+        order = list(variants) if rep % 2 == 0 else list(reversed(variants))
         for name in order:
             with loadgen.Server(HTTP_SERVE_ARGS[name], logs / f"{rep}-{name}.log") as server:
                 server.wait_ready()
-                runs[name].append(asyncio.run(one_http_run(server, seconds, seed=rep + 1)))
+                runs[name].append(asyncio.run(one_http_run(server, seconds, seed=rep + 1,
+                                                           documents_kind=documents_kind)))
             print(f"  http rep {rep + 1} {name}: query latency p50 "
                   f"{runs[name][-1]['query_latency_p50_ms']:.0f} ms", file=sys.stderr)
     return {"http": {"runs": runs, "summary": benchlib.summarize(runs)}}
@@ -222,7 +255,9 @@ def report(data: Json) -> str:
     for cost_name, result in data["results"].items():
         if cost_name == "http":
             out.append(section(
-                f"over HTTP, {HTTP_MODEL} on ONNX Runtime", result, list(HTTP_SERVE_ARGS),
+                f"over HTTP, {HTTP_MODEL} on ONNX Runtime, "
+                f"{data['scenario'].get('documents_kind', 'mixed')} documents", result,
+                list(result["runs"]),
                 HTTP_METRICS, ["query_latency_p50_ms", "query_latency_p99_ms",
                                "documents_per_s"],
                 ["server", "query latency p50 ms", "p99", "query wait p50 ms",
@@ -249,6 +284,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "--quick)")
     parser.add_argument("--http", action="store_true",
                         help="over HTTP on the default model instead of in process")
+    parser.add_argument("--documents", choices=("mixed", "long"), default="mixed",
+                        help="--http: the bulk requests' texts, 5-120 words or 300-400 "
+                        "(cut to the model's 256 tokens)")
+    parser.add_argument("--variants", default="default,lead_ratio=0",
+                        help=f"--http: the servers, of {sorted(HTTP_SERVE_ARGS)}")
     parser.add_argument("--logs", type=Path, default=Path("/tmp/ember-bench-bulk-queries"),
                         help="where the servers' logs go (--http)")
     args = parser.parse_args(argv)
@@ -269,9 +309,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "variants": {name: asdict(config) for name, config in VARIANTS.items()},
         "cost_models": {} if args.http else {name: asdict(COSTS[name]) for name in costs},
     }
+    variants = [v for v in args.variants.split(",") if v]
+    if unknown := [v for v in variants if v not in HTTP_SERVE_ARGS]:
+        parser.error(f"unknown variants {unknown}; known: {sorted(HTTP_SERVE_ARGS)}")
     if args.http:
-        data["scenario"]["queries_per_s"] = HTTP_QUERIES_PER_S
-        data["results"] = run_http(args.reps, seconds, args.logs)
+        data["scenario"].update(queries_per_s=HTTP_QUERIES_PER_S,
+                                documents_kind=args.documents)
+        data["variants"] = {name: HTTP_SERVE_ARGS[name] for name in variants}
+        data["results"] = run_http(args.reps, seconds, args.logs, variants, args.documents)
     else:
         data["results"] = asyncio.run(run(costs, args.reps, seconds))
     return benchlib.finish(args.out, data, began, report(data), "bulk_queries")

@@ -53,11 +53,13 @@ class Plan:
 
 
 def texts(kind: str, count: int, seed: int = 7) -> list[str]:
-    """Short texts (10 words) or mixed lengths (5-120 words), seeded."""
+    """Short texts (10 words), mixed lengths (5-120 words) or long ones (300-400 words,
+    past a 256-token limit: cut to it), seeded."""
     rng = random.Random(f"{kind}/{seed}")
     out = []
     for _ in range(count):
-        n = SHORT_WORDS if kind == "short" else rng.randint(5, 120)
+        n = (SHORT_WORDS if kind == "short" else rng.randint(300, 400) if kind == "long"
+             else rng.randint(5, 120))
         out.append(" ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + ".")
     return out
 

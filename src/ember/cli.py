@@ -52,12 +52,12 @@ WORKER = WorkerConfig()
 # (flag, type, default, help); the variable is EMBER_ + the flag in upper snake case.
 Parse = Callable[[str], object]  # a flag's type: a class, or `number`
 WORKER_FLAGS: list[tuple[str, Parse, object, str]] = [
-    ("max-batch-tokens", int, WORKER.max_batch_tokens,
-     "padded tokens per forward (items x longest)"),
+    ("max-batch-tokens", int, None, "padded tokens per forward (items x longest; default: "
+     "learned, what a forward of about 250 ms holds, at most 16384)"),
     ("max-batch-items", int, WORKER.max_batch_items, "items per forward"),
     ("dispatch", str, WORKER.dispatch, "auto: the batch windows below that are not set follow the "
      "cost per forward the engine measures on each model; fixed: unset windows take the "
-     "fixed defaults (10 ms, 1.05, 3 ms)"),
+     "fixed defaults (10 ms, 1.05, 3 ms, 16384 tokens)"),
     ("max-batch-wait-ms", number, None, "longest a batch stays open after its first item "
      "(default: learned, at most 10)"),
     ("max-padding", number, None, "padded tokens a batch may hold per real token (plus 4 a "

@@ -96,6 +96,8 @@ def dispatch_metrics(models: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric
                                labels=["model", "lora", "window"])
     padding = GaugeMetricFamily("ember_dispatch_max_padding", "Padded tokens a batch may "
                                 "hold per real token (0: no bound)", labels=["model", "lora"])
+    tokens = GaugeMetricFamily("ember_dispatch_max_batch_tokens", "Padded tokens a forward "
+                               "may hold", labels=["model", "lora"])
     learned = GaugeMetricFamily("ember_dispatch_learned", "1 when a window in use comes "
                                 "from the learned cost", labels=["model", "lora"])
     for name, described in models.items():
@@ -105,11 +107,12 @@ def dispatch_metrics(models: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric
             window.add_metric([name, lora, "max_batch_wait"], windows["max_batch_wait_ms"] / 1e3)
             window.add_metric([name, lora, "idle_coalesce"], windows["idle_coalesce_ms"] / 1e3)
             padding.add_metric([name, lora], windows["max_padding"])
+            tokens.add_metric([name, lora], windows["max_batch_tokens"])
             learned.add_metric([name, lora], float(windows["learned"]))
             if cost is not None:
                 fixed.add_metric([name, lora], cost["fixed_ms"] / 1e3)
                 per_token.add_metric([name, lora], cost["per_token_us"] / 1e6)
-    yield from (fixed, per_token, window, padding, learned)
+    yield from (fixed, per_token, window, padding, tokens, learned)
 
 
 class Metrics:

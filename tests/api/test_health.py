@@ -267,6 +267,8 @@ async def test_model_and_metrics_show_the_learned_cost_and_windows(apps: AppFact
                          windows["max_batch_wait_ms"] / 1e3)
         assert value(found, "ember_dispatch_max_padding", model=SYNTH,
                      lora="") == windows["max_padding"]
+        assert value(found, "ember_dispatch_max_batch_tokens", model=SYNTH,
+                     lora="") == windows["max_batch_tokens"] > 0
         assert value(found, "ember_dispatch_learned", model=SYNTH, lora="") == 1
 
 

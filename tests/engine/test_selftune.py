@@ -4,15 +4,21 @@ pure functions and plain objects, no event loop."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from ember.adapters.synthetic import CostModel, SyntheticAdapter
 from ember.engine import ModelWorker, PreparedItem, QueueView, WorkerConfig
-from ember.engine.config import FIXED_IDLE_COALESCE_MS, FIXED_MAX_BATCH_WAIT_MS
+from ember.engine.config import (
+    FIXED_IDLE_COALESCE_MS,
+    FIXED_MAX_BATCH_TOKENS,
+    FIXED_MAX_BATCH_WAIT_MS,
+)
 from ember.engine.costfit import CostEstimate, CostFit
 from ember.engine.policy import DispatchPolicy, LastForward, derive_windows
+from tests.engine.helpers import forward_sizes, running
 
 
 def feed(fit: CostFit, fixed_ms: float, per_token_us: float, forwards: int,
@@ -140,6 +146,51 @@ def test_a_per_token_device_bounds_padding_and_waits_longer() -> None:
     assert cpu.max_batch_wait_ms > gpu.max_batch_wait_ms
     assert cpu.max_batch_wait_ms <= FIXED_MAX_BATCH_WAIT_MS
     assert cpu.idle_coalesce_ms <= FIXED_IDLE_COALESCE_MS
+
+
+def test_the_token_budget_keeps_a_cpu_forward_short_and_a_gpu_forward_full() -> None:
+    """Found by a black-box review: on a CPU a forward of 64 texts cut to 256 tokens (the
+    fixed 16,384) took 3.5-5.4 s, and a query arriving as it started waited all of it.
+    The budget is a forward of 250 ms, or 32 fixed parts' worth of tokens if more."""
+    fast_fixed = derive_windows(WorkerConfig(), estimate(1.0, 240.0))
+    assert fast_fixed.max_batch_tokens == int((250 - 1.0) / 0.240)  # 1,037: 250 ms
+    cpu = derive_windows(WorkerConfig(), estimate(13.0, 240.0))
+    assert cpu.max_batch_tokens == int(32 * 13.0 * 1000 / 240.0)  # 1,733: fixed part 3 %
+    gpu = derive_windows(WorkerConfig(), estimate(2.0, 0.5))
+    assert gpu.max_batch_tokens == FIXED_MAX_BATCH_TOKENS  # ~500,000 wanted: the most
+    # A very slow device keeps a floor, whatever its fit says.
+    assert derive_windows(WorkerConfig(), estimate(0.0, 5000.0)).max_batch_tokens == 512
+    # Unknown while every forward had one size and none was slow: the fixed budget.
+    unmeasured = replace(estimate(13.0, 240.0), per_token_seen=False)
+    assert derive_windows(WorkerConfig(), unmeasured).max_batch_tokens == FIXED_MAX_BATCH_TOKENS
+    # ...or what a slow forward's speed says: 4,096 tokens a second, a quarter second.
+    assert derive_windows(WorkerConfig(), unmeasured, 4096.0).max_batch_tokens == 1024
+    assert derive_windows(WorkerConfig(), None, 4096.0).max_batch_tokens == 1024
+    # Set by hand, it stays as set, in both directions; fixed dispatch learns nothing.
+    for tokens in (512, 65536):
+        assert derive_windows(WorkerConfig(max_batch_tokens=tokens), estimate(13.0, 240.0),
+                              4096.0).max_batch_tokens == tokens
+    assert derive_windows(WorkerConfig(dispatch="fixed"), estimate(13.0, 240.0),
+                          4096.0).max_batch_tokens == FIXED_MAX_BATCH_TOKENS
+
+
+def test_the_first_slow_forward_shortens_the_next_and_a_pause_is_undone() -> None:
+    """Before the fit (8 forwards; refits every 32) a CPU would run seconds-long forwards
+    for half a minute: one forward of 16,384 tokens in 4 s sets the budget at once. A long
+    forward on a fast device (a collector's pause) is undone by the next fast one, and a
+    small slow forward says nothing."""
+    policy = DispatchPolicy(WorkerConfig())
+    policy.observe(None, 100, 100, 1, 0.5)  # a lone short text, paused: too few tokens
+    assert policy.windows().max_batch_tokens == FIXED_MAX_BATCH_TOKENS
+    policy.observe(None, 16384, 16384, 64, 4.0)
+    assert policy.windows().max_batch_tokens == 1024
+    policy.observe(None, 1024, 1024, 4, 0.25)  # as slow: it stays
+    assert policy.windows().max_batch_tokens == 1024
+    gpu = DispatchPolicy(WorkerConfig())
+    gpu.observe(None, 4096, 4096, 64, 0.3)  # a 300 ms pause in a 4 ms forward
+    assert gpu.windows().max_batch_tokens < 4096
+    gpu.observe(None, 4096, 4096, 64, 0.004)
+    assert gpu.windows().max_batch_tokens == FIXED_MAX_BATCH_TOKENS
 
 
 def test_settings_override_and_fixed_dispatch_keeps_the_defaults() -> None:
@@ -272,3 +323,20 @@ async def test_the_worker_feeds_its_forwards_to_the_policy() -> None:
     windows = worker.policy.windows()
     assert windows.learned and windows.max_padding == 0  # no cost per token at all
     assert worker._lanes[None].former.limits.max_padding == 0  # the formation follows
+
+
+async def test_the_worker_forms_its_forwards_within_the_learned_token_budget() -> None:
+    """A slow per-token device (CPU-like, in sleeps): once its cost is learned, a bulk
+    request of long texts goes in forwards of the learned budget, not of 16,384 tokens."""
+    async with running(overhead_ms=5.0, per_token_us=100.0) as (worker, adapter):
+        for i in range(12):  # lone forwards of 1 and 4 texts: the fit sees two sizes
+            costs = [20] if i % 2 else [100] * 4
+            await (await worker.submit([PreparedItem(f"t{i}:{j}", c, j)
+                                        for j, c in enumerate(costs)], "p"))
+        budget = worker.policy.windows().max_batch_tokens
+        assert 1024 <= budget < 4000  # (250 - 5 ms) / 100 us = 2,450
+        assert worker._lanes[None].former.limits.max_tokens == budget  # formation follows
+        before = len(adapter.forward_log)
+        await (await worker.submit([PreparedItem(f"d{j}", 250, j) for j in range(32)], "p"))
+        sizes = forward_sizes(adapter)[before:]
+        assert sum(sizes) == 32 and len(sizes) > 1 and max(sizes) * 250 <= budget

@@ -150,7 +150,7 @@ async def info(request: Request) -> dict[str, Any]:
         "model_type": {kind: {"pooling": spec.pooling} if kind == "embedding" else {}},
         "max_input_length": loaded.max_seq_length if loaded else spec.max_seq_length,
         "max_concurrent_requests": settings.worker.max_queue_items,
-        "max_batch_tokens": settings.worker.max_batch_tokens,
+        "max_batch_tokens": settings.worker.batch_tokens,
         "max_batch_requests": settings.worker.max_batch_items,
         "max_client_batch_size": settings.max_items_per_request,
         "auto_truncate": True, "tokenization_workers": max(settings.workers, 1),

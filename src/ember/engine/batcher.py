@@ -199,7 +199,7 @@ class BatchFormer:
 
     @classmethod
     def for_config(cls, config: WorkerConfig) -> Self:
-        return cls(config.max_batch_tokens, config.max_batch_items, config.padding,
+        return cls(config.batch_tokens, config.max_batch_items, config.padding,
                    config.lead_ratio)
 
     @property

@@ -12,6 +12,8 @@ DISPATCH_MODES: tuple[Dispatch, ...] = ("auto", "fixed")
 FIXED_MAX_BATCH_WAIT_MS = 10.0
 FIXED_IDLE_COALESCE_MS = 3.0
 FIXED_MAX_PADDING = 1.05
+# The padded tokens of a forward under "fixed", and the most "auto" ever learns.
+FIXED_MAX_BATCH_TOKENS = 16384
 # A request with at most 1/LEAD_RATIO the items of the largest one pending leads the next
 # forward (every other one at most), so a query does not wait out a bulk request's sweep.
 LEAD_RATIO = 4.0
@@ -30,10 +32,11 @@ class SettingError(ValueError):
 class WorkerConfig:
     """Limits and windows of the dispatch rules (docs/architecture.md).
 
-    The three windows (`max_batch_wait_ms`, `idle_coalesce_ms`, `max_padding`) are None
-    unless set: with `dispatch="auto"` the worker then derives them from the cost per
-    forward it measures (ember.engine.costfit); with "fixed" they take the FIXED_*
-    values. A window that is set is used as it is, in both modes.
+    The three windows (`max_batch_wait_ms`, `idle_coalesce_ms`, `max_padding`) and the
+    token budget (`max_batch_tokens`) are None unless set: with `dispatch="auto"` the
+    worker then derives them from the cost per forward it measures (ember.engine.costfit);
+    with "fixed" they take the FIXED_* values. One that is set is used as it is, in both
+    modes.
 
     `hold_fraction`: after a forward that carried several requests, the next batch
     of that LoRA waits for those senders to come back, at most this fraction of that
@@ -51,7 +54,7 @@ class WorkerConfig:
     most; 0 turns it off (every batch is the sweep's).
     """
 
-    max_batch_tokens: int = 16384
+    max_batch_tokens: int | None = None
     max_batch_items: int = 64
     max_batch_wait_ms: float | None = None
     idle_coalesce_ms: float | None = None
@@ -64,7 +67,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_batch_items", "max_queue_items"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise SettingError(name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("max_batch_wait_ms", "idle_coalesce_ms", "hold_fraction", "max_padding"):
             value = getattr(self, name)
@@ -77,6 +80,11 @@ class WorkerConfig:
         if self.dispatch not in DISPATCH_MODES:
             raise SettingError("dispatch",
                                f"must be one of {DISPATCH_MODES}, got {self.dispatch!r}")
+
+    @property
+    def batch_tokens(self) -> int:
+        """`max_batch_tokens` as set, else the fixed default."""
+        return FIXED_MAX_BATCH_TOKENS if self.max_batch_tokens is None else self.max_batch_tokens
 
     @property
     def batch_wait_ms(self) -> float:

@@ -17,6 +17,16 @@ The windows (docs/architecture.md, "Self-tuning windows"): with a forward costin
   `1 + (fixed / per_token) / full forward`, passes 1.5 (a GPU: padding is nearly free),
   the bound is off; elsewhere it stays at the fixed 1.05, because a looser bound between
   the two broke the overload wait bound (R5) without serving more (docs/bench/notes.md).
+- a forward lasts about FORWARD_TARGET_S at most: an item arriving as it starts waits
+  all of it (the lead rule, R5, cannot cut into a forward that runs). So the token budget
+  is what a forward of that length holds, unless that would leave its fixed part over
+  1/TOKENS_OF_FIXED of it (then that many fixed parts' worth of tokens); at least
+  MIN_LEARNED_BATCH_TOKENS and at most the fixed 16,384. On a CPU, where 64 long texts
+  took seconds, a forward of a quarter second; on a GPU, the fixed budget. Before the
+  cost per token is measured, a forward of at least that many tokens that took half the
+  target or more gives the budget on its own (its tokens per second, as if it had no
+  fixed part: fewer tokens than the fit would give), so the first slow forward already
+  shortens the next;
 - the hold after a forward (R4: its senders are awaited) is at most `hold_fraction` of the
   forward and the batch wait bound, except where a forward keeps every core of the host
   busy (ONNX Runtime on CPU): there the held time is not lost, the cores do the returning
@@ -37,6 +47,7 @@ from typing import Any
 
 from ember.engine.config import (
     FIXED_IDLE_COALESCE_MS,
+    FIXED_MAX_BATCH_TOKENS,
     FIXED_MAX_BATCH_WAIT_MS,
     FIXED_MAX_PADDING,
     WorkerConfig,
@@ -47,6 +58,11 @@ WAIT_OF_FIXED = 0.5  # batch wait bound, in forwards' fixed parts
 QUIET_OF_FIXED = 0.25  # idle burst's quiet window, in forwards' fixed parts
 QUIET_OF_GAPS = 2.0  # ... and in mean gaps between the burst's arrivals
 PADDING_OFF_AT = 1.5  # a learned padding bound this loose is no bound: off
+FORWARD_TARGET_S = 0.25  # the learned token budget: a forward of this long...
+TOKENS_OF_FIXED = 32  # ...unless its fixed part would pass 1/this of it
+MIN_LEARNED_BATCH_TOKENS = 512  # ...and never fewer tokens, whatever a noisy fit says
+SLOW_OF_TARGET = 0.5  # before the fit: a forward this long of the target says "slow"...
+FASTER = 1.25  # ...until one of at least MIN_LEARNED_BATCH_TOKENS runs this much faster
 HOLD_OF_FORWARD_ON_HOST = 0.5  # the hold after a forward that fills the cores, in forwards
 OTHERS_PER_SENDER = 4  # arrivals in a forward's tail that say its senders are not alone
 
@@ -85,6 +101,7 @@ class Windows:
     learned: bool  # some window came from the cost fit (else: settings and defaults)
     hold_of_forward: float = 0.25  # the hold after a forward: at most this part of it...
     hold_max_ms: float | None = None  # ...and at most this (None: no bound but the forward's)
+    max_batch_tokens: int = FIXED_MAX_BATCH_TOKENS  # padded tokens a forward may hold
 
     @property
     def long_hold(self) -> bool:
@@ -92,10 +109,30 @@ class Windows:
         return self.hold_max_ms is None
 
 
-def derive_windows(config: WorkerConfig, cost: CostEstimate | None) -> Windows:
-    """The windows for a device of `cost` (None: not learned yet). A window set in
-    `config` wins; `dispatch="fixed"` or no estimate gives the fixed defaults."""
+def learned_batch_tokens(cost: CostEstimate | None, slow_rate: float | None) -> int | None:
+    """The token budget for a device of `cost`, or, while its cost per token is unmeasured,
+    of `slow_rate` (padded tokens a second of the device's long forwards);
+    None where neither says a forward of the fixed budget is too long."""
+    if cost is not None and cost.per_token_seen and cost.per_token_us > 0:
+        per_token_s = cost.per_token_us / 1e6
+        wanted = max((FORWARD_TARGET_S - cost.fixed_ms / 1000) / per_token_s,
+                     TOKENS_OF_FIXED * cost.tokens_per_fixed)
+    elif slow_rate is not None:
+        wanted = FORWARD_TARGET_S * slow_rate
+    else:
+        return None
+    return int(min(FIXED_MAX_BATCH_TOKENS, max(MIN_LEARNED_BATCH_TOKENS, wanted)))
+
+
+def derive_windows(config: WorkerConfig, cost: CostEstimate | None,
+                   slow_rate: float | None = None) -> Windows:
+    """The windows for a device of `cost` (None: not learned yet), and of `slow_rate` for
+    the token budget (`learned_batch_tokens`). A window set in `config` wins;
+    `dispatch="fixed"` or nothing learned gives the fixed defaults."""
     wait, quiet, padding = config.batch_wait_ms, config.coalesce_ms, config.padding
+    tokens = config.batch_tokens
+    if config.dispatch == "auto" and config.max_batch_tokens is None:
+        tokens = learned_batch_tokens(cost, slow_rate) or tokens
     learned = False
     if config.dispatch == "auto" and cost is not None:
         full_forward = config.max_batch_items * max(cost.item_tokens, 1.0)  # real tokens
@@ -108,11 +145,14 @@ def derive_windows(config: WorkerConfig, cost: CostEstimate | None) -> Windows:
             quiet = min(FIXED_IDLE_COALESCE_MS, QUIET_OF_FIXED * cost.fixed_ms)
         if config.max_padding is None:
             padding = 0.0 if free else FIXED_MAX_PADDING
-        learned = None in (config.max_batch_wait_ms, config.idle_coalesce_ms, config.max_padding)
+        learned = None in (config.max_batch_wait_ms, config.idle_coalesce_ms,
+                           config.max_padding, config.max_batch_tokens)
     if (config.dispatch == "auto" and config.forward_fills_cores
             and config.max_batch_wait_ms is None and config.hold_fraction > 0):
-        return Windows(wait, quiet, padding, learned, HOLD_OF_FORWARD_ON_HOST, None)
-    return Windows(wait, quiet, padding, learned, config.hold_fraction, wait)
+        return Windows(wait, quiet, padding, learned, HOLD_OF_FORWARD_ON_HOST, None,
+                       max_batch_tokens=tokens)
+    return Windows(wait, quiet, padding, learned, config.hold_fraction, wait,
+                   max_batch_tokens=tokens)
 
 
 class DispatchPolicy:
@@ -120,6 +160,8 @@ class DispatchPolicy:
         self.config = config
         self._fits: dict[str | None, CostFit] = {}  # each LoRA's forwards; None: the base
         self._windows: dict[str | None, Windows] = {}
+        # Each LoRA's device speed from its long forwards, in padded tokens a second.
+        self._slow_rates: dict[str | None, float] = {}
 
     # -- the cost model and the windows it gives -----------------------------------
 
@@ -131,7 +173,16 @@ class DispatchPolicy:
         fit = self._fits.get(lora)
         if fit is None:
             fit = self._fits[lora] = CostFit()
-        if fit.observe(padded_tokens, real_tokens, items, seconds):
+        refitted = fit.observe(padded_tokens, real_tokens, items, seconds)
+        if padded_tokens >= MIN_LEARNED_BATCH_TOKENS and seconds > 0:
+            rate, known = padded_tokens / seconds, self._slow_rates.get(lora)
+            # A long forward says the device is slow, at once; a much faster one after it
+            # says the long one had paused (a collector, another tenant), and undoes it.
+            if seconds >= SLOW_OF_TARGET * FORWARD_TARGET_S or (
+                    known is not None and rate > FASTER * known):
+                self._slow_rates[lora] = rate
+                refitted = True
+        if refitted:
             self._windows.clear()  # derived again on the next ask: O(1) amortised
 
     def cost(self, lora: str | None = None) -> CostEstimate | None:
@@ -145,7 +196,9 @@ class DispatchPolicy:
     def windows(self, lora: str | None = None) -> Windows:
         windows = self._windows.get(lora)
         if windows is None:
-            windows = self._windows[lora] = derive_windows(self.config, self.cost(lora))
+            slow_rate = self._slow_rates.get(lora, self._slow_rates.get(None))
+            windows = self._windows[lora] = derive_windows(self.config, self.cost(lora),
+                                                           slow_rate)
         return windows
 
     def loras(self) -> list[str | None]:

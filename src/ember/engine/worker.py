@@ -516,12 +516,14 @@ class ModelWorker:
             lane.probe_target = lane.arrived + self.policy.returns_needed(len(requests),
                                                                           batch.lora)
             lane.probe_end = forward.ended + hold
-        if forward.error is None:  # the cost model learns; the padding bound may follow
+        if forward.error is None:  # the cost model learns; the batch limits may follow
             self.policy.observe(batch.lora, batch.padded_tokens, batch.real_tokens,
                                 len(batch.items), elapsed)
-            padding = self.policy.windows(batch.lora).max_padding
-            if padding != lane.former.limits.max_padding:
-                lane.former.limits = replace(lane.former.limits, max_padding=padding)
+            windows, limits = self.policy.windows(batch.lora), lane.former.limits
+            if (windows.max_padding, windows.max_batch_tokens) != (limits.max_padding,
+                                                                   limits.max_tokens):
+                lane.former.limits = replace(limits, max_padding=windows.max_padding,
+                                             max_tokens=windows.max_batch_tokens)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s: forward started=%.6f ended=%.6f items=%d requests=%d padded=%d "
                       "senders_return=%s", self.name, forward.started, forward.ended,
