@@ -91,7 +91,7 @@ def modelled_device(model: str) -> Device | None:
     return Device(overhead_ms=float(options.get("overhead_ms", 2.0)),
                   per_token_us=float(options.get("per_token_us", 0.5)),
                   max_batch_items=config.max_batch_items,
-                  max_batch_tokens=config.max_batch_tokens,
+                  max_batch_tokens=config.batch_tokens,
                   item_tokens=max(1, len(loadgen.texts("short", 1)[0].split())))
 
 

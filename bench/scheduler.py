@@ -95,7 +95,7 @@ class EarlierFormation(BatchFormer):
     `starvation_ms`; then it leads and the rest packs around its length."""
 
     def __init__(self, config: WorkerConfig, now: Callable[[], float] = time.perf_counter) -> None:
-        super().__init__(config.max_batch_tokens, config.max_batch_items, config.padding)
+        super().__init__(config.batch_tokens, config.max_batch_items, config.padding)
         self.starvation_s, self.now = starvation_s(config), now
 
     def form(self, lora: str | None = None) -> Batch | None:

@@ -68,6 +68,14 @@ HUB = "source: {hub: org/tiny}\n"
      "batching.max_batch_tokens must be >= 1, got -1"),
     (f"{HUB}batching: {{max_batch_items: many}}\n",
      "batching.max_batch_items must be an integer, got 'many'"),
+    # Learned unless set, so optional: still an integer when set (a review found `true`
+    # taken for a budget of 1 token, and 2048.5 taken as it was).
+    (f"{HUB}batching: {{max_batch_tokens: true}}\n",
+     "batching.max_batch_tokens must be an integer, got True"),
+    (f"{HUB}batching: {{max_batch_tokens: 2048.5}}\n",
+     "batching.max_batch_tokens must be an integer, got 2048.5"),
+    (f"{HUB}batching: {{max_batch_tokens: abc}}\n",
+     "batching.max_batch_tokens must be an integer, got 'abc'"),
     (f"{HUB}batching: {{max_padding: 0.5}}\n", "batching.max_padding must be 0 (off) or >= 1"),
     (f"{HUB}pooling: avg\n", "pooling 'avg' is unknown; use one of mean, cls, max, lasttoken"),
     (f"{HUB}max_seq_length: 0\n", "max_seq_length must be a positive integer"),
@@ -89,7 +97,9 @@ HUB = "source: {hub: org/tiny}\n"
     (f"{HUB}options: {{activation: none}}\n", "unknown field options.activation; options "
      "accepts dims, embeddings_side"),  # a cross-encoder's option, on a transformer
 ], ids=["pooling_mode", "normalise", "prompt", "no-match", "source-key", "batching-value",
-        "batching-type", "batching-padding", "pooling", "max_seq_length", "max_seq_length-str",
+        "batching-type", "batching-tokens-bool", "batching-tokens-float",
+        "batching-tokens-str", "batching-padding", "pooling", "max_seq_length",
+        "max_seq_length-str",
         "bool-str", "remote-code-str", "path-and-hub", "missing-path", "missing-lora",
         "lora-without-adapter", "onnx-lora", "int8-lora", "torch-int8", "option-typo",
         "other-familys-option"])

@@ -570,7 +570,9 @@ asyncio.run(main())
     finally:
         standin.slow.clear()
     assert times["hub_s"] >= 4.0  # type: ignore[operator]
-    assert times["local_s"] < 3.0, times  # not after the download
+    # Not after the download: well before it ended (a bound in seconds failed beside the
+    # suite's other process, 3.1 s against 3, with the download taking 11 s).
+    assert times["local_s"] < times["hub_s"] - 1.0, times  # type: ignore[operator]
 
 
 def test_every_api_process_lists_a_hub_model_that_another_one_had_loaded(

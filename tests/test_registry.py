@@ -426,8 +426,12 @@ async def test_an_unknown_hub_id_says_how_this_server_would_serve_it(
     with pytest.raises(ModelNotFound) as found:
         await registry.get("someone/model")
     message = str(found.value)
-    assert "--model someone/model" in message and "--allow-hub-models" in message
-    assert message.endswith("on this machine): org/a")
+    assert "--model someone/model or --preload someone/model" in message
+    assert "--allow-hub-models" in message and message.endswith("on this machine): org/a")
+    with pytest.raises(ModelNotFound) as found:  # no request may fetch a revision
+        await registry.get("someone/model@v2")
+    assert "--model someone/model@v2" in str(found.value)
+    assert "--allow-hub-models" not in str(found.value)
     for name in ("no-slash", "local/thing"):
         with pytest.raises(ModelNotFound) as found:
             await registry.get(name)

@@ -276,6 +276,21 @@ def test_a_process_that_fails_its_drain_is_named_and_the_exit_is_1(
     assert "engine drained" in server.log_text()
 
 
+def sigterm_with_one_stopped(server: ServerProcess, stopped: psutil.Process,
+                             bound_s: float) -> None:
+    """SIGTERM while `stopped` (a child) is suspended: the server still ends, with exit 1
+    (the stopped one's drain failed), within `bound_s`."""
+    stopped.suspend()
+    try:
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(bound_s + 30) == 1, server.log_tail()
+        assert time.monotonic() - started < bound_s
+    finally:
+        if stopped.is_running():
+            stopped.resume()
+
+
 def test_a_wedged_engine_cannot_hold_the_drain_for_good(
         two_api_processes: ServerProcess) -> None:
     """Found by a black-box review: with the engine stopped (SIGSTOP), SIGTERM drained the
@@ -283,15 +298,7 @@ def test_a_wedged_engine_cannot_hold_the_drain_for_good(
     server = two_api_processes
     [engine] = children_titled(server, "ember: engine")
     assert encode(server.url, "before the stop").status_code == 200
-    engine.suspend()
-    try:
-        started = time.monotonic()
-        server.process.send_signal(signal.SIGTERM)
-        assert server.process.wait(60) == 1, server.log_tail()
-        assert time.monotonic() - started < 40
-    finally:
-        if engine.is_running():
-            engine.resume()
+    sigterm_with_one_stopped(server, engine, bound_s=40)
     assert "did not end its drain within 10 s" in server.log_text(), server.log_tail()
     assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
 
@@ -307,16 +314,7 @@ def test_a_stopped_api_process_cannot_hold_the_drain_for_good(
     index = psutil.Process(victim).cmdline()[0].rsplit(" ", 1)[-1]  # "ember: api N"
     wait_serving(server, index, victim)
     assert encode(server.url, "before the stop").status_code == 200
-    stopped = psutil.Process(victim)
-    stopped.suspend()
-    try:
-        started = time.monotonic()
-        server.process.send_signal(signal.SIGTERM)
-        assert server.process.wait(90) == 1, server.log_tail()
-        assert time.monotonic() - started < 60
-    finally:
-        if stopped.is_running():
-            stopped.resume()
+    sigterm_with_one_stopped(server, psutil.Process(victim), bound_s=60)
     log = server.log_text()
     assert re.search(rf"API process {index} \(pid {victim}\) gave no sign of life for 10 s "
                      "of its drain", log), server.log_tail()

@@ -364,7 +364,9 @@ def _check_batching(batching: Mapping[str, Any], where: str) -> None:
         wanted = _BATCHING_TYPES[key]
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
         wants_number = wanted is float or float in typing.get_args(wanted)  # float | None
-        if wanted is int and not (numeric and isinstance(value, int)):
+        wants_int = wanted is int or int in typing.get_args(wanted)  # int | None
+        unset = value is None and wanted is not int  # None: learned (dispatch auto)
+        if wants_int and not unset and not (numeric and isinstance(value, int)):
             problem = f"must be an integer, got {value!r}"
         elif wanted is bool and not isinstance(value, bool):
             problem = f"must be true or false, got {value!r}"

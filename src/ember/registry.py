@@ -176,9 +176,12 @@ class CatalogLookup:
                 raise ModelNotFound(name, self.names, f"model {name!r}: a request may not "
                                     "name a Hub revision; pin it when the server starts "
                                     f"(--model {name}), or name {ref.repo}") from None
-            hint = "" if hub_id(name) is None else (
-                f"a Hub model is served when the server's start names it (--model {name} or "
-                "--preload), or when it lets requests fetch models (--allow-hub-models); ")
+            hint = ""
+            if hub_id(name) is not None:  # a request may fetch no revision (above)
+                fetch = "" if ref is not None and ref.revision else (
+                    ", or when it lets requests fetch models (--allow-hub-models)")
+                hint = (f"a Hub model is served when the server's start names it "
+                        f"(--model {name} or --preload {name}){fetch}; ")
             raise ModelNotFound(name, self.names, hint=hint) from None
         cast(dict[str, ModelSpec], self.catalog)[name] = found
         return found

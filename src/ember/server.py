@@ -4,6 +4,7 @@ API process of several: on its supervisor's order)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -85,7 +86,8 @@ class DrainingServer(uvicorn.Server):
 
     def handle_engine_gone(self, sig: int, frame: FrameType | None) -> None:
         if self.on_engine_gone is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self.on_engine_gone)
+            with contextlib.suppress(RuntimeError):  # the loop closed: it has drained
+                self._loop.call_soon_threadsafe(self.on_engine_gone)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.managed and (sig != DRAIN_ORDER or self.state.draining):

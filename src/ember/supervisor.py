@@ -33,12 +33,13 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from types import FrameType
-from typing import IO
+from typing import IO, Any
 
 import zmq
 
@@ -376,6 +377,7 @@ class Supervisor:
         self.apis.remove(api)
         # Only deaths before serving count: one that served can start, whatever ended it.
         self.failed_starts = 0 if api.has_served() else self.failed_starts + 1
+        api.serving.close()
         if self.failed_starts >= FAILED_STARTS:
             log.error("API processes keep dying before they serve: %d in a row (last exit "
                       "code %s); stopping", self.failed_starts, code)
@@ -399,11 +401,7 @@ class Supervisor:
         self._order_drain()
         ordered = time.monotonic()
         while draining := [api for api in self.apis if api.process.is_alive()]:
-            news = [api.serving for api in draining if not api.silent]
-            wait([*(api.process.sentinel for api in draining), *news, engine.sentinel],
-                 timeout=API_DRAIN_SILENCE_S / 4)
-            for api in draining:
-                self._end_if_wedged(api, ordered)
+            self._wait_drains(draining, ordered, also=[engine.sentinel])
             if not engine.is_alive() and any(api.process.is_alive() for api in self.apis):
                 self._read_engine_notes()
                 replacement = self._replace_engine(engine)
@@ -411,6 +409,17 @@ class Supervisor:
                     return self._stop_apis(ENGINE_GONE_GRACE_S, engine_gone=True), engine
                 engine = replacement
         return [api.drain_code() for api in self.apis], engine
+
+    def _wait_drains(self, draining: list[ApiProcess], ordered: float,
+                     timeout: float | None = None, also: Sequence[Any] = ()) -> None:
+        """Until a draining API process ends or says it lives (or `also` is ready), at
+        most `timeout`; then end those silent for too long (drained since `ordered`)."""
+        step = API_DRAIN_SILENCE_S / 4
+        news = [api.serving for api in draining if not api.silent]
+        wait([*(api.process.sentinel for api in draining), *news, *also],
+             timeout=step if timeout is None else min(timeout, step))
+        for api in draining:
+            self._end_if_wedged(api, ordered)
 
     def _end_if_wedged(self, api: ApiProcess, ordered: float) -> None:
         """End an API process that said nothing for API_DRAIN_SILENCE_S of its drain (a
@@ -434,15 +443,16 @@ class Supervisor:
                 if api.process.is_alive() and api.process.pid is not None and api.has_served():
                     os.kill(api.process.pid, ENGINE_GONE_ORDER)
         self._order_drain()
-        deadline = None if grace_s is None else time.monotonic() + grace_s
-        while alive := [api.process for api in self.apis if api.process.is_alive()]:
+        ordered = time.monotonic()
+        deadline = None if grace_s is None else ordered + grace_s
+        while alive := [api for api in self.apis if api.process.is_alive()]:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                for process in alive:
-                    process.kill()
-                    process.join()
+                for api in alive:
+                    api.process.kill()
+                    api.process.join()
                 break
-            wait([process.sentinel for process in alive], timeout=left)
+            self._wait_drains(alive, ordered, left)
         return [api.drain_code() for api in self.apis]
 
     def _order_drain(self) -> None:

@@ -329,14 +329,23 @@ async def test_the_worker_forms_its_forwards_within_the_learned_token_budget() -
     """A slow per-token device (CPU-like, in sleeps): once its cost is learned, a bulk
     request of long texts goes in forwards of the learned budget, not of 16,384 tokens."""
     async with running(overhead_ms=5.0, per_token_us=100.0) as (worker, adapter):
-        for i in range(12):  # lone forwards of 1 and 4 texts: the fit sees two sizes
-            costs = [20] if i % 2 else [100] * 4
+        for i in range(40):  # lone forwards of 1 and 4 texts: the fit sees two sizes
+            costs = [20] if i % 2 else [100] * 4  # (refits at 8 and 40 forwards)
             await (await worker.submit([PreparedItem(f"t{i}:{j}", c, j)
                                         for j, c in enumerate(costs)], "p"))
         budget = worker.policy.windows().max_batch_tokens
-        assert 1024 <= budget < 4000  # (250 - 5 ms) / 100 us = 2,450
+        # (250 - 5 ms) / 100 us = 2,450; a loaded machine's delays move the fit, and the
+        # budget stays far from the fixed 16,384 either way
+        assert 1024 <= budget <= 6000
         assert worker._lanes[None].former.limits.max_tokens == budget  # formation follows
         before = len(adapter.forward_log)
         await (await worker.submit([PreparedItem(f"d{j}", 250, j) for j in range(32)], "p"))
         sizes = forward_sizes(adapter)[before:]
         assert sum(sizes) == 32 and len(sizes) > 1 and max(sizes) * 250 <= budget
+        # A LoRA with no forward of its own follows the base from its first batch (a
+        # review found its lane starting at 16,384: a forward of seconds on a CPU).
+        before = len(adapter.forward_log)
+        await (await worker.submit([PreparedItem(f"l{j}", 250, j) for j in range(32)], "p",
+                                   lora="new"))
+        sizes = forward_sizes(adapter)[before:]
+        assert sum(sizes) == 32 and max(sizes) * 250 <= budget

@@ -98,7 +98,7 @@ class Windows:
     max_batch_wait_ms: float
     idle_coalesce_ms: float
     max_padding: float  # 0: off
-    learned: bool  # some window came from the cost fit (else: settings and defaults)
+    learned: bool  # some window came from what forwards cost (else: settings and defaults)
     hold_of_forward: float = 0.25  # the hold after a forward: at most this part of it...
     hold_max_ms: float | None = None  # ...and at most this (None: no bound but the forward's)
     max_batch_tokens: int = FIXED_MAX_BATCH_TOKENS  # padded tokens a forward may hold
@@ -133,7 +133,7 @@ def derive_windows(config: WorkerConfig, cost: CostEstimate | None,
     tokens = config.batch_tokens
     if config.dispatch == "auto" and config.max_batch_tokens is None:
         tokens = learned_batch_tokens(cost, slow_rate) or tokens
-    learned = False
+    learned = tokens != config.batch_tokens  # before the fit, from a slow forward
     if config.dispatch == "auto" and cost is not None:
         full_forward = config.max_batch_items * max(cost.item_tokens, 1.0)  # real tokens
         # Nearly free: a full forward could pad this far for the price of its fixed part.

@@ -519,11 +519,8 @@ class ModelWorker:
         if forward.error is None:  # the cost model learns; the batch limits may follow
             self.policy.observe(batch.lora, batch.padded_tokens, batch.real_tokens,
                                 len(batch.items), elapsed)
-            windows, limits = self.policy.windows(batch.lora), lane.former.limits
-            if (windows.max_padding, windows.max_batch_tokens) != (limits.max_padding,
-                                                                   limits.max_tokens):
-                lane.former.limits = replace(limits, max_padding=windows.max_padding,
-                                             max_tokens=windows.max_batch_tokens)
+            for lora, each in self._lanes.items():  # a LoRA without a fit follows the base
+                self._follow_windows(lora, each)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s: forward started=%.6f ended=%.6f items=%d requests=%d padded=%d "
                       "senders_return=%s", self.name, forward.started, forward.ended,
@@ -637,8 +634,17 @@ class ModelWorker:
         lane = self._lanes.get(lora)
         if lane is None:
             lane = _Lane(self._new_former(self.config))
+            self._follow_windows(lora, lane)  # what is learned holds from its first batch
             self._lanes[lora] = lane
         return lane
+
+    def _follow_windows(self, lora: str | None, lane: _Lane) -> None:
+        """The lane's batch limits from the windows learned for `lora`."""
+        windows, limits = self.policy.windows(lora), lane.former.limits
+        if (windows.max_padding, windows.max_batch_tokens) != (limits.max_padding,
+                                                               limits.max_tokens):
+            lane.former.limits = replace(limits, max_padding=windows.max_padding,
+                                         max_tokens=windows.max_batch_tokens)
 
     def _lane_requests(self, lora: str | None) -> int:
         """Distinct requests of `lora` not yet dispatched: queued or in the slot."""
