@@ -38,7 +38,7 @@ from ember.ipc.client import EngineClient, EngineDiedTwice, EngineUnavailable
 from ember.ipc.engine import LoadNotes, run_engine
 from ember.ipc.models import RemoteModel, RemoteModels
 from ember.ipc.wire import error_to_wire, pack, unpack
-from ember.registry import Registry, preload_models
+from ember.registry import Registry
 from tests.cycles import cyclic_garbage
 
 SLOW = "test/ipc-slow"  # 300 ms forwards of up to 64 items: arrivals pile up behind one
@@ -748,7 +748,9 @@ async def test_the_supervisor_is_told_each_load_that_ended_and_when_start_loads_
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A load that raised is told as `failed` (the registry has no hook for it), at the end
     of the start loads and, for a load a request began, within LOAD_CHECK_S: so that a
-    later death of the engine is neither blamed on that model nor counted as one at load."""
+    later death of the engine is neither blamed on that model nor counted as one at load.
+    Each start model is told as its turn comes (a review found a death blamed on every
+    start model, those still to come included)."""
     monkeypatch.setattr(ipc_engine, "LOAD_CHECK_S", 0.05)
     specs = [parse_spec({"name": name, "adapter": "synthetic", "tasks": ["encode"],
                          "options": {"dims": dims}}, "test")
@@ -758,11 +760,7 @@ async def test_the_supervisor_is_told_each_load_that_ended_and_when_start_loads_
     notes = LoadNotes(notes_write, registry)
     watch = asyncio.ensure_future(notes.watch_failures())
     try:
-        start = ["test/good", "test/bad"]
-        for name in start:
-            notes.note(name)
-        await preload_models(registry, start)
-        notes.preloaded(start)
+        await ipc_engine._preload(registry, ["test/good", "test/bad"], notes)
         notes.note("test/bad-later")  # as a request that names it begins its load
         with pytest.raises(ModelLoadError):
             await registry.get("test/bad-later")
@@ -770,8 +768,8 @@ async def test_the_supervisor_is_told_each_load_that_ended_and_when_start_loads_
         told = []
         while notes_read.poll(0):
             told.append(notes_read.recv())
-        assert told == [("loading", "test/good"), ("loading", "test/bad"),
-                        ("loaded", "test/good"), ("failed", "test/bad"), ("preloaded", ""),
+        assert told == [("loading", "test/good"), ("loaded", "test/good"),
+                        ("loading", "test/bad"), ("failed", "test/bad"), ("preloaded", ""),
                         ("loading", "test/bad-later"), ("failed", "test/bad-later")]
     finally:
         watch.cancel()

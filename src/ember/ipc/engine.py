@@ -460,8 +460,6 @@ async def _engine(settings: ServerSettings, address: str, ready: Connection,
     take_drain_orders()
     ready.send("ready")
     preloads = [settings.default_model, *settings.preload]
-    for name in preloads:
-        loading.note(name)
     preload = loop.create_task(_preload(registry, preloads, loading))
     failures = loop.create_task(loading.watch_failures())
     await stop.wait()  # a supervisor that dies takes this process with it (lifeline)
@@ -475,5 +473,9 @@ async def _engine(settings: ServerSettings, address: str, ready: Connection,
 
 
 async def _preload(registry: Registry, names: list[str], notes: LoadNotes) -> None:
-    await preload_models(registry, names)
+    """The start models, one at a time, each noted as its turn comes: a death names the
+    model that was loading, not those still to come (a review found them all named)."""
+    for name in dict.fromkeys(names):
+        notes.note(name)
+        await preload_models(registry, [name])
     notes.preloaded(names)
