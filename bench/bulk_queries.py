@@ -39,7 +39,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import benchlib
 import loadgen
@@ -128,16 +127,6 @@ HTTP_SERVE_ARGS = {"default": [], "lead_ratio=0": ["--lead-ratio", "0"],
                       for n in (1024, 2048, 4096, 16384)}}
 
 
-async def forwarded_items(session: Any, base: str) -> float:
-    """Items the server's forwards have held so far (its /metrics)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    async with session.get(f"{base}/metrics") as response:
-        text = await response.text()
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               if family.name == "ember_batch_items" for sample in family.samples
-               if sample.name == "ember_batch_items_sum")
-
 
 async def one_http_run(server: loadgen.Server, seconds: float, seed: int,
                        documents_kind: str) -> Json:
@@ -152,6 +141,11 @@ async def one_http_run(server: loadgen.Server, seconds: float, seed: int,
     begin = time.perf_counter() + 2.0  # the bulk clients' queue has filled by then
     end = begin + seconds
     counted: list[float] = []  # items forwarded at begin and at end
+
+    async def forwarded_items() -> float:
+        counters = await loadgen.batch_counters(session, server.url, HTTP_MODEL)
+        return counters.get("ember_batch_items_sum", 0.0)
+
     async with loadgen.client_session(BULK_CLIENTS + 16, timeout_s=300.0) as session:
         async def bulk(client: int) -> None:
             sent = 0
@@ -170,12 +164,12 @@ async def one_http_run(server: loadgen.Server, seconds: float, seed: int,
         async def stream() -> None:
             at, sent = begin, []
             await asyncio.sleep(max(0.0, begin - time.perf_counter()))
-            counted.append(await forwarded_items(session, server.url))
+            counted.append(await forwarded_items())
             while (at := at + float(rng.exponential(1 / HTTP_QUERIES_PER_S))) < end:
                 await asyncio.sleep(max(0.0, at - time.perf_counter()))
                 sent.append(asyncio.create_task(query(queries[len(sent) % len(queries)])))
             await asyncio.sleep(max(0.0, end - time.perf_counter()))
-            counted.append(await forwarded_items(session, server.url))
+            counted.append(await forwarded_items())
             await asyncio.gather(*sent)
 
         await asyncio.gather(*(bulk(c) for c in range(BULK_CLIENTS)), stream())

@@ -39,7 +39,6 @@ from ember.hub import (
     NotDownloaded,
     NotOnHub,
     may_download,
-    parse_hub_id,
     requests_may_download,
 )
 
@@ -171,14 +170,14 @@ class CatalogLookup:
         except (FileNotFoundError, CatalogError) as exc:
             raise ModelLoadError(name, str(exc)) from None
         if found is None:
-            ref = parse_hub_id(name)
+            ref = hub_id(name)
             if ref is not None and ref.revision is not None and requests_may_download():
                 raise ModelNotFound(name, self.names, f"model {name!r}: a request may not "
                                     "name a Hub revision; pin it when the server starts "
                                     f"(--model {name}), or name {ref.repo}") from None
             hint = ""
-            if hub_id(name) is not None:  # a request may fetch no revision (above)
-                fetch = "" if ref is not None and ref.revision else (
+            if ref is not None:  # a request may fetch no revision (above)
+                fetch = "" if ref.revision else (
                     ", or when it lets requests fetch models (--allow-hub-models)")
                 hint = (f"a Hub model is served when the server's start names it "
                         f"(--model {name} or --preload {name}){fetch}; ")
@@ -452,10 +451,13 @@ class Registry(CatalogLookup):
                 return
 
 
-async def preload_models(models: Preloadable, names: Sequence[str]) -> None:
-    """Load each named model once, in order; a failure is logged and the server stays up
-    (the model's routes then say why)."""
+async def preload_models(models: Preloadable, names: Sequence[str],
+                         starting: Callable[[str], None] | None = None) -> None:
+    """Load each named model once, in order, telling `starting` each as its turn comes; a
+    failure is logged and the server stays up (the model's routes then say why)."""
     for name in dict.fromkeys(names):
+        if starting is not None:
+            starting(name)
         try:
             await models.get(name)
         except Exception as exc:

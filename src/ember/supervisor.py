@@ -170,12 +170,13 @@ class ApiProcess:
         return self.served
 
     def read_news(self) -> None:
-        with contextlib.suppress(EOFError, OSError):  # it ended without a word
+        """What it said since: each word means it serves, and is alive now."""
+        try:
             while not self.silent and self.serving.poll(0):
-                self.served = bool(self.serving.recv()) or self.served
-                self.heard = time.monotonic()
-            return
-        self.silent = True
+                self.serving.recv()
+                self.served, self.heard = True, time.monotonic()
+        except (EOFError, OSError):  # it ended (or its pipe was closed here)
+            self.silent = True
 
     def drain_code(self) -> int:
         """Its exit code, as its drain's outcome: one that never served had nothing to
@@ -347,7 +348,7 @@ class Supervisor:
             if not engine.is_alive():
                 replacement = self._replace_engine(engine)
                 if replacement is None:
-                    self._stop_apis(ENGINE_GONE_GRACE_S, engine_gone=True)
+                    self._stop_apis_engine_gone()
                     return 1
                 engine = replacement
             for api in [a for a in self.apis if not a.process.is_alive()]:
@@ -359,7 +360,7 @@ class Supervisor:
         if not engine.is_alive():  # it died as the drain began: what is accepted needs one
             replacement = self._replace_engine(engine)
             if replacement is None:
-                self._stop_apis(ENGINE_GONE_GRACE_S, engine_gone=True)
+                self._stop_apis_engine_gone()
                 return 1
             engine = replacement
         log.info("draining %d API processes, then the engine", len(self.apis))
@@ -406,7 +407,7 @@ class Supervisor:
                 self._read_engine_notes()
                 replacement = self._replace_engine(engine)
                 if replacement is None:  # a crash loop at load: nothing left to finish with
-                    return self._stop_apis(ENGINE_GONE_GRACE_S, engine_gone=True), engine
+                    return self._stop_apis_engine_gone(), engine
                 engine = replacement
         return [api.drain_code() for api in self.apis], engine
 
@@ -424,8 +425,7 @@ class Supervisor:
     def _end_if_wedged(self, api: ApiProcess, ordered: float) -> None:
         """End an API process that said nothing for API_DRAIN_SILENCE_S of its drain (a
         stopped or wedged one would hold the exit for good); what it holds is lost."""
-        api.read_news()
-        if not api.process.is_alive() or not api.has_served():
+        if not api.process.is_alive() or not api.has_served():  # has_served reads its news
             return
         if time.monotonic() - max(api.heard, ordered) > API_DRAIN_SILENCE_S:
             log.error("API process %d (pid %s) gave no sign of life for %.0f s of its drain "
@@ -434,14 +434,17 @@ class Supervisor:
             api.process.kill()
             api.process.join()
 
-    def _stop_apis(self, grace_s: float | None = None, engine_gone: bool = False) -> list[int]:
+    def _stop_apis_engine_gone(self) -> list[int]:
+        """`_stop_apis` once no engine will answer again (a crash loop at load): the API
+        processes first fail what waits on one, a 503 each rather than a reset."""
+        for api in self.apis:
+            if api.process.is_alive() and api.process.pid is not None and api.has_served():
+                os.kill(api.process.pid, ENGINE_GONE_ORDER)
+        return self._stop_apis(ENGINE_GONE_GRACE_S)
+
+    def _stop_apis(self, grace_s: float | None = None) -> list[int]:
         """Order each API process to drain what it accepted and wait for all; after
-        `grace_s`, if given, end the ones still running. With `engine_gone` (no engine will
-        answer again), they first fail what waits on one: a 503 each, not a reset."""
-        if engine_gone:
-            for api in self.apis:
-                if api.process.is_alive() and api.process.pid is not None and api.has_served():
-                    os.kill(api.process.pid, ENGINE_GONE_ORDER)
+        `grace_s`, if given, end the ones still running."""
         self._order_drain()
         ordered = time.monotonic()
         deadline = None if grace_s is None else ordered + grace_s

@@ -473,9 +473,7 @@ async def _engine(settings: ServerSettings, address: str, ready: Connection,
 
 
 async def _preload(registry: Registry, names: list[str], notes: LoadNotes) -> None:
-    """The start models, one at a time, each noted as its turn comes: a death names the
-    model that was loading, not those still to come (a review found them all named)."""
-    for name in dict.fromkeys(names):
-        notes.note(name)
-        await preload_models(registry, [name])
+    """The start models, each noted as its turn comes: a death names the model that was
+    loading, not those still to come (a review found them all named)."""
+    await preload_models(registry, names, starting=notes.note)
     notes.preloaded(names)
