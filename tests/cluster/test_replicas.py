@@ -65,8 +65,8 @@ def test_two_models_multiplexed_over_one_pool(ray_server: ServerProcess) -> None
 
 
 def test_a_loading_model_does_not_block_the_others(ray_server: ServerProcess) -> None:
-    """While a model takes seconds to load (torch, then its weights), requests for a
-    loaded model keep being answered, on every replica."""
+    """While a model loads (its weights, and torch if not yet imported), requests for a
+    loaded model keep being answered."""
     reference = SyntheticAdapter(dims=SYNTH_DIMS)
     with httpx.Client() as client, ThreadPoolExecutor(1) as pool:
         started = time.monotonic()
@@ -83,9 +83,11 @@ def test_a_loading_model_does_not_block_the_others(ray_server: ServerProcess) ->
         response = loading.result()
     assert response.status_code == 200, response.text
     assert len(vectors(response.json())[0]) == 384
-    # The load took seconds; requests of ~10 ms kept going all along it.
-    assert load_seconds > 1.0, load_seconds
-    assert answered_during_load >= 5, (answered_during_load, load_seconds)
+    # Requests of ~10-40 ms kept going all along the load. With torch already imported in
+    # the replica (the tests before this one load it), the load takes 0.4-0.6 s here (12
+    # answered in one of 0.58 s), seconds on a busier machine.
+    assert load_seconds > 0.25, load_seconds
+    assert answered_during_load >= 3, (answered_during_load, load_seconds)
 
 
 def test_a_replica_killed_under_load_loses_no_request(ray_server: ServerProcess) -> None:
@@ -243,7 +245,9 @@ def test_overload_is_refused_with_429_not_queued_without_bound(
     assert retry_after and "" not in retry_after, retry_after
     p99 = sorted(latencies)[int(0.99 * len(latencies))]
     # Measured here (2 cores), alone: p50 17-23 s, p99 20-27 s, Ray's proxy path being
-    # ~150 requests/s; beside the suite's other process, p99 46-69 s. The 429s above are
+    # ~150 requests/s; beside the suite's other process, p99 46-69 s, and in CI some bodies
+    # reached the ingress over 30 s late (reliability bug 21). 1,000 against caps of 256
+    # did not always overload the replicas: the path is slower than they. The 429s above are
     # the refusal; this bound, under the client's 120 s timeout, only says each answer came.
     assert p99 < 100, f"p99 {p99:.1f} s: overload queued instead of being refused ({statuses})"
 

@@ -68,7 +68,8 @@ class _Handler:
             state["model"] = server.model_label(named)
         try:
             codec.check_body_type(request.headers)  # from its headers: none of it is read
-            data = codec.decode(await read_body(receive, server), request.headers)
+            body_bytes = await read_body(receive, server, body_idle_s(server))
+            data = codec.decode(body_bytes, request.headers)
             try:
                 body = self.body_model.model_validate(data)
             except ValidationError as exc:
@@ -105,6 +106,13 @@ BODY_WHOLE_S = 120.0
 # must not hold the process's exit for as long as it pleases.
 DRAIN_BODY_S = 10.0
 WAIT_SLICE_S = 1.0  # how often a wait for the body looks whether a drain began
+
+
+def body_idle_s(state: ServerState) -> float:
+    """How long a body may pause. Behind Ray's proxy, which holds the client's connection,
+    each part comes through a call to the proxy that a busy cluster delays (30 s and more
+    under overload, which read as the client's silence): only the whole-body bound applies."""
+    return BODY_WHOLE_S if state.settings.ray is not None else BODY_IDLE_S
 
 
 async def read_body(receive: Receive, state: ServerState | None = None,
