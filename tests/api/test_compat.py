@@ -15,7 +15,16 @@ import pytest
 from ember.api import fields
 from ember.api.native import EncodeRequest
 from ember.logs import JsonFormatter
-from tests.api.conftest import MINILM, SPACY, SYNTH, AppFactory, Served, assert_error, encode_body
+from tests.api.conftest import (
+    MINILM,
+    SLOW,
+    SPACY,
+    SYNTH,
+    AppFactory,
+    Served,
+    assert_error,
+    encode_body,
+)
 
 
 @pytest.mark.parametrize("route, body, param", [
@@ -184,6 +193,19 @@ async def test_health_and_info(shared: Served) -> None:
     info = (await shared.client.get("/info")).json()
     assert info["model_id"] == SYNTH and info["max_client_batch_size"] == 2048
     assert "embedding" in info["model_type"]
+
+
+async def test_info_reports_the_token_budget_in_use(apps: AppFactory) -> None:
+    """Found by a review: /info reported the budget's cap, 16,384, where the server had
+    learned a smaller one from the model's slow forwards."""
+    async with apps.serve(default_model=SLOW) as served:
+        client = served.client
+        assert (await client.get("/info")).json()["max_batch_tokens"] == 16384  # nothing run
+        long = await client.post(f"/v1/encode/{SLOW}", json=encode_body("word " * 600))
+        assert long.status_code == 200, long.text  # 512 tokens in 300 ms: a slow device
+        windows = (await client.get(f"/v1/models/{SLOW}")).json()["dispatch"]["windows"]
+        info = (await client.get("/info")).json()
+    assert info["max_batch_tokens"] == windows["max_batch_tokens"] < 16384
 
 
 async def test_token_ids_need_a_tokenizer(apps: AppFactory) -> None:

@@ -145,12 +145,15 @@ async def info(request: Request) -> dict[str, Any]:
     await state.fresh_status()
     spec, loaded = state.registry.catalog[name], state.registry.info(name)
     kind = "embedding" if "encode" in spec.tasks else "reranker"
+    dispatch = state.registry.dispatch(name)  # the budget in use, learned or set
+    batch_tokens = (dispatch["windows"]["max_batch_tokens"] if dispatch is not None
+                    else settings.worker.batch_tokens)
     return {
         "model_id": name, "model_sha": None, "model_dtype": "float32",
         "model_type": {kind: {"pooling": spec.pooling} if kind == "embedding" else {}},
         "max_input_length": loaded.max_seq_length if loaded else spec.max_seq_length,
         "max_concurrent_requests": settings.worker.max_queue_items,
-        "max_batch_tokens": settings.worker.batch_tokens,
+        "max_batch_tokens": batch_tokens,
         "max_batch_requests": settings.worker.max_batch_items,
         "max_client_batch_size": settings.max_items_per_request,
         "auto_truncate": True, "tokenization_workers": max(settings.workers, 1),
