@@ -138,5 +138,5 @@ def ray_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(scope="session")
 def live_server(ray_server: ServerProcess) -> ServerProcess:
-    """The API tests' `live_server`, here the Ray deployment (tests/cluster/test_contract)."""
+    """The API tests' `live_server`, here the Ray deployment (tests/cluster/test_replicas.py)."""
     return ray_server

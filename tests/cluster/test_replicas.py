@@ -1,7 +1,17 @@
-"""Two engine replicas behind one ingress (`ember serve --ray --replicas 2`): traffic
-reaches both, two models share the pool and each request is answered by its own model, a
-loading model does not hold the others up, and a replica killed under load loses no
-request."""
+"""Two engine replicas behind one ingress (`ember serve --ray --replicas 2`): the API
+contract suite passes against it, traffic reaches both replicas, two models share the pool
+and each request is answered by its own model, a loading model does not hold the others
+up, and a replica killed under load loses no request.
+
+The contract suite is the end-to-end tests of tests/api/test_server_e2e.py (routes, clients
+nobody here wrote, errors, headers, msgpack), imported below with `live_server` being this
+deployment (tests/cluster/conftest.py); they run first. In this file, not one of its own,
+so that the suite's two processes do not each start a Ray deployment. Left out, with the
+reason: the metrics tests (the forwards' metrics live in each engine replica's process; the
+ingress's /metrics reports the HTTP side: docs/scaling.md), and the SIGTERM tests, which
+read those metrics and the one-process log (the drain on Ray has its own test,
+tests/cluster/test_autoscale_and_drain.py).
+"""
 
 from __future__ import annotations
 
@@ -18,8 +28,27 @@ import pytest
 
 from ember.adapters.synthetic import SyntheticAdapter
 from tests.api.conftest import BROKEN, BUSY, SLOW, SYNTH, encode_body, vectors
+from tests.api.test_server_e2e import (  # the contract suite, run here first
+    test_errors_and_headers_over_the_wire,
+    test_hf_inference_client_feature_extraction,
+    test_msgpack_over_the_wire,
+    test_native_routes,
+    test_openai_sdk_base64_matches_the_native_route,
+    test_openai_sdk_float_matches_the_native_route,
+    test_ready_health_docs,
+)
 from tests.cluster.conftest import LOADING, engine_replicas, replicas_of, wait_replicas
 from tests.live_server import ServerProcess
+
+__all__ = [
+    "test_errors_and_headers_over_the_wire",
+    "test_hf_inference_client_feature_extraction",
+    "test_msgpack_over_the_wire",
+    "test_native_routes",
+    "test_openai_sdk_base64_matches_the_native_route",
+    "test_openai_sdk_float_matches_the_native_route",
+    "test_ready_health_docs",
+]
 
 SYNTH_DIMS, BUSY_DIMS = 64, 16  # the catalog's ember/synthetic; tests/api's busy model
 
