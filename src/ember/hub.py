@@ -111,6 +111,12 @@ class Wanted:
         return patterns
 
 
+def let_requests_download(allowed: bool) -> None:
+    """From here on this process, and those it starts, download only what a request may
+    name, and that only if `allowed` (--allow-hub-models)."""
+    os.environ[ALLOW_ENV] = "1" if allowed else "0"
+
+
 def requests_may_download() -> bool:
     """Whether a request may name a Hub model the catalog lacks (--allow-hub-models)."""
     return os.environ.get(ALLOW_ENV, "").lower() in ("1", "true", "yes", "on")

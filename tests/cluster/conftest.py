@@ -126,8 +126,11 @@ def ray_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     server = start_ray_server(log, ["--replicas", "2", "--model-dir", str(model_dir),
                                     "--preload", SYNTH, "--preload", BUSY,
                                     "--max-items-per-request", "64",
-                                    # 1,024 requests a replica: 3,000 in flight overload two
-                                    "--max-queue-items", "1024"])
+                                    # 1,024 items a replica's queue, and Ray's cap of 512
+                                    # requests a replica before it: 2,700 in flight overload
+                                    # two, and Ray's router queue (64) fills
+                                    "--max-queue-items", "1024",
+                                    "--max-ongoing-requests", "512"])
     try:
         wait_replicas(server, 2, 60)
         yield server

@@ -60,6 +60,9 @@ def test_engine_options_follow_the_settings() -> None:
     (["--replicas", "0"], "must be 1 or more"),
     (["--max-ongoing-requests", "0"], "must be positive"),
     (["--max-queued-requests", "-1"], "must be positive"),
+    # Found by a review of the Ray path: the flag was ignored, or every model load failed.
+    (["--replicas", "3", "--max-replicas", "4"], "give one or the other"),
+    (["--device", "cuda:1"], "sees the GPU it was given as cuda:0; use --device cuda"),
 ])
 def test_bad_ray_flags_are_refused_before_ray_starts(
         flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,7 +17,7 @@ from fastapi import Request
 from ember.adapters.base import ModelInfo, TaskModel
 from ember.config import ModelSpec, ServerSettings
 from ember.engine import PreparedItem, RequestResult
-from ember.engine.errors import WorkerFailed
+from ember.engine.errors import QueueFull, WorkerFailed
 from ember.metrics import Metrics
 
 
@@ -127,15 +127,20 @@ class ServerState:
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = loop.create_task(self._refresh())
         done, _ = await asyncio.wait([self._refreshing], timeout=STATUS_TIMEOUT_S)
-        return bool(done) and self._refreshing.exception() is None
+        if not done:
+            return False
+        failure = self._refreshing.exception()
+        return failure is None or isinstance(failure, QueueFull)  # busy, not silent
 
     async def fresh_status(self) -> bool:
         """The registry's status read now, awaited at most STATUS_TIMEOUT_S; False: the
         engine did not answer in time, and the last status read stands (so a wedged
-        engine leaves /v1/models and /metrics a second late, not 30 s and a 503)."""
+        engine leaves /v1/models and /metrics a second late, not 30 s and a 503). On Ray a
+        status call shares the router's bounded queue with requests: refused while it is
+        full (QueueFull), the last status stands too, rather than a 429 for a scrape."""
         try:
             await asyncio.wait_for(self._refresh(), STATUS_TIMEOUT_S)
-        except (TimeoutError, WorkerFailed):
+        except (TimeoutError, WorkerFailed, QueueFull):
             return False
         return True
 

@@ -10,7 +10,7 @@ import logging
 from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from ember.engine import QueueFull, WorkerFailed
@@ -73,13 +73,22 @@ class RayEngineClient:
                 # Every replica is at its cap and the router's bounded queue is full: the
                 # same answer as Ember's own full queue, a 429 with Retry-After.
                 raise ReplicasFull(len(fields.get("items", ()))) from None
+            except DeploymentUnavailableError:
+                # No engine replica runs, nor will (the engine application failed to
+                # deploy, or was deleted): a 503 to retry, not a 500.
+                raise WorkerFailed(str(fields.get("model", "engine")), ReplicaLost(
+                    f"{op}: no engine replica is running (the engine application failed to "
+                    "deploy or was deleted)")) from None
             except Exception as exc:
                 if not replica_lost(exc):
                     raise
+                # An unreachable replica may still be running the call: it goes, not twice.
+                response.cancel()  # type: ignore[no-untyped-call]
                 if attempt == ATTEMPTS:
                     raise WorkerFailed(str(fields.get("model", "engine")),
-                                       ReplicaLost(f"{op}: two engine replicas died before "
-                                                   "answering")) from None
+                                       ReplicaLost(f"{op}: two engine replicas died or "
+                                                   "could not be reached before answering")
+                                       ) from None
                 log.warning("an engine replica died before answering %s (%s); sending it "
                             "to another replica", op, type(exc).__name__)
         if reply["op"] == "error":

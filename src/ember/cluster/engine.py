@@ -21,6 +21,7 @@ from typing import Any
 from ray import serve
 
 from ember.config import ServerSettings, load_catalog
+from ember.hub import let_requests_download
 from ember.ipc.calls import RegistryCalls
 from ember.ipc.wire import error_to_wire
 from ember.logs import configure_logging
@@ -39,6 +40,8 @@ class EmberEngine:
     async def __init__(self, settings: ServerSettings) -> None:  # type: ignore[misc]
         # Serve awaits an async constructor: the replica is running once this returns.
         configure_logging(settings)
+        if settings.allow_hub_models:  # a replica on another node has not inherited it
+            let_requests_download(True)
         self.settings = settings
         self.registry = Registry.serving(settings, load_catalog(settings.model_dirs,
                                                                 settings.model_paths))
@@ -57,6 +60,7 @@ class EmberEngine:
         # asks any replica, sees it loaded; a failure is logged, and its routes say why.
         for name in dict.fromkeys([settings.default_model, *settings.preload]):
             try:
+                await registry.get(name)
                 await self._resident(name)
             except Exception as exc:
                 log.error("could not preload %s: %s", name, exc)
@@ -74,6 +78,10 @@ class EmberEngine:
                       call: Callable[[dict[str, Any]], Awaitable[Reply]]) -> Reply:
         try:
             if "model" in message:
+                # The registry first: it loads models side by side and answers a failed
+                # one at once, where Ray's multiplexer loads one at a time (under a lock),
+                # so a call would wait out another model's load there.
+                await self.registry.get(message["model"])
                 await self._resident(message["model"])
             return {"op": "result", **(await call(message))}
         except Exception as exc:  # cancellation (the caller went away) propagates

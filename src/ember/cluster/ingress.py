@@ -16,6 +16,7 @@ from ember.api.app import create_app
 from ember.cluster.client import RayEngineClient
 from ember.cluster.engine import ENGINE
 from ember.config import ServerSettings, load_catalog
+from ember.hub import let_requests_download
 from ember.ipc.models import RemoteModels
 from ember.logs import configure_logging
 
@@ -47,6 +48,8 @@ class ProxyRequestId:
 class EmberIngress:
     def __init__(self, settings: ServerSettings, engine_app: str) -> None:
         configure_logging(settings)
+        if settings.allow_hub_models:  # a replica on another node has not inherited it
+            let_requests_download(True)
         self.settings = settings
         # The engine is an application of its own, so a drain can stop this one first.
         self.engine: DeploymentHandle[Any] = serve.get_deployment_handle(ENGINE, engine_app)
