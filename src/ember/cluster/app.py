@@ -1,12 +1,13 @@
 """The Ember applications for Ray Serve: the engine replicas, and the ingress over them.
 
-They are two applications, not one, for the drain: deleting the ingress first lets every
+They are two applications, not one, for the drain: stopping the ingress first lets every
 accepted HTTP request finish on engine replicas that are still running (Ray deletes the
 deployments of one application together, and a request still queued for an engine
 replica that is stopping would have nowhere to go); the engine goes second, each replica
 draining its workers. `ember serve --workers N` stops its processes in the same order.
 
-`build_engine`/`build_ingress` are what `ember serve --ray` runs; `engine(args)` and
+`build_engine`/`build_ingress` are what `ember serve --ray` runs (and `build_draining` the
+stand-in that takes the ingress's route in a drain: `ember.cluster.run`); `engine(args)` and
 `ingress(args)` are the same applications for a Serve config file (`serve run
 deploy/ray/ember.yaml`), `args` being `ember serve`'s settings by name.
 """
@@ -20,6 +21,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from ember.cluster.draining import DRAINING, EmberDraining
 from ember.cluster.engine import ENGINE, EmberEngine
 from ember.cluster.ingress import EmberIngress
 from ember.config import RaySettings, ServerSettings
@@ -83,6 +85,15 @@ def ingress_options(settings: ServerSettings) -> dict[str, Any]:
             "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
             "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
             "ray_actor_options": {"num_cpus": 0}}  # light next to the engines it feeds
+
+
+def build_draining(settings: ServerSettings) -> Application:
+    """The stand-in that holds the ingress's route while it drains (`draining.py`)."""
+    deployment = serve.deployment(name=DRAINING, num_replicas=1,
+                                  logging_config=logging_config(settings),
+                                  ray_actor_options={"num_cpus": 0})(EmberDraining)
+    application: Application = deployment.bind()
+    return application
 
 
 def build_engine(settings: ServerSettings) -> Application:

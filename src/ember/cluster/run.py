@@ -1,12 +1,14 @@
 """`ember serve --ray`: start a local Ray instance (or join the cluster at `--ray-address`),
 deploy the application, serve until a signal, then drain.
 
-Drain: the first SIGTERM, SIGINT or SIGHUP deletes the ingress application, then the engine's
-(`ember.cluster.app`). Ray stops each replica only once it holds no ongoing request
-(within `GRACEFUL_SHUTDOWN_S`): the ingress replicas answer every request they took, on
-engine replicas still running; then the engine replicas drain their workers. Everything
-accepted is answered. A second signal exits at once (a second SIGHUP is none: a closing
-terminal sends two).
+Drain: the first SIGTERM, SIGINT or SIGHUP puts a stand-in in the ingress's place
+(`ember.cluster.draining`: new requests get 503 with Retry-After, where deleting the
+application would leave Ray's proxy answering 404), waits for the ingress replicas to
+finish, then deletes the engine's application (`ember.cluster.app`). Ray stops each
+replica only once it holds no ongoing request (within `GRACEFUL_SHUTDOWN_S`): the ingress
+replicas answer every request they took, on engine replicas still running; then the
+engine replicas drain their workers. Everything accepted is answered. A second signal
+exits at once (a second SIGHUP is none: a closing terminal sends two).
 """
 
 from __future__ import annotations
@@ -21,13 +23,23 @@ from types import FrameType
 import ray
 from ray import serve
 
-from ember.cluster.app import APP, ENGINE_APP, build_engine, build_ingress
+from ember.cluster.app import (
+    APP,
+    ENGINE_APP,
+    GRACEFUL_SHUTDOWN_S,
+    INGRESS,
+    SHUTDOWN_POLL_S,
+    build_draining,
+    build_engine,
+    build_ingress,
+)
 from ember.config import RaySettings, ServerSettings
 from ember.ipc.lifeline import drain_on_stop_signals, repeated_hangup
 from ember.supervisor import listening_socket
 
 log = logging.getLogger("ember.cluster")
 EXTRA_SLOTS = 2  # logical CPUs of a local instance beyond one per engine replica
+REPLICA_ACTOR_PREFIX = "SERVE_REPLICA::"  # Serve's replica actors: <prefix><app>#<name>#<id>
 
 
 def local_cpus(ray_settings: RaySettings) -> int:
@@ -83,14 +95,39 @@ def serve_on_ray(settings: ServerSettings) -> int:
         while not stop.wait(1.0):
             pass
         started = time.monotonic()
-        serve.delete(APP)  # returns once every ingress replica answered what it took
-        serve.delete(ENGINE_APP)  # then every engine replica drains its workers
+        drain(settings)
         log.info("drained in %.2f s; exiting", time.monotonic() - started)
         return 0
     finally:
         if ray_settings.address is None:  # the instance is ours: take it down
             serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
+
+
+def drain(settings: ServerSettings) -> None:
+    """The ingress first, behind the stand-in, then the engine (the module's docstring)."""
+    try:
+        if not ingress_replicas():  # named otherwise by this Ray: no way to wait for them
+            raise LookupError("no ingress replica found by name")
+        serve.run(build_draining(settings), name=APP, route_prefix="/")
+        deadline = time.monotonic() + GRACEFUL_SHUTDOWN_S + SHUTDOWN_POLL_S
+        while ingress_replicas() and time.monotonic() < deadline:
+            time.sleep(SHUTDOWN_POLL_S)
+    except Exception as exc:  # the way without the stand-in: the same drain, with 404s
+        log.warning("draining without the stand-in (%s: %s): requests that arrive now get "
+                    "Ray's 404", type(exc).__name__, exc)
+        serve.delete(APP)  # returns once every ingress replica answered what it took
+    serve.delete(ENGINE_APP)  # then every engine replica drains its workers
+    if settings.ray is not None and settings.ray.address is not None:
+        serve.delete(APP)  # a cluster that goes on keeps nothing of ours; ours goes down
+
+
+def ingress_replicas() -> int:
+    """The ingress replicas still alive (the old ones, while they finish behind the
+    stand-in), by the actor names Serve gives them."""
+    prefix = f"{REPLICA_ACTOR_PREFIX}{APP}#{INGRESS}#"
+    return sum(actor["name"].startswith(prefix)
+               for actor in ray.util.list_named_actors(all_namespaces=True))
 
 
 def describe(ray_settings: RaySettings) -> str:
