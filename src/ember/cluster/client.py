@@ -53,6 +53,8 @@ class RayEngineClient:
     went away) cancels the call on the replica, whose worker drops the queued items (R9).
     """
 
+    one_queue = False  # each engine replica has its own: one's depth is not the pool's
+
     def __init__(self, handle: DeploymentHandle[Any]) -> None:
         self.handle = handle
 

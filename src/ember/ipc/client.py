@@ -91,6 +91,8 @@ class _Submit:
 class EngineClient:
     """One DEALER socket to the engine process; replies find their caller by id."""
 
+    one_queue = True  # the engine process's, which every API process's requests join
+
     def __init__(self, address: str, identity: str | None = None, *,
                  heartbeat_s: float = HEARTBEAT_S,
                  restart_wait_s: float = RESTART_WAIT_S) -> None:

@@ -38,7 +38,13 @@ def front_loader(family: str) -> FrontLoader:
 
 class EngineCalls(Protocol):
     """What the remote models need from their engine: `EngineClient` over ZeroMQ, or
-    `ember.cluster`'s client of the engine replicas on Ray."""
+    `ember.cluster`'s client of the engine replicas on Ray.
+
+    `one_queue`: whether every answer's queue depth is that of the one queue a model's
+    requests all join (one engine process), so that a fresh depth may refuse a request
+    before it is sent; on Ray it is one replica's of several, and refuses nothing here."""
+
+    one_queue: bool
 
     async def call(self, op: str, **fields: Any) -> dict[str, Any]: ...
 
@@ -62,7 +68,7 @@ class RemoteModel:
         which checks again on submit, decides."""
         if items > self.max_queue_items:
             raise RequestTooLarge(items, self.max_queue_items)
-        if time.monotonic() - self.pending_at <= FRESH_DEPTH_S:
+        if self.client.one_queue and time.monotonic() - self.pending_at <= FRESH_DEPTH_S:
             check_room(self.pending, items, self.max_queue_items)
 
     def note_pending(self, pending: int) -> None:
