@@ -370,27 +370,6 @@ def ray_settings_from(args: argparse.Namespace) -> RaySettings:
         num_cpus=args.ray_cpus)
 
 
-def check_ray(ray: RaySettings, device: str = "cpu") -> str | None:
-    """What is wrong with the Ray flags, and the device for Ray, if anything."""
-    low, high = ray.min_replicas, ray.max_replicas
-    if ray.replicas < 1 or (low is not None and low < 1) or (high is not None and high < 1):
-        return "--replicas, --min-replicas and --max-replicas must be 1 or more"
-    if ray.replicas != 1 and ray.autoscaling:
-        return (f"--replicas {ray.replicas} fixes the count of engine replicas, and "
-                "--min-replicas/--max-replicas autoscale it: give one or the other")
-    if device.startswith("cuda:") and device != "cuda:0":
-        # Ray gives each engine replica a GPU of its own, which the replica sees alone.
-        return (f"--device {device}: on Ray each engine replica sees the GPU it was given "
-                "as cuda:0; use --device cuda")
-    if low is not None and high is not None and low > high:
-        return f"--min-replicas {low} is over --max-replicas {high}"
-    counts = (ray.max_ongoing_requests, ray.max_queued_requests, ray.target_ongoing_requests)
-    if any(count is not None and count <= 0 for count in counts):
-        return ("--max-ongoing-requests, --max-queued-requests and --target-ongoing-requests "
-                "must be positive")
-    return None
-
-
 def serve(settings: ServerSettings) -> int:
     from ember.logs import configure_logging
 
@@ -531,7 +510,7 @@ def prefetch(settings: ServerSettings, catalog: dict[str, ModelSpec]) -> None:
 def serve_ray(settings: ServerSettings) -> int:
     """`--ray`: Ray is imported here only, so the default install never needs it."""
     assert settings.ray is not None
-    problem = check_ray(settings.ray, settings.device)
+    problem = settings.ray.problem(settings.device)
     if problem:
         log.error("%s", problem)
         return 2

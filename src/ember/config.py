@@ -649,6 +649,27 @@ passes every replica's cap waits in the router only up to a bound, then gets 429
     def autoscaling(self) -> bool:
         return self.min_replicas is not None or self.max_replicas is not None
 
+    def problem(self, device: str = "cpu") -> str | None:
+        """What is wrong with these settings, and with `device` on Ray, if anything."""
+        low, high = self.min_replicas, self.max_replicas
+        if self.replicas < 1 or (low is not None and low < 1) or (high is not None and high < 1):
+            return "--replicas, --min-replicas and --max-replicas must be 1 or more"
+        if self.replicas != 1 and self.autoscaling:
+            return (f"--replicas {self.replicas} fixes the count of engine replicas, and "
+                    "--min-replicas/--max-replicas autoscale it: give one or the other")
+        if device.startswith("cuda:") and device != "cuda:0":
+            # Ray gives each engine replica a GPU of its own, which the replica sees alone.
+            return (f"--device {device}: on Ray each engine replica sees the GPU it was "
+                    "given as cuda:0; use --device cuda")
+        if low is not None and high is not None and low > high:
+            return f"--min-replicas {low} is over --max-replicas {high}"
+        counts = (self.max_ongoing_requests, self.max_queued_requests,
+                  self.target_ongoing_requests)
+        if any(count is not None and count <= 0 for count in counts):
+            return ("--max-ongoing-requests, --max-queued-requests and "
+                    "--target-ongoing-requests must be positive")
+        return None
+
     def ongoing(self, max_queue_items: int) -> int:
         return self.max_ongoing_requests or max_queue_items
 

@@ -71,3 +71,14 @@ def test_the_kuberay_manifest_asks_a_gpu_for_each_engine_replica() -> None:
 def test_unknown_settings_in_a_config_file_are_refused() -> None:
     with pytest.raises(ValueError, match="max_replica"):
         build({"import_path": "ember.cluster.app:engine", "args": {"max_replica": 2}})
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"ray": {"min_replicas": 3, "max_replicas": 2}}, "--min-replicas 3 is over"),
+    ({"device": "cuda:1"}, "use --device cuda"),
+])
+def test_a_config_file_is_checked_as_the_flags_are(args: dict[str, Any], message: str) -> None:
+    """Found by a review of the Ray path: `ember serve --ray` refused these, a Serve config
+    file deployed them (a GPU index past 0 then failed every load)."""
+    with pytest.raises(ValueError, match=message):
+        build({"import_path": "ember.cluster.app:engine", "args": args})

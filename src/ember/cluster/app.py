@@ -124,8 +124,11 @@ def settings_from_args(args: dict[str, Any]) -> ServerSettings:
     if values.get("cache_dir") is not None:
         values["cache_dir"] = Path(values["cache_dir"])
     values["worker"] = WorkerConfig(**values.get("worker", {}))
-    values["ray"] = RaySettings(**values.get("ray", {}))
-    return ServerSettings(**values)
+    ray = values["ray"] = RaySettings(**values.get("ray", {}))
+    settings = ServerSettings(**values)
+    if (problem := ray.problem(settings.device)) is not None:  # as `ember serve` refuses
+        raise ValueError(f"Ember settings in the Serve config: {problem}")
+    return settings
 
 
 def engine(args: dict[str, Any]) -> Application:
