@@ -15,7 +15,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 from ember.adapters.base import EncodeOptions, ModelAdapter, Runtime, usable_cores
 from ember.config import ModelSpec, ServerSettings, load_catalog, parse_spec, spec_from_directory
 from ember.errors import ModelLoadError, ModelNotFound
-from ember.ipc.models import front_loader
+from ember.ipc.models import RemoteModels, front_loader
 from ember.registry import (
     LoadedModel,
     LoadFunction,
@@ -372,7 +372,7 @@ import sys, threading
 from pathlib import Path
 from ember.adapters.base import Runtime
 from ember.config import spec_from_directory
-from ember.ipc.models import front_loader
+from ember.ipc.models import RemoteModels, front_loader
 from ember.registry import adapter_loader
 
 folders = [Path(p) for p in sys.argv[1:]]
@@ -436,3 +436,37 @@ async def test_an_unknown_hub_id_says_how_this_server_would_serve_it(
         with pytest.raises(ModelNotFound) as found:
             await registry.get(name)
         assert "--allow-hub-models" not in str(found.value)
+
+
+async def test_a_familys_module_is_imported_off_the_event_loop() -> None:
+    """Found reading the loads for a review of the Ray path: the family's module was
+    imported on the event loop, and importing torch (1.6 s here) held every request of a
+    process that had not imported it yet (a spaCy default model, say). The loader, which
+    imports it, runs in a thread now, for the engine's models and an API process's fronts."""
+    loop_thread = threading.current_thread()
+    called_in: list[threading.Thread] = []
+
+    def recording_loader(family: str) -> LoadFunction:
+        called_in.append(threading.current_thread())
+        return adapter_loader(family)
+
+    class Loaded:
+        """An engine that has the model (the engine's side is the registry's, above)."""
+
+        one_queue = True
+
+        async def call(self, op: str, **fields: object) -> dict[str, object]:
+            return {}
+
+    registry = Registry(catalog(synthetic("a")), loader=recording_loader)
+    await registry.get("a")
+    await registry.close()
+
+    def recording_front_loader(family: str) -> Callable[[ModelSpec, Runtime], object]:
+        called_in.append(threading.current_thread())
+        return front_loader(family)
+
+    fronts = RemoteModels(catalog(synthetic("a")), Runtime(), Loaded(),  # type: ignore[arg-type]
+                          max_queue_items=8, loader=recording_front_loader)  # type: ignore[arg-type]
+    await fronts.get("a")
+    assert len(called_in) == 2 and loop_thread not in called_in

@@ -169,7 +169,8 @@ class RemoteModels(CatalogLookup):
 
     async def _load_front(self, spec: ModelSpec) -> RemoteModel:
         try:
-            adapter = await asyncio.to_thread(self.loader(spec.adapter), spec, self.runtime)
+            load = await asyncio.to_thread(self.loader, spec.adapter)  # imports: off the loop
+            adapter = await asyncio.to_thread(load, spec, self.runtime)
         except ModelLoadError:
             raise
         except Exception as exc:
