@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from sentence_transformers import SentenceTransformer
+from transformers import BertModel
 
 from ember.adapters import transformer
 from ember.adapters._similarity import Vector
@@ -33,6 +34,7 @@ from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
 from ember.ipc.batch import items_to_wire
 from tests.adapters.serving import ServeFactory
 from tests.adapters.tiny_models import (
+    bert_config,
     build_bi_encoder,
     build_lora,
     build_st_pipeline,
@@ -470,3 +472,21 @@ def test_a_folder_that_names_its_document_prompt_passage_gets_it_on_documents(
     # A spec's own document prompt still wins.
     spec = spec_for(directory, "transformer", ("encode",), prompts={"document": "doc: "})
     assert transformer.load(spec, ONNX).params(EncodeOptions()).prefix == "doc: "
+
+
+def test_a_lora_made_for_another_model_is_refused_in_one_line(
+        tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Found by a black-box review: a LoRA trained on a wider base failed the model's load
+    with 1,843 characters of torch's size mismatches, naming neither the LoRA nor its
+    folder."""
+    wider = tmp_path / "wider"
+    BertModel(bert_config(hidden_size=48)).save_pretrained(str(wider), safe_serialization=True)
+    stranger = build_lora(wider, tmp_path / "stranger", seed=3)
+    spec = spec_for(tiny_dirs["base"], "transformer", ("encode",),
+                    loras={"a": tiny_dirs["a"], "wrong": stranger})
+    with pytest.raises(ValueError) as caught:
+        transformer.load(spec, Runtime())
+    message = str(caught.value)
+    assert message.startswith(f"LoRA 'wrong' ({stranger}) was made for another model: "
+                              "size mismatch for "), message
+    assert "\n" not in message and len(message) < 400, message

@@ -15,6 +15,7 @@ import pytest
 from ember.api.errors import scrub
 from ember.engine import WorkerConfig
 from tests.api.conftest import (
+    BUSY,
     MINILM,
     SPACY,
     SYNTH,
@@ -110,6 +111,22 @@ async def test_unknown_lora(shared: Served, model: str) -> None:
     response = await shared.client.post(f"/v1/encode/{model}", json=body)
     error = assert_error(response, 422, "invalid_request", "params.options.lora")
     assert "legal" in error["message"]
+
+
+async def test_an_unknown_lora_loads_nothing(apps: AppFactory) -> None:
+    """Found by a black-box review: the model was loaded (evicting another one, in use)
+    before the name was refused. The model's entry lists its LoRAs: the name is checked
+    there first, on the score route too."""
+    async with apps.serve() as served:
+        for path, body in ((f"/v1/encode/{BUSY}", encode_body("x", options={"lora": "zz"})),
+                           (f"/v1/score/{BUSY}", {"query": {"text": "q"},
+                                                  "items": [{"text": "x"}],
+                                                  "options": {"lora": "zz"}})):
+            response = await served.client.post(path, json=body)
+            error = assert_error(response, 422, "invalid_request")
+            assert error["message"] == ("unknown LoRA 'zz'; known LoRAs: none (this model "
+                                        "has no LoRA adapters)"), error
+        assert served.registry.state(BUSY) == "available"  # not loaded
 
 
 @pytest.mark.parametrize(("body", "param"), [

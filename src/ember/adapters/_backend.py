@@ -22,7 +22,7 @@ import numpy.typing as npt
 import torch
 
 from ember.adapters import _torch as common
-from ember.adapters.base import Runtime
+from ember.adapters.base import Runtime, check_lora
 from ember.config import Backend, ModelSpec
 from ember.errors import ModelLoadError
 
@@ -92,7 +92,7 @@ class ForwardElsewhere:
         raise RuntimeError(NO_WEIGHTS)
 
     def check_lora(self, name: str | None, param: str = "params.options.lora") -> None:
-        common.check_lora(name, self.loras, param)
+        check_lora(name, self.loras, param)
 
     def memory_bytes(self) -> int:
         return 0

@@ -31,8 +31,7 @@ import numpy.typing as npt
 import onnxruntime as ort
 import torch
 
-from ember.adapters._torch import check_lora
-from ember.adapters.base import Runtime, default_onnx_threads
+from ember.adapters.base import Runtime, check_lora, default_onnx_threads
 from ember.config import ModelSpec
 from ember.errors import ModelLoadError
 

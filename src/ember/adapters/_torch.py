@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import warnings
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from ember.adapters.base import (
     Submit,
     TaskOutput,
     TokenSpan,
+    check_lora,
     default_threads,
     forward_fills_cores,
 )
@@ -112,13 +114,19 @@ def model_max_length(spec: ModelSpec, config: Any, tokenizer: Any,
     return int(limit)
 
 
-def check_lora(name: str | None, known: Sequence[str],
-               param: str = "params.options.lora") -> None:
-    """Refuse a request naming a LoRA this model does not have."""
-    if name is None or name in known:
-        return
-    names = ", ".join(known) if known else "none (this model has no LoRA adapters)"
-    raise InvalidInput(f"unknown LoRA {name!r}; known LoRAs: {names}", param)
+@contextmanager
+def fitting(name: str, path: Path) -> Iterator[None]:
+    """A LoRA made for another base fails in torch's words, a line per weight (1,800
+    characters for a tiny model): one line naming the LoRA and its folder instead."""
+    try:
+        yield
+    except RuntimeError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line]
+        if not lines:
+            raise
+        more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
+        raise ValueError(f"LoRA {name!r} ({path}) was made for another model: "
+                         f"{lines[0].rstrip('.')}{more}") from None
 
 
 class TorchForward:
@@ -159,14 +167,15 @@ class TorchForward:
                 raise FileNotFoundError(f"LoRA {name!r}: {path} is not a PEFT adapter "
                                         f"directory (no adapter_config.json)")
         first, *rest = self.loras
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), fitting(first, loras[first]):
             # peft 0.21 reads an attribute transformers 5 deprecated; nothing to act on.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing",
                                     category=FutureWarning)
             peft_model = PeftModel.from_pretrained(model, str(loras[first]),
                                                    adapter_name=first)
         for name in rest:
-            peft_model.load_adapter(str(loras[name]), adapter_name=name)
+            with fitting(name, loras[name]):
+                peft_model.load_adapter(str(loras[name]), adapter_name=name)
         self._peft = peft_model
         # The worker assumes the base is active until it first calls set_lora.
         self._peft.base_model.disable_adapter_layers()

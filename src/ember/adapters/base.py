@@ -31,6 +31,7 @@ import numpy.typing as npt
 
 from ember.config import ADAPTERS, Backend, ModelSpec, Spinning, resolve_source
 from ember.engine.types import PreparedItem, RequestResult
+from ember.errors import InvalidInput
 
 if TYPE_CHECKING:
     from ember.config import ServerSettings
@@ -253,6 +254,15 @@ def one_load_at_a_time(load: Callable[[ModelSpec, Runtime], LoadT]
         with _LOAD_LOCK:
             return load(spec, runtime)
     return serialized
+
+
+def check_lora(name: str | None, known: Sequence[str],
+               param: str = "params.options.lora") -> None:
+    """Refuse a request naming a LoRA this model does not have."""
+    if name is None or name in known:
+        return
+    names = ", ".join(known) if known else "none (this model has no LoRA adapters)"
+    raise InvalidInput(f"unknown LoRA {name!r}; known LoRAs: {names}", param)
 
 
 def family_loader(family: str, function: str) -> Callable[[ModelSpec, Runtime], Any]:

@@ -45,6 +45,7 @@ from ember.adapters.base import (
     Submit,
     Task,
     TaskOutput,
+    check_lora,
     combine,
 )
 from ember.config import ModelSpec, resolve_source
@@ -235,7 +236,7 @@ class ClipAdapter(common.TorchModel):
                           options: ScoreOptions) -> TaskOutput[list[float]]:
         self._require("score")
         common.require_items(len(inputs))
-        common.check_lora(options.lora, ())
+        check_lora(options.lora, ())
         where = ["query", *(f"items[{i}]" for i in range(len(inputs)))]
         items = await self._prepare([query, *inputs], options.truncate, where)
         result = await submit(items, ClipParams(True), None)
@@ -246,7 +247,7 @@ class ClipAdapter(common.TorchModel):
 
     async def encode(self, submit: Submit, texts: Sequence[str],
                      options: EncodeOptions) -> TaskOutput[list[Encoded]]:
-        common.check_lora(options.lora, ())
+        check_lora(options.lora, ())
         return await self.encode_items(submit, [ItemInput(text) for text in texts], options)
 
     async def score(self, submit: Submit, query: str, docs: Sequence[str],

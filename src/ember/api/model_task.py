@@ -14,7 +14,7 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.types import Message
 
-from ember.adapters.base import Encoded, EncodeOptions, TaskModel, TaskOutput
+from ember.adapters.base import Encoded, EncodeOptions, TaskModel, TaskOutput, check_lora
 from ember.api.errors import ApiError, ClientGone, RequestTimeout, as_api_error
 from ember.api.state import ServedModel, server_state
 from ember.config import ModelSpec
@@ -207,7 +207,8 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
                    items: int, field: str = "items", query: bool = False,
                    names: ParamNames | None = None,
                    fits: Callable[[ModelSpec], None] | None = None,
-                   truncate: str = "truncate to true") -> TaskOutput[T]:
+                   truncate: str = "truncate to true", lora: str | None = None
+                   ) -> TaskOutput[T]:
     """Run `call` on the named model under the server's timeout; record timing and metrics.
     `items` is how many inputs the request sent under `field` (its name for them, for the
     errors' `param`; `task` None: any model's, as the call checks, and no forward, so no
@@ -215,7 +216,8 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
     queued beside them (score, rerank); `names`: how
     the route names the other fields an error may point at, where its body moves them;
     `fits`: raises where the model's entry cannot serve the request as asked; `truncate`:
-    what a compatible route's client sets to have an over-long input cut."""
+    what a compatible route's client sets to have an over-long input cut; `lora`: the
+    LoRA the request names, checked against the model's entry before any load."""
     state = server_state(request)
     request.state.items = queued = items + query  # for the access log
     if not model_name:
@@ -227,6 +229,8 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
             raise UnsupportedTask(model_name, task, spec.tasks)
         if spec is not None and fits is not None:
             fits(spec)
+        if spec is not None:  # a typo must not load the model, nor evict one in use
+            check_lora(lora, tuple(spec.loras))
 
         async def served() -> TaskOutput[T]:
             async with state.registry.use(model_name) as model:

@@ -258,7 +258,7 @@ async def encode(model: str, body: EncodeRequest, request: Request) -> Response:
         check_dimensions(m, body.params)
         return cut_dense(m, await run(m, adapter), dims, options)
 
-    output = await run_task(request, model, "encode", forward, count)
+    output = await run_task(request, model, "encode", forward, count, lora=options.lora)
     dtype = body.params.output_dtype
     items = [with_id(item, encoded_wire(enc, dtype))
              for item, enc in zip(body.items, output.values, strict=True)]
@@ -308,7 +308,7 @@ async def score_output(model: str, body: ScoreRequest,
         options = score_options_of(body)
         return await run_task(request, model, "score", lambda m, a: image_model(
             a, model, where).score_items(m.submit, query, inputs, options), count, query=True,
-            names=options_names(body), fits=weighs(options))
+            names=options_names(body), fits=weighs(options), lora=options.lora)
     else:
         texts, query_text = texts_of(body.items), texts_of([body.query], "query")[0]
         check_inputs(request, texts, suffix=".text")
@@ -317,7 +317,7 @@ async def score_output(model: str, body: ScoreRequest,
         return await run_task(request, model, "score",
                               lambda m, a: a.score(m.submit, query_text, texts, options),
                               count, query=True, names=options_names(body),
-                              fits=weighs(options))
+                              fits=weighs(options), lora=options.lora)
 
 
 @router.post("/v1/extract/{model:path}", summary="Extract entities from items")
