@@ -17,6 +17,7 @@ from ember.adapters.base import (
     ModelInfo,
     Runtime,
     family_loader,
+    import_family,
 )
 from ember.config import (
     CatalogError,
@@ -318,9 +319,10 @@ class Registry(CatalogLookup):
             await self._make_room(spec.name)
             log.info("loading model %s (%s adapter) ...", spec.name, spec.adapter)
             started = time.monotonic()
-            # The family's module is imported in a thread too: torch alone takes seconds,
+            # The family's module is imported in a thread: torch alone takes seconds,
             # which on the loop would hold every request of the process.
-            load = await asyncio.to_thread(self._loader, spec.adapter)
+            await asyncio.to_thread(import_family, spec.adapter)
+            load = self._loader(spec.adapter)
             adapter = await asyncio.to_thread(load, spec, self.runtime)
             seconds = time.monotonic() - started
             memory = adapter.memory_bytes()

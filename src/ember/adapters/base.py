@@ -15,6 +15,7 @@ import threading
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -265,11 +266,17 @@ def check_lora(name: str | None, known: Sequence[str],
     raise InvalidInput(f"unknown LoRA {name!r}; known LoRAs: {names}", param)
 
 
+def import_family(family: str) -> ModuleType:
+    """A family's module, imported now if not yet: torch or spaCy only come into a process
+    that loads a model of a family needing them (seconds: a server imports it in a thread,
+    off its event loop)."""
+    return importlib.import_module(f"ember.adapters.{ADAPTERS[family]}")
+
+
 def family_loader(family: str, function: str) -> Callable[[ModelSpec, Runtime], Any]:
     """A family module's `function` (`load`, or `load_front` for an API process), one load
-    at a time. The module is imported now, so torch or spaCy only come into a process
-    that loads a model of a family needing them."""
-    module = importlib.import_module(f"ember.adapters.{ADAPTERS[family]}")
+    at a time; the module is imported now if not yet (`import_family`)."""
+    module = import_family(family)
     single_threaded_blas()  # a process that serves models leaves the cores to them
     return one_load_at_a_time(getattr(module, function))
 

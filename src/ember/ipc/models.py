@@ -19,6 +19,7 @@ from ember.adapters.base import (
     Runtime,
     TaskModel,
     family_loader,
+    import_family,
 )
 from ember.config import CatalogError, ModelSpec, spec_from_hub
 from ember.engine import PreparedItem, QueueFull, RequestResult, RequestTooLarge
@@ -169,8 +170,8 @@ class RemoteModels(CatalogLookup):
 
     async def _load_front(self, spec: ModelSpec) -> RemoteModel:
         try:
-            load = await asyncio.to_thread(self.loader, spec.adapter)  # imports: off the loop
-            adapter = await asyncio.to_thread(load, spec, self.runtime)
+            await asyncio.to_thread(import_family, spec.adapter)  # seconds: off the loop
+            adapter = await asyncio.to_thread(self.loader(spec.adapter), spec, self.runtime)
         except ModelLoadError:
             raise
         except Exception as exc:
