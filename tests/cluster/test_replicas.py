@@ -98,7 +98,6 @@ def test_a_loading_model_does_not_block_the_others(ray_server: ServerProcess) ->
     loaded model keep being answered."""
     reference = SyntheticAdapter(dims=SYNTH_DIMS)
     with httpx.Client() as client, ThreadPoolExecutor(1) as pool:
-        started = time.monotonic()
         loading = pool.submit(client.post, f"{ray_server.url}/v1/encode/{LOADING}",
                               json=encode_body("a model that loads slowly"), timeout=120)
         answered_during_load = 0
@@ -108,15 +107,12 @@ def test_a_loading_model_does_not_block_the_others(ray_server: ServerProcess) ->
                                        reference.vector(text), atol=1e-6)
             if not loading.done():
                 answered_during_load += 1
-        load_seconds = time.monotonic() - started
         response = loading.result()
     assert response.status_code == 200, response.text
     assert len(vectors(response.json())[0]) == 384
-    # Requests of ~10-40 ms kept going all along the load. With torch already imported in
-    # the replica (the tests before this one load it), the load takes 0.4-0.6 s here (12
-    # answered in one of 0.58 s), seconds on a busier machine.
-    assert load_seconds > 0.25, load_seconds
-    assert answered_during_load >= 3, (answered_during_load, load_seconds)
+    # Requests of ~10-40 ms kept going all along the load (0.4-0.6 s here, torch being
+    # imported in the replica by then: 12 answered in one of 0.58 s).
+    assert answered_during_load >= 3, answered_during_load
 
 
 def test_a_replica_killed_under_load_loses_no_request(ray_server: ServerProcess) -> None:

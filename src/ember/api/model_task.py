@@ -229,7 +229,8 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
             raise UnsupportedTask(model_name, task, spec.tasks)
         if spec is not None and fits is not None:
             fits(spec)
-        if spec is not None:  # a typo must not load the model, nor evict one in use
+        # A LoRA's name from the entry: a typo must not load the model, nor evict one.
+        if spec is not None and lora is not None:
             check_lora(lora, tuple(spec.loras))
 
         async def served() -> TaskOutput[T]:

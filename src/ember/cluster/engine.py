@@ -77,12 +77,13 @@ class EmberEngine:
     async def _answer(self, message: dict[str, Any],
                       call: Callable[[dict[str, Any]], Awaitable[Reply]]) -> Reply:
         try:
-            if "model" in message:
-                # The registry first: it loads models side by side and answers a failed
-                # one at once, where Ray's multiplexer loads one at a time (under a lock),
-                # so a call would wait out another model's load there.
-                await self.registry.get(message["model"])
-                await self._resident(message["model"])
+            if (model := message.get("model")) is not None:
+                # A model the registry lacks goes to it first: it answers a failed one at
+                # once, where Ray's multiplexer loads one at a time (under a lock), so a
+                # call would wait out another model's load there. A loaded one: no hop.
+                if self.registry.ready(model) is None:
+                    await self.registry.get(model)
+                await self._resident(model)
             return {"op": "result", **(await call(message))}
         except Exception as exc:  # cancellation (the caller went away) propagates
             return {"op": "error", "error": error_to_wire(exc)}

@@ -95,7 +95,7 @@ def serve_on_ray(settings: ServerSettings) -> int:
         while not stop.wait(1.0):
             pass
         started = time.monotonic()
-        drain(settings)
+        drain(settings, joined=ray_settings.address is not None)
         log.info("drained in %.2f s; exiting", time.monotonic() - started)
         return 0
     finally:
@@ -104,8 +104,9 @@ def serve_on_ray(settings: ServerSettings) -> int:
         ray.shutdown()
 
 
-def drain(settings: ServerSettings) -> None:
-    """The ingress first, behind the stand-in, then the engine (the module's docstring)."""
+def drain(settings: ServerSettings, joined: bool) -> None:
+    """The ingress first, behind the stand-in, then the engine (the module's docstring);
+    on a cluster we `joined`, which goes on, the stand-in goes too."""
     try:
         if not ingress_replicas():  # named otherwise by this Ray: no way to wait for them
             raise LookupError("no ingress replica found by name")
@@ -118,8 +119,8 @@ def drain(settings: ServerSettings) -> None:
                     "Ray's 404", type(exc).__name__, exc)
         serve.delete(APP)  # returns once every ingress replica answered what it took
     serve.delete(ENGINE_APP)  # then every engine replica drains its workers
-    if settings.ray is not None and settings.ray.address is not None:
-        serve.delete(APP)  # a cluster that goes on keeps nothing of ours; ours goes down
+    if joined:
+        serve.delete(APP)  # a local instance goes down with the stand-in in it
 
 
 def ingress_replicas() -> int:
