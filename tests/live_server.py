@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import httpx
 import psutil  # type: ignore[import-untyped]
@@ -135,12 +135,14 @@ def _each(processes: Sequence[psutil.Process], read: Callable[[psutil.Process], 
 
 
 def start_server(log: Path, args: Sequence[str], *, env: Mapping[str, str] | None = None,
-                 ready_timeout: float = 180, attempts: int = 3) -> ServerProcess:
-    """Start the server on a free port and return once /readyz answers 200 (another
+                 ready_timeout: float = 180, attempts: int = 3,
+                 until: Literal["ready", "listening"] = "ready") -> ServerProcess:
+    """Start the server on a free port and return once /readyz answers 200, or with
+    `until="listening"` once it says it listens, its models perhaps still loading (another
     port if the chosen one was taken in the meantime)."""
     for attempt in range(attempts):
         try:
-            return _start_once(log, args, env, ready_timeout)
+            return _start_once(log, args, env, ready_timeout, until)
         except PortTaken:
             if attempt == attempts - 1:
                 raise
@@ -152,7 +154,7 @@ class PortTaken(AssertionError):
 
 
 def _start_once(log: Path, args: Sequence[str], env: Mapping[str, str] | None,
-                ready_timeout: float) -> ServerProcess:
+                ready_timeout: float, until: Literal["ready", "listening"]) -> ServerProcess:
     port = free_port()
     argv = (sys.executable, "-m", "ember.cli", "serve", "--host", "127.0.0.1", "--port",
             str(port), *mode_args(args), *args)
@@ -169,11 +171,15 @@ def _start_once(log: Path, args: Sequence[str], env: Mapping[str, str] | None,
                     raise PortTaken(f"port {port} taken")
                 raise AssertionError(f"server exited with {process.returncode}\n"
                                      f"{text[-4000:]}")
-            try:
-                if httpx.get(f"{server.url}/readyz", timeout=5).status_code == 200:
+            if until == "listening":
+                if "Ember listening on" in server.log_text():
                     return server
-            except httpx.TransportError:
-                pass
+            else:
+                try:
+                    if httpx.get(f"{server.url}/readyz", timeout=5).status_code == 200:
+                        return server
+                except httpx.TransportError:
+                    pass
             if time.monotonic() > deadline:
                 raise AssertionError(f"server not ready in {ready_timeout} s\n"
                                      f"{server.log_text()[-4000:]}")

@@ -7,6 +7,7 @@ runs the API and reliability suites against it)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -70,6 +71,50 @@ def two_api_processes(tmp_path: Path) -> Iterator[ServerProcess]:
         time.sleep(0.1)
     yield server
     server.stop()
+
+
+SLOW_LOAD = "test/slow-load"
+
+
+def test_once_one_api_process_says_ready_every_one_does(tmp_path: Path) -> None:
+    """Found in CI: /readyz answered 200 from one API process, then 503 from the other,
+    whose engine status, read less than a second before the model loaded, still said
+    "loading". Probes from four clients land on both processes all through a 2 s load."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "slow-load.yaml").write_text(yaml.safe_dump({
+        "name": SLOW_LOAD, "adapter": "synthetic", "tasks": ["encode"],
+        "description": "synthetic test model whose weights take 2 s to load",
+        "options": {"dims": 8, "load_ms": 2000}}))
+    server = start_server(tmp_path / "server.log", ["--default-model", SLOW_LOAD,
+                                                    "--model-dir", str(models),
+                                                    "--workers", "2"], until="listening")
+    answers: list[tuple[float, float, int, str]] = []  # sent, answered, status, body
+    stop = [time.monotonic() + 120]
+
+    def probe() -> None:
+        with contextlib.suppress(httpx.TransportError):  # new connections: any process
+            while time.monotonic() < stop[0]:
+                sent = time.monotonic()
+                try:
+                    response = httpx.get(f"{server.url}/readyz", timeout=10)
+                except httpx.ConnectError:
+                    time.sleep(0.01)  # not accepting yet
+                    continue
+                answers.append((sent, time.monotonic(), response.status_code, response.text))
+                if response.status_code == 200:
+                    stop[0] = min(stop[0], time.monotonic() + 1.5)
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            for done in [pool.submit(probe) for _ in range(4)]:
+                done.result()
+    finally:
+        server.stop()
+    ready_at = min(answered for _, answered, status, _ in answers if status == 200)
+    later = [(status, body) for sent, _, status, body in answers if sent > ready_at]
+    assert len(later) >= 10 and any(status == 503 for *_, status, _ in answers), answers
+    assert all(status == 200 for status, _ in later), later
 
 
 def test_a_dead_api_process_is_replaced_and_service_goes_on(

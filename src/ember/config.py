@@ -43,8 +43,8 @@ FAMILY_OPTIONS: dict[str, tuple[str, ...]] = {
     "cross_encoder": ("activation",), "gliner": ("threshold", "labels", "flat_ner",
                                                  "multi_label"),
     "spacy": ("ner_only",),
-    "synthetic": ("overhead_ms", "per_token_us", "mode", "fault_marker", "test_crash_marker",
-                  *_ENCODING)}
+    "synthetic": ("overhead_ms", "per_token_us", "mode", "load_ms", "fault_marker",
+                  "test_crash_marker", *_ENCODING)}
 # An M3 model's two heads beside its encoder (FlagEmbedding's file names, less the suffix).
 M3_HEADS = ("sparse_linear", "colbert_linear")
 M3_WEIGHTS_EXAMPLE = "{dense: 0.4, sparse: 0.2, multivector: 0.4}"

@@ -4,7 +4,8 @@ It returns deterministic unit vectors derived from each text (and the active
 LoRA), and takes a forward time from a cost model,
 `overhead_ms + per_token_us * padded tokens` (padded tokens = items x longest),
 either sleeping (a GPU-like device that leaves the CPU free) or computing (a
-CPU-like device that keeps a core busy). A text containing `fault_marker`
+CPU-like device that keeps a core busy); `load_ms` is how long its weights take to load
+(the engine's load sleeps that long; a front half has no weights). A text containing `fault_marker`
 makes its whole forward raise, for fault-injection tests. TESTS ONLY: a model whose
 options set `test_crash_marker` ends the process that runs a forward holding a text
 that contains it (`os._exit`, as a native crash in a model would), so that the tests can
@@ -157,6 +158,11 @@ class SyntheticModel(SyntheticAdapter):
 
 
 def load(spec: ModelSpec, runtime: Runtime) -> SyntheticModel:
+    time.sleep(float(spec.options.get("load_ms", 0)) / 1e3)  # a big model's weights
+    return _model(spec)
+
+
+def _model(spec: ModelSpec) -> SyntheticModel:
     options = spec.options
     dims = int(options.get("dims", 64))
     cost = CostModel(float(options.get("overhead_ms", 2.0)),
@@ -173,4 +179,4 @@ def load(spec: ModelSpec, runtime: Runtime) -> SyntheticModel:
 def load_front(spec: ModelSpec, runtime: Runtime) -> SyntheticModel:
     """The request path: the synthetic model has no weights, so its front half is the
     whole model (in an API process its forwards still run in the engine process)."""
-    return load(spec, runtime)
+    return _model(spec)

@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ember import __version__
 from ember.api.errors import as_api_error, error_response
 from ember.api.images import IMAGE_FAMILIES
-from ember.api.state import STATUS_TIMEOUT_S, Models, server_state
+from ember.api.state import Models, server_state
 from ember.config import FAMILY_OUTPUTS, files_here
 from ember.errors import ModelNotFound
 from ember.outputs import DTYPES
@@ -30,18 +30,9 @@ async def healthz() -> dict[str, str]:
 @router.get("/health", summary="TEI's health check: /readyz by TEI's name")
 async def readyz(request: Request) -> JSONResponse:
     state = server_state(request)
-    default = state.settings.default_model
-    if state.draining:
-        return error_response(503, "unavailable", "draining before shutdown")
-    if not await state.recent_status():
-        return error_response(503, "not_ready", "the engine did not answer within "
-                              f"{STATUS_TIMEOUT_S:g} s")
-    if (now := state.registry.state(default)) != "loaded":
-        if now == "failed":
-            state.reload_in_background(default)
-        return error_response(503, "not_ready", f"default model {default!r} is not loaded "
-                              f"(state: {now})")
-    return JSONResponse({"status": "ready", "default_model": default})
+    if (why := await state.unready()) is not None:
+        return error_response(503, *why)
+    return JSONResponse({"status": "ready", "default_model": state.settings.default_model})
 
 
 STARTED = int(time.time())  # OpenAI's model objects carry a `created` time

@@ -117,6 +117,25 @@ class ServerState:
         if self.in_flight == 0:
             self.idle.set()
 
+    async def unready(self) -> tuple[str, str] | None:
+        """Why the server is not ready, as an error's type and message; None: it is. A
+        "not loaded" from a status read earlier is read again first: with several API
+        processes, another may have read "loaded" since, and a server must not say
+        "ready" through one process and "not ready" through the next."""
+        default = self.settings.default_model
+        if self.draining:
+            return "unavailable", "draining before shutdown"
+        read_before = self.status_at
+        if not await self.recent_status():
+            return "not_ready", f"the engine did not answer within {STATUS_TIMEOUT_S:g} s"
+        if self.registry.state(default) != "loaded" and self.status_at == read_before:
+            await self.fresh_status()
+        if (now := self.registry.state(default)) != "loaded":
+            if now == "failed":
+                self.reload_in_background(default)
+            return "not_ready", f"default model {default!r} is not loaded (state: {now})"
+        return None
+
     async def recent_status(self) -> bool:
         """The registry's status, at most STATUS_MAX_AGE_S old: one refresh shared by every
         caller, awaited at most STATUS_TIMEOUT_S. False: the engine did not answer in time

@@ -1,0 +1,57 @@
+"""The server's own state as API processes of one server read it from their engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from ember.adapters.base import Runtime
+from ember.api.state import ServerState
+from ember.config import ServerSettings, load_catalog
+from ember.ipc.client import EngineClient
+from ember.ipc.models import RemoteModels
+from ember.metrics import Metrics
+from tests.ipc.test_engine_process import start_engine, stop
+
+SLOW_LOAD = "test/slow-load"
+MODEL = f"""
+name: {SLOW_LOAD}
+description: synthetic test model whose weights take 0.6 s to load (not a real model)
+adapter: synthetic
+tasks: [encode]
+options: {{dims: 8, load_ms: 600}}
+"""
+
+
+def api_process_state(settings: ServerSettings, address: str, name: str) -> ServerState:
+    """What one API process of a server of several holds: its own view of the engine."""
+    models = RemoteModels(load_catalog(settings.model_dirs), Runtime.from_settings(settings),
+                          EngineClient(address, name), max_queue_items=8)
+    return ServerState(settings, models, Metrics())
+
+
+async def test_a_not_loaded_read_earlier_is_read_again_before_saying_not_ready(
+        tmp_path: Path) -> None:
+    """Found in CI: one API process answered /readyz 200, the next 503 from a status read
+    less than a second before, when the default model was still loading."""
+    address, engine = start_engine(tmp_path, MODEL)  # it loads its default model at once
+    settings = ServerSettings(default_model=SLOW_LOAD, model_dirs=(tmp_path,))
+    first, second = (api_process_state(settings, address, f"api-{i}") for i in range(2))
+    try:
+        assert await second.unready() == (
+            "not_ready", f"default model {SLOW_LOAD!r} is not loaded (state: loading)")
+        read_at = asyncio.get_running_loop().time()
+        deadline = time.monotonic() + 30
+        while first.registry.state(SLOW_LOAD) != "loaded":
+            assert time.monotonic() < deadline, "the engine did not load the model"
+            assert await first.fresh_status()
+            await asyncio.sleep(0.02)
+        assert await first.unready() is None
+        # The second's "loading" is still recent enough to be answered from, unread again:
+        assert asyncio.get_running_loop().time() - read_at < 1.0
+        assert await second.unready() is None
+    finally:
+        for state in (first, second):
+            await state.registry.close()
+        stop(engine)
