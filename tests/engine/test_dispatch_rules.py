@@ -482,11 +482,13 @@ async def test_results_come_back_in_each_requests_input_order() -> None:
 # R4 hold: the senders of a forward come back into one batch --------------------------
 
 async def staggered_clients(config: WorkerConfig, rounds: int = 4) -> list[int]:
-    """Four closed-loop clients, started 0.5 ms apart, each back 0-3 ms after its answer."""
+    """Four closed-loop clients, started 10 ms apart (0.5 ms was not enough on a loaded
+    machine: an event loop held up 1.5 ms saw all four at once), each back 0-3 ms after
+    its answer."""
     async with running(config, overhead_ms=80.0) as (worker, adapter):
 
         async def client(number: int) -> None:
-            await asyncio.sleep(0.0005 * number)
+            await asyncio.sleep(0.01 * number)
             for _ in range(rounds):
                 await (await worker.submit(items(2), "p"))
                 await asyncio.sleep(0.001 * number)  # the way back over the network
