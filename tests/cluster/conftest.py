@@ -76,17 +76,25 @@ def descendants(server: ServerProcess) -> list[psutil.Process]:
         return []
 
 
-def engine_replicas(server: ServerProcess) -> list[psutil.Process]:
-    """The live engine replica processes of this server's Ray instance."""
+def actors_titled(server: ServerProcess, title: str) -> list[psutil.Process]:
+    """The live Ray actor processes of this server whose title is `title`. Ray puts the
+    method an actor runs after its title while it runs (`<title>.check_health`): an
+    equality test missed a live replica once."""
     found = []
     for process in descendants(server):
         try:
-            if (process.status() != psutil.STATUS_ZOMBIE
-                    and process.cmdline()[:1] == [ENGINE_TITLE]):
+            name = process.cmdline()[:1]
+            if (name and (name[0] == title or name[0].startswith(f"{title}."))
+                    and process.status() != psutil.STATUS_ZOMBIE):
                 found.append(process)
         except psutil.Error:
             pass  # gone meanwhile
     return found
+
+
+def engine_replicas(server: ServerProcess) -> list[psutil.Process]:
+    """The live engine replica processes of this server's Ray instance."""
+    return actors_titled(server, ENGINE_TITLE)
 
 
 def wait_replicas(server: ServerProcess, count: int, timeout: float) -> None:

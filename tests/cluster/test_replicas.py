@@ -37,7 +37,13 @@ from tests.api.test_server_e2e import (  # the contract suite, run here first
     test_openai_sdk_float_matches_the_native_route,
     test_ready_health_docs,
 )
-from tests.cluster.conftest import LOADING, engine_replicas, replicas_of, wait_replicas
+from tests.cluster.conftest import (
+    LOADING,
+    actors_titled,
+    engine_replicas,
+    replicas_of,
+    wait_replicas,
+)
 from tests.live_server import ServerProcess
 
 __all__ = [
@@ -313,17 +319,8 @@ def test_a_killed_ingress_replica_is_replaced_and_the_server_serves_on(
     """The Ray counterpart of an API process's death: the requests that ingress replica
     held may fail with it (their connections went through it); Serve starts another, and
     every request after that is served."""
-    from tests.cluster.conftest import descendants
-
     def ingresses() -> list[int]:
-        found = []
-        for process in descendants(ray_server):
-            try:
-                if process.cmdline()[:1] == [INGRESS_TITLE]:
-                    found.append(process.pid)
-            except Exception:  # gone meanwhile
-                pass
-        return found
+        return [process.pid for process in actors_titled(ray_server, INGRESS_TITLE)]
 
     deadline = time.monotonic() + 60
     while len(found := ingresses()) != 1:  # one may still be starting on a loaded machine
