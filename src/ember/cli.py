@@ -9,8 +9,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import NoReturn, cast
 
@@ -28,6 +27,7 @@ from ember.config import (
     load_catalog,
     local_name,
     spinning_mode,
+    with_hub_models,
 )
 from ember.engine import WorkerConfig
 from ember.engine.config import DISPATCH_MODES, SettingError
@@ -438,39 +438,6 @@ def device_problem(device: str) -> str | None:
     if int(device.partition(":")[2] or 0) >= count:
         return f"--device {device}: this machine has {count} CUDA devices (cuda:0-{count - 1})"
     return None
-
-
-def with_hub_models(settings: ServerSettings,
-                    known: Mapping[str, ModelSpec]) -> ServerSettings:
-    """--default-model and --preload as a user means them: a folder given there is served
-    as if named by --model, under its catalog name (`local/<folder>`); a Hub id no YAML
-    describes is served as if named by --model; and a `local/` name is never a Hub id. So
-    every process of the server finds each in its catalog."""
-    given = {Path(p).expanduser().resolve() for p in settings.model_paths
-             if Path(p).expanduser().is_dir()}
-    named = {str(p) for p in settings.model_paths}
-
-    def folder(name: str) -> Path | None:
-        path = Path(name).expanduser()
-        return path if name not in known and path.is_dir() else None
-
-    def to_serve(name: str) -> Path | None:
-        """What --model would be given for `name`, where no --model or YAML gives it."""
-        if (path := folder(name)) is not None:
-            return None if path.resolve() in given else path
-        if name in known or name in named or hub_id(name) is None:
-            return None
-        return Path(name)
-
-    extra = [path for name in dict.fromkeys((settings.default_model, *settings.preload))
-             if (path := to_serve(name)) is not None]
-
-    def catalog_name(name: str) -> str:
-        return local_name(name) if folder(name) is not None else name
-
-    return replace(settings, default_model=catalog_name(settings.default_model),
-                   preload=tuple(catalog_name(name) for name in settings.preload),
-                   model_paths=(*settings.model_paths, *extra))
 
 
 def say_folders_named_as_hub_ids(model_paths: Iterable[Path | str]) -> None:

@@ -292,8 +292,7 @@ def test_hub_ids_in_model_default_model_and_preload_and_allow_hub_models() -> No
 
 
 def test_hub_ids_of_the_default_and_preloads_join_the_models_every_process_loads() -> None:
-    from ember.cli import with_hub_models
-    from ember.config import load_catalog
+    from ember.config import load_catalog, with_hub_models
 
     settings = with_hub_models(parse("--default-model", "org/default", "--preload",
                                      f"org/other,{SPACY}"), load_catalog())
@@ -305,8 +304,7 @@ def test_a_folder_is_a_default_or_preload_by_its_path_or_its_local_name(
     """Found by a black-box review: `--model /d/m3 --default-model local/m3` read local/m3
     as a Hub id that clashed with the folder, and `--default-model /d/m3` was not in the
     catalog; a folder could be the default model only through a YAML."""
-    from ember.cli import with_hub_models
-    from ember.config import load_catalog
+    from ember.config import load_catalog, with_hub_models
 
     first, second = tmp_path / "m3", tmp_path / "other"
     first.mkdir()

@@ -82,3 +82,19 @@ def test_a_config_file_is_checked_as_the_flags_are(args: dict[str, Any], message
     file deployed them (a GPU index past 0 then failed every load)."""
     with pytest.raises(ValueError, match=message):
         build({"import_path": "ember.cluster.app:engine", "args": args})
+
+
+def test_a_hub_id_or_a_folder_in_a_config_file_is_served_as_the_flags_serve_it(
+        tmp_path: Path) -> None:
+    """`ember serve --default-model org/name` serves a Hub id no YAML describes, and a
+    folder as `local/<folder>`; a Serve config file's `default_model` and `preload` left
+    both out of every replica's catalog."""
+    from ember.cluster.app import settings_from_args
+
+    folder = tmp_path / "my-encoder"
+    folder.mkdir()
+    settings = settings_from_args({"default_model": "org/new-encoder",
+                                   "preload": [str(folder)]})
+    assert settings.default_model == "org/new-encoder"
+    assert settings.preload == ("local/my-encoder",)
+    assert {str(path) for path in settings.model_paths} == {"org/new-encoder", str(folder)}

@@ -24,7 +24,7 @@ from ray.serve import Application
 from ember.cluster.draining import DRAINING, EmberDraining
 from ember.cluster.engine import ENGINE, EmberEngine
 from ember.cluster.ingress import EmberIngress
-from ember.config import RaySettings, ServerSettings
+from ember.config import RaySettings, ServerSettings, load_catalog, with_hub_models
 from ember.engine import WorkerConfig
 
 APP = "ember"  # the HTTP application (the ingress)
@@ -128,7 +128,8 @@ def settings_from_args(args: dict[str, Any]) -> ServerSettings:
     settings = ServerSettings(**values)
     if (problem := ray.problem(settings.device)) is not None:  # as `ember serve` refuses
         raise ValueError(f"Ember settings in the Serve config: {problem}")
-    return settings
+    # A Hub id or a folder as `default_model` or in `preload`, as `ember serve` takes it.
+    return with_hub_models(settings, load_catalog(settings.model_dirs))
 
 
 def engine(args: dict[str, Any]) -> Application:
