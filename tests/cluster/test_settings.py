@@ -78,3 +78,24 @@ def test_the_default_path_never_imports_ray() -> None:
     result = subprocess.run([sys.executable, "-c", probe], env=server_env(), cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_cpu_replicas_of_a_local_instance_share_its_cores() -> None:
+    """Each CPU engine replica defaulted to every core for its threads: four replicas on a
+    16-core machine ran 64 busy threads."""
+    pytest.importorskip("ray.serve", reason="the ray extra is not installed")
+    from ember.cluster.run import with_cores_shared
+
+    def threads(settings: ServerSettings) -> tuple[int | None, int | None]:
+        shared = with_cores_shared(settings, cores=16)
+        return shared.torch_threads, shared.onnx_threads
+
+    assert threads(ServerSettings(ray=RaySettings(replicas=4))) == (4, 4)
+    assert threads(ServerSettings(ray=RaySettings(min_replicas=1, max_replicas=3))) == (5, 5)
+    assert threads(ServerSettings(ray=RaySettings(replicas=32))) == (1, 1)
+    # Left alone: a flag's count, one replica, a GPU, and a cluster Ray places replicas on.
+    assert threads(ServerSettings(ray=RaySettings(replicas=4), torch_threads=2)) == (2, 4)
+    assert threads(ServerSettings(ray=RaySettings(replicas=1))) == (None, None)
+    assert threads(ServerSettings(ray=RaySettings(replicas=4), device="cuda")) == (None, None)
+    assert threads(ServerSettings(ray=RaySettings(replicas=4, address="10.0.0.1:6379"))) == (
+        None, None)

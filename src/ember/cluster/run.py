@@ -18,11 +18,13 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from types import FrameType
 
 import ray
 from ray import serve
 
+from ember.adapters.base import usable_cores
 from ember.cluster.app import (
     APP,
     ENGINE_APP,
@@ -52,6 +54,22 @@ def local_cpus(ray_settings: RaySettings) -> int:
     return max(os.cpu_count() or 1, most + EXTRA_SLOTS)
 
 
+def with_cores_shared(settings: ServerSettings, cores: int) -> ServerSettings:
+    """On a local instance, CPU engine replicas share the machine's cores: each takes an
+    equal share of them for torch's and ONNX Runtime's threads, for as many replicas as
+    may run, unless a flag sets the threads (each defaulted to every core, so N replicas
+    ran N times as many busy threads as there are cores). On a cluster Ray places the
+    replicas, so each keeps its node's default."""
+    ray_settings = settings.ray or RaySettings()
+    most = max(ray_settings.replicas, ray_settings.max_replicas or 0,
+               ray_settings.min_replicas or 0)
+    if ray_settings.address is not None or settings.device != "cpu" or most <= 1:
+        return settings
+    share = max(1, cores // most)
+    return replace(settings, torch_threads=settings.torch_threads or share,
+                   onnx_threads=settings.onnx_threads or share)
+
+
 def start_ray(ray_settings: RaySettings) -> None:
     if ray_settings.address is None:
         # Local: no dashboard; the replicas inherit this environment. (Ray's own ports
@@ -64,6 +82,7 @@ def start_ray(ray_settings: RaySettings) -> None:
 
 def serve_on_ray(settings: ServerSettings) -> int:
     ray_settings = settings.ray or RaySettings()
+    settings = with_cores_shared(settings, usable_cores())
     # Ray's proxy binds the port later; a taken one is one line and exit code 1 now.
     if (sock := listening_socket(settings)) is None:
         return 1
