@@ -79,13 +79,14 @@ SLOW_LOAD = "test/slow-load"
 def test_once_one_api_process_says_ready_every_one_does(tmp_path: Path) -> None:
     """Found in CI: /readyz answered 200 from one API process, then 503 from the other,
     whose engine status, read less than a second before the model loaded, still said
-    "loading". Probes from four clients land on both processes all through a 2 s load."""
+    "loading". Probes from four clients land on both processes all through a 5 s load
+    (it begins as the server starts; API processes take 1-3 s to serve)."""
     models = tmp_path / "models"
     models.mkdir()
     (models / "slow-load.yaml").write_text(yaml.safe_dump({
         "name": SLOW_LOAD, "adapter": "synthetic", "tasks": ["encode"],
-        "description": "synthetic test model whose weights take 2 s to load",
-        "options": {"dims": 8, "load_ms": 2000}}))
+        "description": "synthetic test model whose weights take 5 s to load",
+        "options": {"dims": 8, "load_ms": 5000}}))
     server = start_server(tmp_path / "server.log", ["--default-model", SLOW_LOAD,
                                                     "--model-dir", str(models),
                                                     "--workers", "2"], until="listening")
