@@ -16,7 +16,9 @@ from PIL import Image
 from transformers import AutoProcessor
 
 from ember.adapters._images import (
+    MAX_JPEG_SCANS,
     MAX_PIXELS,
+    WHOLE_RESIZE_PIXELS,
     ImageInput,
     Preprocessor,
     decode,
@@ -162,6 +164,23 @@ def test_a_decompression_bomb_is_refused_from_its_header() -> None:
     assert time.monotonic() - started < 5  # refused, not decoded (10^10 pixels)
 
 
+def jpeg_of_scans(repeats: int) -> bytes:
+    """A progressive JPEG whose last scan comes `repeats` times more: libjpeg decodes the
+    whole image once per scan, so a small file of thousands of scans took seconds a
+    thousand (found by a black-box review)."""
+    data = encoded(picture(64, 48), "JPEG", progressive=True)
+    last = data.rindex(b"\xff\xda")
+    return data[:-2] + data[last:-2] * repeats + b"\xff\xd9"
+
+
+def test_a_jpeg_of_too_many_scans_is_refused_before_it_is_decoded() -> None:
+    ordinary = decode(ImageInput(jpeg_of_scans(0)), "x")  # a progressive photo: 10 scans
+    assert ordinary.size == (64, 48)
+    error = refusal(jpeg_of_scans(MAX_JPEG_SCANS))
+    assert f"over the limit of {MAX_JPEG_SCANS}" in error.message and "scans" in error.message
+    assert error.param == "items[2].images[0].data"
+
+
 # -- preprocessing ----------------------------------------------------------------------
 
 
@@ -201,3 +220,43 @@ def test_preprocessing_reads_real_checkpoint_settings() -> None:
     mine = Preprocessor.from_config(config, "clip")
     pixels = mine(picture(640, 480))
     assert pixels.shape == (3, 224, 224) and mine.output_size == (224, 224)
+
+
+def test_a_strip_is_resized_only_where_the_crop_keeps_it(
+        model_dir: tuple[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a black-box review: a 99-byte PNG of 1 x 5,000 pixels, resized whole to a
+    shortest edge of 224, made 224 x 1,120,000 pixels and took 2.9 GB. Past
+    WHOLE_RESIZE_PIXELS only what the center crop keeps is resized, and it is what the
+    checkpoint's own processor gives (within a level of a pixel: Pillow may take its two
+    passes the other way round)."""
+    kind, folder = model_dir
+    processor = AutoProcessor.from_pretrained(str(folder))
+    mine = Preprocessor.from_directory(folder, kind)
+    made: list[int] = []
+    resize = Image.Image.resize
+
+    def recorded(image: Image.Image, size: tuple[int, int], *args: object,
+                 **kwargs: object) -> Image.Image:
+        made.append(size[0] * size[1])
+        return resize(image, size, *args, **kwargs)  # type: ignore[arg-type]
+
+    for index, (width, height) in enumerate([(1, 20_000), (20_000, 3), (60, 19_000)]):
+        source = picture(width, height, seed=index)
+        want = processor(images=source, return_tensors="np")["pixel_values"][0]
+        with monkeypatch.context() as patch:
+            patch.setattr(Image.Image, "resize", recorded)
+            got = mine(source)
+        assert got.shape == want.shape
+        assert np.abs(got - want).max() <= 1.01 / 255 / min(mine.std or (1.0,)), (
+            kind, width, height)
+    assert max(made) <= WHOLE_RESIZE_PIXELS
+
+
+def test_a_strip_a_model_would_take_whole_is_refused() -> None:
+    """A checkpoint that resizes the shortest edge and crops nothing takes the whole
+    resized image: one of an absurd aspect ratio is refused, not made."""
+    mine = Preprocessor.from_config({"do_center_crop": False}, "clip")
+    with pytest.raises(InvalidInput) as refused:
+        mine(picture(1, 20_000), "items[0].images[0]")
+    assert "resized to 224 x 4480000" in refused.value.message
+    assert refused.value.param == "items[0].images[0].data"

@@ -278,6 +278,27 @@ async def test_models_and_routes_without_images_refuse_them(app: Served) -> None
     assert ok.status_code == 200
 
 
+async def test_an_images_data_uri_sent_as_text_is_refused_on_every_route(app: Served) -> None:
+    """Found by a black-box review: only OpenAI's route refused it; the others embedded
+    the base64 as text. The model refuses it now, so every route does, naming its field."""
+    uri = "data:image/png;base64," + b64(IMAGES[0])
+    for route, body, param in (
+            (f"/v1/encode/{CLIP}", {"items": [{"text": "a"}, {"text": uri}]}, "items[1].text"),
+            (f"/v1/score/{CLIP}", {"query": {"text": uri}, "items": [{"text": "a"}]},
+             "query.text"),
+            (f"/v1/score/{CLIP}", {"query": {"text": "a"}, "items": [{"text": uri}]},
+             "items[0].text"),
+            ("/v2/embed", {"model": CLIP, "input_type": "search_document",
+                           "texts": ["a", uri], "embedding_types": ["float"]}, "texts[1]"),
+            ("/v1/embeddings", {"model": CLIP, "input": ["a cat", uri]}, "input[1]"),
+            ("/v2/rerank", {"model": CLIP, "query": "a", "documents": [uri]}, "documents[0]")):
+        error = assert_error(await app.client.post(route, json=body), 422, "invalid_request",
+                             param)
+        assert "data URI" in error["message"] and f"/v1/encode/{CLIP}" in error["message"]
+    ok = await app.client.post(f"/v1/encode/{TEXT_MODEL}", json={"items": [{"text": uri}]})
+    assert ok.status_code == 200  # a text model's text, whatever it says
+
+
 async def test_cohere_embed_takes_image_data_uris(app: Served,
                                                    clip_dir: tuple[Path, Path]) -> None:
     _, want = reference(clip_dir[0], ["x"], IMAGES[:2])

@@ -30,6 +30,13 @@ from ember.model_files import read_model_json
 # 40 megapixels (e.g. 8000 x 5000) decode to 120 MB of RGB; beyond it a request is refused.
 MAX_PIXELS = 40_000_000
 MAX_SIDE = 20_000  # a 1 x 40M strip is no photo either
+# A progressive JPEG is decoded once per scan, and nothing in libjpeg bounds their count: a
+# 700 KB file of 20,000 repeated scans took 25 s. Real files have about 10.
+MAX_JPEG_SCANS = 100
+START_OF_SCAN = b"\xff\xda"  # 0xFF in the entropy-coded data is always stuffed: a marker
+# Resized whole up to this many pixels, as the image processors do it; past it (a strip of
+# an absurd aspect ratio: 1 x 2,000 resizes to 224 x 448,000), only what the crop keeps.
+WHOLE_RESIZE_PIXELS = 4_000_000
 ORIENTATION = 0x0112  # the EXIF tag
 # Pillow's own guard, as a second line behind the header check below.
 Image.MAX_IMAGE_PIXELS = MAX_PIXELS
@@ -109,6 +116,10 @@ def decode(image: ImageInput, param: str) -> Image.Image:
             width, height = opened.size  # from the header: nothing is decoded yet
             if width * height > MAX_PIXELS or max(width, height) > MAX_SIDE:
                 raise too_large(f"{width} x {height} pixels", param)
+            if found == "jpeg" and (scans := image.data.count(START_OF_SCAN)) > MAX_JPEG_SCANS:
+                raise InvalidInput(f"the jpeg image has {scans:,} scans, over the limit of "
+                                   f"{MAX_JPEG_SCANS} (a photo has about 10); save it again "
+                                   "as a baseline jpeg", f"{param}.data")
             opened.seek(0)  # an animated GIF or WebP: its first frame
             opened.load()
             # Upright as it is shown: a phone photo is stored sideways with an EXIF
@@ -124,6 +135,11 @@ def decode(image: ImageInput, param: str) -> Image.Image:
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise InvalidInput(f"the {found} image could not be decoded ({_reason(exc)}): it "
                            "is corrupt or truncated", f"{param}.data") from None
+
+
+def is_image_data_uri(value: str) -> bool:
+    """A string that is an image's data URI (what a text-only route would embed as text)."""
+    return value.startswith("data:image/")
 
 
 def upright(image: Image.Image) -> Image.Image:
@@ -226,13 +242,13 @@ class Preprocessor:
             return self.height, self.width
         return None
 
-    def __call__(self, image: Image.Image) -> Pixels:
+    def __call__(self, image: Image.Image, param: str = "images[0]") -> Pixels:
         width, height = image.size
         if self.shortest_edge is not None:
             short, long = (width, height) if width <= height else (height, width)
             new_short, new_long = self.shortest_edge, int(self.shortest_edge * long / short)
             size = (new_short, new_long) if width <= height else (new_long, new_short)
-            image = image.resize(size, resample=Image.Resampling(self.resample))
+            image = self._resize(image, size, param)
         elif self.height and self.width:
             image = image.resize((self.width, self.height),
                                  resample=Image.Resampling(self.resample))
@@ -249,6 +265,30 @@ class Preprocessor:
             std = np.array(self.std, dtype=np.float32)[:, None, None]
             pixels = ((pixels - mean) / std).astype(np.float32)
         return np.ascontiguousarray(pixels)
+
+
+    def _resize(self, image: Image.Image, size: tuple[int, int], param: str) -> Image.Image:
+        """`image` resized to `size` (width, height). Past WHOLE_RESIZE_PIXELS, only the
+        part the center crop keeps is made, a pass a side: each kept pixel is computed
+        from the same source pixels with the same weights as in the whole resize."""
+        resample = Image.Resampling(self.resample)
+        if size[0] * size[1] <= WHOLE_RESIZE_PIXELS:
+            return image.resize(size, resample=resample)
+        if self.crop is None:  # the model takes the whole resized image
+            if size[0] * size[1] > MAX_PIXELS:
+                raise InvalidInput(f"image of {image.width} x {image.height} pixels would be "
+                                   f"resized to {size[0]} x {size[1]}, over the limit of "
+                                   f"{MAX_PIXELS:,} pixels; send an image of a usual aspect "
+                                   "ratio", f"{param}.data")
+            return image.resize(size, resample=resample)
+        (crop_height, crop_width), (width, height) = self.crop, image.size
+        keep_width, keep_height = min(crop_width, size[0]), min(crop_height, size[1])
+        left, top = (size[0] - keep_width) // 2, (size[1] - keep_height) // 2
+        x_scale, y_scale = width / size[0], height / size[1]
+        columns = image.resize((keep_width, height), resample=resample, box=(
+            left * x_scale, 0, (left + keep_width) * x_scale, height))
+        return columns.resize((keep_width, keep_height), resample=resample, box=(
+            0, top * y_scale, keep_width, (top + keep_height) * y_scale))
 
 
 def center_crop(array: npt.NDArray[Any], height: int, width: int) -> npt.NDArray[Any]:

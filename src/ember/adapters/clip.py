@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ember.adapters import _torch as common
 from ember.adapters._backend import ForwardElsewhere, choose_backend
-from ember.adapters._images import ItemInput, Preprocessor, decode
+from ember.adapters._images import ItemInput, Preprocessor, decode, is_image_data_uri
 from ember.adapters._similarity import cosine
 from ember.adapters._tokenize import TextTokenizer, id_rows, off_loop, pool
 from ember.adapters.base import (
@@ -179,7 +179,8 @@ class ClipAdapter(common.TorchModel):
     def prepare_image(self, item: ItemInput, index: int, where: str) -> PreparedItem:
         """An item's image, decoded and preprocessed: pixels at the vision tower's cost."""
         image = decode(item.images[0], f"{where}.images[0]")
-        return PreparedItem(self.preprocess(image), self.image_cost, index)
+        return PreparedItem(self.preprocess(image, f"{where}.images[0]"), self.image_cost,
+                            index)
 
     def check(self, inputs: Sequence[ItemInput], where: Sequence[str]) -> None:
         """One vector an item: a text, or one image (never both)."""
@@ -193,6 +194,12 @@ class ClipAdapter(common.TorchModel):
                                    "image", f"{param}.images")
             if not item.images and item.text is None:
                 raise InvalidInput("an item needs text or an image", f"{param}.text")
+            if not item.images and is_image_data_uri(item.text or ""):
+                raise InvalidInput(  # else the vector of a string of base64
+                    f"this text is an image's data URI, which model {self.spec.name!r} "
+                    "would embed as the text it is; send the image as an image: "
+                    f"POST /v1/encode/{self.spec.name} with items[].images, or /v2/embed "
+                    "with Cohere's images", f"{param}.text")
 
     async def _prepare(self, inputs: Sequence[ItemInput], truncate: bool,
                        where: Sequence[str]) -> list[PreparedItem]:

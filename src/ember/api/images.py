@@ -140,11 +140,6 @@ def image_model(adapter: TaskModel, name: str, param: str) -> ImageModel:
     raise refusal(name, param)
 
 
-def is_image_data_uri(value: str) -> bool:
-    """A string that is an image's data URI (what a text-only route would embed as text)."""
-    return value.startswith("data:image/")
-
-
 # Cohere's image data URIs: data:image/png;base64,....
 def data_uri(value: str, param: str) -> ImageInput:
     head, comma, payload = value.partition(",")

@@ -31,7 +31,6 @@ from ember.adapters._tokenize import first_outside_rows
 from ember.adapters.base import Encoded, EncodeOptions, TaskModel, TaskOutput
 from ember.api.codec import render
 from ember.api.errors import ApiError
-from ember.api.images import IMAGE_FAMILIES, is_image_data_uri
 from ember.api.model_task import (
     CUT_HELP,
     check_count,
@@ -147,18 +146,6 @@ def images_elsewhere(model: str) -> str:
         "(Cohere's images)"
 
 
-def refuse_images(model: ServedModel, texts: list[str]) -> None:
-    """An image model would embed a data URI sent here as the text it is: say where images
-    go instead of answering with the vector of a string of base64."""
-    if model.spec.adapter not in IMAGE_FAMILIES:
-        return
-    for index, text in enumerate(texts):
-        if is_image_data_uri(text):
-            raise ApiError(422, "invalid_request", "/v1/embeddings embeds text, and this is an "
-                           f"image's data URI; {images_elsewhere(model.spec.name)}",
-                           f"input[{index}]")
-
-
 @router.post("/v1/embeddings", summary="OpenAI-compatible embeddings")
 async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
     model = requested_model(request, body)
@@ -179,7 +166,6 @@ async def embeddings(body: EmbeddingsRequest, request: Request) -> Response:
         require_dense(m, "/v1/embeddings", body.dimensions)
         side = replace(embeddings_side(m), truncate=body.truncate)
         if rows is None:
-            refuse_images(m, texts)
             output = await adapter.encode(m.submit, texts, side)
         else:
             encode_ids = getattr(adapter, "encode_ids", None)
