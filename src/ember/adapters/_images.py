@@ -172,7 +172,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
     convert-to-RGB does); 16-bit gray scaled to 8 bits first (Pillow's conversion clips
     it: every value past 255 would become white)."""
     if image.mode.startswith("I;16") or image.mode == "I":
-        wide = np.asarray(image).astype(np.int64)
+        wide = np.asarray(image).astype(np.int32)  # I;16 and I fit: half of int64's memory
         image = Image.fromarray((np.clip(wide, 0, 65535) >> 8).astype(np.uint8), "L")
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
