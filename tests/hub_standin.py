@@ -62,6 +62,8 @@ class HubStandIn:
         self.refused: dict[str, int] = {}
         # Repositories whose weights come this many seconds late (a large download).
         self.slow: dict[str, float] = {}
+        # Repositories whose files answer this status (a Hub failing mid-download).
+        self.failing: dict[str, int] = {}
         self._lock = threading.Lock()
         self._etags: dict[Path, str] = {}
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -199,6 +201,9 @@ class HubStandIn:
                 if not (found[1] / name).is_file() or ".." in name:
                     return self._json({"error": "Entry not found"}, 404, "EntryNotFound")
                 sha, folder = found
+                if repo in hub.failing:
+                    return self._json({"error": "internal detail the client must not see"},
+                                      hub.failing[repo])
                 if body and name.endswith(".safetensors") and repo in hub.slow:
                     time.sleep(hub.slow[repo])
                 data = (folder / name).read_bytes()

@@ -632,3 +632,224 @@ print(json.dumps({{"adapter": spec.adapter, "entities": [
     assert result["adapter"] == "gliner" and found and set(found) == {"city"}
     assert standin.gets("model.safetensors") == weights_before + 1  # the GLiNER's own only
     assert (tmp_path / "hf" / "hub" / f"models--{TINY.replace('/', '--')}").is_dir()
+
+
+LOAD_GLINER = """
+import json
+from ember.adapters.base import Runtime
+from ember.adapters.gliner import load
+from ember.config import CatalogError, load_catalog
+from ember.errors import ModelLoadError
+try:
+    spec = load_catalog(model_paths=[{repo!r}])[{repo!r}]
+    load(spec, Runtime(backend="torch"))
+    print(json.dumps({{"loaded": True}}))
+except (CatalogError, ModelLoadError, FileNotFoundError) as exc:
+    print(json.dumps({{"error": str(exc)}}))
+"""
+
+
+def hostile_gliner(standin: HubStandIn, root: Path, repo: str, **config: object) -> None:
+    """The test GLiNER with `config` over its gliner_config.json, served as `repo`."""
+    from shutil import copytree
+
+    [source] = standin.repos[GLINER].commits.values()
+    folder = copytree(source, root / repo.replace("/", "--"))
+    fields = json.loads((folder / "gliner_config.json").read_text())
+    (folder / "gliner_config.json").write_text(json.dumps({**fields, **config}))
+    standin.add(repo, folder)
+
+
+def code_that_marks(marker: Path) -> str:
+    return (f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+            "class EvilModel:\n    pass\n")
+
+
+def test_a_gliner_whose_files_map_a_class_to_code_runs_none_of_it(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    """Found by a review: gliner builds its backbone with trust_remote_code on, whatever
+    the YAML says, so an `auto_map` in a Hub GLiNER's encoder_config, or in the config of
+    the backbone it names, ran the repositories' code in the server; `tokenizer*` fetched
+    a tokenizer.py for it. Each is refused now, and no code file is fetched."""
+    marker = tmp_path / "ran"
+    [tiny] = standin.repos[TINY].commits.values()
+    from shutil import copytree
+
+    backbone = copytree(tiny, tmp_path / "backbone")
+    config = json.loads((backbone / "config.json").read_text())
+    (backbone / "config.json").write_text(json.dumps(
+        {**config, "auto_map": {"AutoModel": "tokenizer.EvilModel"}}))
+    (backbone / "tokenizer.py").write_text(code_that_marks(marker))
+    (backbone / "modeling_evil.py").write_text(code_that_marks(marker))
+    standin.add("evil/backbone", backbone)
+    encoder = dict(config, auto_map={"AutoModel": "evil/code--modeling_evil.EvilModel"})
+    hostile_gliner(standin, tmp_path, "evil/gliner-encoder-code", encoder_config=encoder)
+    hostile_gliner(standin, tmp_path, "evil/gliner-backbone-code", model_name="evil/backbone")
+    for repo, says in (("evil/gliner-encoder-code", "gliner_config.json has an auto_map"),
+                       ("evil/gliner-backbone-code", "config.json maps a class")):
+        refused = run(standin, tmp_path / "hf", LOAD_GLINER.format(repo=repo))
+        assert says in str(refused.get("error")), refused
+        assert "trust_remote_code: true" in str(refused["error"])
+    assert not marker.exists()
+    assert standin.gets("tokenizer.py") == standin.gets("modeling_evil.py") == 0
+
+
+def test_a_gliner_from_the_hub_may_not_take_a_folder_of_the_server_as_its_backbone(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    """Found by a review: a Hub GLiNER's `model_name` naming a path made the server read
+    that folder of its own disk as the backbone."""
+    [tiny] = standin.repos[TINY].commits.values()
+    hostile_gliner(standin, tmp_path, "evil/gliner-local", model_name=str(tiny))
+    refused = run(standin, tmp_path / "hf", LOAD_GLINER.format(repo="evil/gliner-local"))
+    assert "names a folder of this machine" in str(refused.get("error")), refused
+
+
+FAILING_LOOKUPS = """
+import asyncio, json, os
+from ember.api.errors import as_api_error
+from ember.config import load_catalog
+from ember.registry import Registry
+from ember.adapters.base import Runtime
+
+async def main():
+    registry = Registry(load_catalog(), Runtime(backend="torch"))
+    out = []
+    for _ in range(2):  # the second within the retry window: answered without the Hub
+        try:
+            await registry.get({repo!r})
+            out.append("loaded")
+        except Exception as exc:
+            error = as_api_error(exc)
+            out.append([error.status, error.kind, error.message])
+    await registry.close()
+    print(json.dumps({{"answers": out}}))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("fault", ["its files answer 404", "the Hub is unreachable",
+                                   "offline without it"])
+def test_a_hub_that_fails_a_request_is_a_clear_answer_once_a_retry_window(
+        standin: HubStandIn, tmp_path: Path, fault: str) -> None:
+    """Found by a review: a file the Hub failed, or a Hub out of reach, was a 500 that
+    repeated the Hub's address and answer to the client, every request called the Hub
+    again, and a model missing offline was a 502 rather than "not here"."""
+    from shutil import copytree
+
+    repo = f"someone/failing-{len(standin.repos)}"
+    [tiny] = standin.repos[TINY].commits.values()
+    standin.add(repo, copytree(tiny, tmp_path / "repo"))
+    standin.failing[repo] = 404  # a 5xx is the same answer, after the client's retries
+    extra = {"EMBER_ALLOW_HUB_MODELS": "1"}
+    if fault == "the Hub is unreachable":
+        from tests.live_server import free_port
+
+        extra["HF_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"
+    before = len(standin.requests)
+    try:
+        answers = run(standin, tmp_path / "hf", FAILING_LOOKUPS.format(repo=repo),
+                      offline=fault == "offline without it", extra=extra)["answers"]
+    finally:
+        standin.failing.clear()
+    first, second = answers  # type: ignore[misc]
+    assert first == second, answers
+    status, kind, message = first
+    want = {"its files answer 404": (502, "model_load_failed",
+                                     "the Hub answered 404 while downloading its files"),
+            "the Hub is unreachable": (502, "model_load_failed", "could not be reached"),
+            "offline without it": (404, "model_not_found", "HF_HUB_OFFLINE is set")}[fault]
+    assert (status, kind) == want[:2] and want[2] in message, first
+    assert "127.0.0.1" not in message and "must not see" not in message
+    calls = [path for _, path, _ in standin.requests[before:] if repo in path]
+    assert calls.count(f"/api/models/{repo}/revision/main") <= 1  # once, not twice
+
+
+def test_a_preload_by_hub_id_that_cannot_be_had_is_skipped_and_the_server_starts(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    """Found by a review: `--preload org/name` the Hub lacked stopped the start with exit 2,
+    where a catalog model's missing preload is logged and skipped, as the README says."""
+    server = start_server(tmp_path / "server.log", [
+        "--default-model", "ember/synthetic", "--preload", "someone/never-published"],
+        env=hub_env(standin, tmp_path / "hf", offline=False))
+    try:
+        assert "could not preload someone/never-published" in server.log_text()
+        assert httpx.get(f"{server.url}/readyz").status_code == 200
+    finally:
+        server.stop()
+
+
+def test_only_a_models_own_files_are_fetched_and_a_repository_of_thousands_is_refused(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    """Found by a review: the patterns' `*` crosses folders, so `*.json` fetched a
+    repository's 3,000 checkpoint and log files, and `tokenizer*` its pickles."""
+    from shutil import copytree
+
+    from ember.hub import MAX_FILES
+
+    [tiny] = standin.repos[TINY].commits.values()
+    cluttered = copytree(tiny, tmp_path / "cluttered")
+    for junk in ("checkpoint-500/config.json", "runs/x/events.json", "tokenizer.pkl",
+                 "tokenizer_extra.bin", "tokenizer.py"):
+        (cluttered / junk).parent.mkdir(parents=True, exist_ok=True)
+        (cluttered / junk).write_text("{}")
+    standin.add("someone/cluttered", cluttered)
+    folder = Path(str(run(standin, tmp_path / "hf", snapshot("someone/cluttered"))["folder"]))
+    assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+    for junk in ("checkpoint-500", "runs", "tokenizer.pkl", "tokenizer_extra.bin",
+                 "tokenizer.py"):
+        assert not (folder / junk).exists(), junk
+    crowded = copytree(tiny, tmp_path / "crowded")
+    for index in range(MAX_FILES):
+        (crowded / f"junk-{index}.json").write_text("{}")
+    standin.add("someone/crowded", crowded)
+    refused = run(standin, tmp_path / "hf", snapshot("someone/crowded"))
+    assert f"over the {MAX_FILES} Ember fetches" in str(refused.get("error")), refused
+
+
+REQUESTED_DOWNLOADS = """
+import asyncio, json, time
+from concurrent.futures import ThreadPoolExecutor
+from ember.config import load_catalog
+from ember.registry import Registry
+from ember.adapters.base import Runtime
+
+async def main():
+    # A small machine's default pool: two threads, as loads and file checks use.
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(2))
+    registry = Registry(load_catalog(), Runtime(backend="torch"))
+    started = time.monotonic()
+    downloads = [asyncio.ensure_future(registry.get(repo)) for repo in {repos!r}]
+    await asyncio.sleep(0.5)
+    await registry.get("ember/synthetic")
+    local_s = time.monotonic() - started
+    await asyncio.wait(downloads, return_when=asyncio.FIRST_COMPLETED)
+    first_download_s = time.monotonic() - started
+    await asyncio.gather(*downloads)
+    print(json.dumps({{"local_s": local_s, "first_download_s": first_download_s}}))
+    await registry.close()
+
+asyncio.run(main())
+"""
+
+
+def test_downloads_that_requests_start_leave_the_loads_threads_free(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    """Found by a review: requests naming new Hub ids ran their downloads on the event
+    loop's pool, which loads use too: eight slow ones held a model with no files from
+    loading for three minutes. They run on threads of their own now."""
+    from shutil import copytree
+
+    [tiny] = standin.repos[TINY].commits.values()
+    repos = [f"someone/slow-{len(standin.repos)}-{index}" for index in range(3)]
+    for repo in repos:
+        standin.add(repo, copytree(tiny, tmp_path / repo.replace("/", "--")))
+        standin.slow[repo] = 3.0
+    try:
+        result = run(standin, tmp_path / "hf", REQUESTED_DOWNLOADS.format(repos=repos),
+                     extra={"EMBER_ALLOW_HUB_MODELS": "1"})
+    finally:
+        standin.slow.clear()
+    # A share of a download's time, not most of it: here 0.51 s against 7.3 s; on the
+    # loop's pool the model with no files waited 4.8 s for a thread.
+    assert result["local_s"] < result["first_download_s"] / 3, result  # type: ignore[operator]

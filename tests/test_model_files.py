@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,15 @@ def test_a_gliner_folder_with_a_broken_config_is_a_hub_error(tmp_path: Path) -> 
     (tmp_path / "gliner_config.json").write_bytes(b'["not", "an", "object"]')
     with pytest.raises(hub.HubError, match=r"gliner_config\.json holds an array"):
         hub.backbone(tmp_path)
+
+
+def test_a_class_mapped_to_code_is_found_at_any_depth_of_any_config(tmp_path: Path) -> None:
+    from ember.model_files import maps_to_code
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"auto_map": "a vocabulary's word"}))
+    (tmp_path / "broken.json").write_text("{not json")
+    assert maps_to_code(tmp_path) is None  # a vocabulary is not read, a broken file is none
+    (tmp_path / "gliner_config.json").write_text(json.dumps(
+        {"encoder_config": {"layers": [{"auto_map": {"AutoModel": "x--code.Model"}}]}}))
+    assert maps_to_code(tmp_path) == "gliner_config.json"

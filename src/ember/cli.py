@@ -9,7 +9,8 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn, cast
 
@@ -380,7 +381,7 @@ def serve(settings: ServerSettings) -> int:
         log.error("%s", exc)
         return 2
     try:
-        settings = with_hub_models(settings, known)
+        settings = with_hub_models(without_unavailable_preloads(settings, known), known)
         catalog = load_catalog(settings.model_dirs, settings.model_paths)
         say_folders_named_as_hub_ids(settings.model_paths)
         prefetch(settings, catalog)
@@ -449,6 +450,24 @@ def say_folders_named_as_hub_ids(model_paths: Iterable[Path | str]) -> None:
                         "that name is not fetched (give the folder's absolute path to say "
                         "so, or start from another folder for the Hub's)", named,
                         path.resolve(), local_name(path))
+
+
+def without_unavailable_preloads(settings: ServerSettings,
+                                 known: Mapping[str, ModelSpec]) -> ServerSettings:
+    """A Hub id that only --preload names and that cannot be had (not on the Hub, the Hub
+    unreachable, offline without it) is logged and skipped, as a catalog model's preload
+    is: the start goes on without it."""
+    named = {str(p) for p in settings.model_paths} | {settings.default_model}
+    keep = []
+    for name in settings.preload:
+        if name not in known and name not in named and hub_id(name) is not None:
+            try:
+                load_catalog(model_paths=[name])  # from the cache, else from the Hub
+            except CatalogError as exc:
+                log.error("could not preload %s: %s", name, exc)
+                continue
+        keep.append(name)
+    return replace(settings, preload=tuple(keep))
 
 
 def prefetch(settings: ServerSettings, catalog: dict[str, ModelSpec]) -> None:

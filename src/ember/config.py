@@ -18,7 +18,7 @@ import yaml
 from ember.engine.config import SettingError, WorkerConfig
 from ember.errors import closest
 from ember.hub import HubRef, Wanted, parse_hub_id
-from ember.model_files import ModelFileError, read_model_json
+from ember.model_files import ModelFileError, maps_to_code, read_model_json
 
 log = logging.getLogger("ember.config")
 BUILTIN_CATALOG = Path(__file__).parent / "catalog"
@@ -633,12 +633,11 @@ def spec_from_hub(ref: HubRef, download: bool | None = None,
 
 
 def _refuse_remote_code(folder: Path, name: str) -> None:
-    """A model whose config maps its classes to the repository's own code needs a YAML
+    """A model whose files map its classes to the repository's own code needs a YAML
     that says trust_remote_code: true; a bare Hub id never runs remote code."""
-    config = folder / "config.json"
-    if config.is_file() and _model_json(config).get("auto_map"):
-        raise CatalogError(f"model {name} runs its own code (config.json auto_map); Ember "
-                           "runs remote code only for a model whose YAML says "
+    if (found := maps_to_code(folder)) is not None:
+        raise CatalogError(f"model {name} runs its own code ({found} has an auto_map); "
+                           "Ember runs remote code only for a model whose YAML says "
                            "trust_remote_code: true (a file in a --model-dir)")
 
 

@@ -16,6 +16,7 @@ before an interruption are kept.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import re
@@ -35,12 +36,19 @@ HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95})"
 ALLOW_ENV = "EMBER_ALLOW_HUB_MODELS"  # "0": this process may not download (set by serve)
 PROGRESS_EVERY_S = 2.0  # at most one byte-count line per download this often
 
-BASE_FILES = ("*.json", "*.txt", "*.model", "tokenizer*", "*.safetensors",
+# Tokenizers' files are among these (tokenizer.json, vocab.txt, spiece.model); a pattern
+# as wide as `tokenizer*` fetched tokenizer.py and pickles too.
+BASE_FILES = ("*.json", "*.txt", "*.model", "*.safetensors",
               "artifact.metadata")  # a Stanford-NLP ColBERT's settings
 PICKLE_FILES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 ONNX_FILES = ("onnx/model.onnx", "onnx/model.onnx_data")
 CODE_FILES = ("*.py",)
 CONFIG_FILES = ("config.json", "gliner_config.json")  # one of them names the architecture
+# A file in a folder is fetched only from a sentence-transformers module's folder
+# (1_Pooling/, 2_Dense/) or as the ONNX graph: the patterns' `*` crosses folders, so
+# `*.json` took a repository's 3,000 checkpoint and log files.
+MODULE_FOLDER = re.compile(r"\d+_[\w.-]+/[^/]+")
+MAX_FILES = 256  # a model needs a few dozen files; past this, a repository is refused
 # Folders of other runtimes, never read here.
 IGNORED = ("openvino/*", "coreml/*", "tf_model*", "flax_model*", "rust_model*", "*.h5",
            "*.msgpack", "*.ot")
@@ -211,7 +219,6 @@ def fetch(ref: HubRef, wanted: Wanted) -> Path:
 def _download(ref: HubRef, wanted: Wanted) -> Path:
     from huggingface_hub import HfApi, snapshot_download, try_to_load_from_cache
     from huggingface_hub.errors import (
-        HfHubHTTPError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
@@ -226,15 +233,8 @@ def _download(ref: HubRef, wanted: Wanted) -> Path:
     except RepositoryNotFoundError:
         raise NotOnHub(f"model {ref} is not on the Hub (or needs a token: set HF_TOKEN)"
                        ) from None
-    except (HfHubHTTPError, OSError) as exc:
-        status = getattr(getattr(exc, "response", None), "status_code", None)
-        if status in (401, 403):  # reached, and refused: the repository is gated or private
-            raise NotOnHub(f"model {ref}: the Hub refused access to it ({status}); it may be "
-                           "gated or private: set HF_TOKEN to a token allowed to read it"
-                           ) from None
-        raise HubError(f"model {ref}: the Hub could not be reached ({type(exc).__name__}: "
-                       f"{str(exc).splitlines()[0] if str(exc) else ''}); check HF_ENDPOINT "
-                       "and the network, or set HF_HUB_OFFLINE=1 to use the cache") from None
+    except Exception as exc:  # the client's HTTP errors, and its transport's of any kind
+        raise hub_failure(ref, exc, "listing its files") from None
     sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or []}
     if unsafe := sorted(name for name in sizes if not _inside(name)):
         raise HubError(f"model {ref}: the repository lists files outside itself "
@@ -251,8 +251,13 @@ def _download(ref: HubRef, wanted: Wanted) -> Path:
     if not has_safetensors and not pickled and not (wanted.onnx and "onnx/model.onnx" in sizes):
         raise HubError(f"model {ref} has no weights Ember can load (no *.safetensors)")
     patterns = wanted.patterns(pickle)
-    files = list(filter_repo_objects(list(sizes), allow_patterns=patterns,
-                                     ignore_patterns=list(IGNORED)))
+    files = [name for name in filter_repo_objects(list(sizes), allow_patterns=patterns,
+                                                  ignore_patterns=list(IGNORED))
+             if "/" not in name or name in ONNX_FILES or MODULE_FOLDER.fullmatch(name)]
+    if len(files) > MAX_FILES:
+        raise HubError(f"model {ref}: the repository has {len(files):,} files a model would "
+                       f"read, over the {MAX_FILES} Ember fetches; refused, nothing "
+                       "downloaded")
     sha = str(info.sha)
     missing = [f for f in files
                if not isinstance(try_to_load_from_cache(ref.repo, f, revision=sha), str)]
@@ -262,14 +267,33 @@ def _download(ref: HubRef, wanted: Wanted) -> Path:
     for name in missing:
         log.info("%s: downloading %s (%s)", ref, name, human_bytes(sizes[name]))
     try:
-        folder = snapshot_download(ref.repo, revision=ref.revision, allow_patterns=patterns,
-                                   ignore_patterns=list(IGNORED),
+        folder = snapshot_download(ref.repo, revision=ref.revision,
+                                   allow_patterns=[glob.escape(name) for name in files],
                                    tqdm_class=progress_class(str(ref)))
     except ValueError as exc:  # the client's own checks of what the Hub answered
         raise HubError(f"model {ref}: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # a file the Hub failed, or the network: the others are kept
+        raise hub_failure(ref, exc, "downloading its files") from None
     log.info("%s: downloaded %s in %.1f s", ref, human_bytes(total),
              time.monotonic() - started)
     return Path(folder)
+
+
+def hub_failure(ref: HubRef, exc: Exception, doing: str) -> HubError:
+    """A failed call to the Hub as one line for the client, naming the model and what to
+    do; the Hub's own answer (its address, its text) goes to the log only."""
+    cause: BaseException | None = exc
+    while cause is not None and getattr(cause, "response", None) is None:
+        cause = cause.__cause__ or cause.__context__  # the client wraps the HTTP error
+    status = getattr(getattr(cause, "response", None), "status_code", None)
+    if status in (401, 403):  # reached, and refused: the repository is gated or private
+        return NotOnHub(f"model {ref}: the Hub refused access to it ({status}); it may be "
+                        "gated or private: set HF_TOKEN to a token allowed to read it")
+    log.warning("%s: the Hub failed while %s: %s: %s", ref, doing, type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "")
+    what = f"answered {status}" if status else f"could not be reached ({type(exc).__name__})"
+    return HubError(f"model {ref}: the Hub {what} while {doing}; try again later, check "
+                    "HF_ENDPOINT and the network, or set HF_HUB_OFFLINE=1 to use the cache")
 
 
 def _inside(name: str) -> bool:
@@ -340,8 +364,14 @@ def backbone(folder: Path) -> HubRef | None:
     name = str(config.get("model_name", ""))
     self_contained = ((folder / "tokenizer_config.json").is_file()
                       and bool(config.get("encoder_config")))
-    if self_contained or Path(name).expanduser().is_dir():
+    if self_contained:
         return None
+    if Path(name).expanduser().is_dir():
+        if cache_root().resolve() in folder.resolve().parents:  # a download names a path
+            raise HubError(f"{folder.name}: gliner_config.json names a folder of this "
+                           f"machine ({name!r}) as its backbone; a model from the Hub may "
+                           "name only a Hub repository")
+        return None  # the operator's own folder, beside theirs
     return parse_hub_id(name)
 
 

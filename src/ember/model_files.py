@@ -44,3 +44,32 @@ def read_model_file(path: Path, model: str,
         return read_model_json(path, expect)
     except ModelFileError as exc:
         raise ModelLoadError(model, str(exc)) from None
+
+
+# Vocabularies: megabytes of tokens, never where a class is mapped to code.
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json")
+
+
+def maps_to_code(folder: Path) -> str | None:
+    """The first JSON file of `folder` that maps a class to the repository's own code (an
+    `auto_map` at any depth: config.json's, tokenizer_config.json's, a GLiNER config's
+    encoder_config), or None. Libraries that load with trust_remote_code on (gliner does,
+    always) would run that code; so a model only runs it where its YAML trusts it. An
+    unreadable file counts as none: its own reader refuses it."""
+    for path in sorted(folder.glob("*.json")):
+        if path.name in VOCABULARY_FILES or not path.is_file():
+            continue
+        try:
+            data = read_model_json(path, dict)
+        except (ModelFileError, OSError):
+            continue
+        pending: list[Any] = [data]
+        while pending:
+            value = pending.pop()
+            if isinstance(value, dict):
+                if "auto_map" in value:
+                    return path.name
+                pending.extend(value.values())
+            elif isinstance(value, list):
+                pending.extend(value)
+    return None

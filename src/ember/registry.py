@@ -7,6 +7,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
@@ -148,10 +149,60 @@ class RegistryLimits:
     pinned: frozenset[str] = frozenset()
 
 
+LOOKUP_RETRY_S = 30.0  # a request's Hub id that failed its lookup fails this long at once
+LOOKUP_THREADS = 2  # downloads a request started, beside each other, at most
+MAX_REMEMBERED_FAILURES = 1024
+
+
+class HubLookups:
+    """The lookups of Hub ids that requests name, which may download: on threads of their
+    own (eight slow downloads on the loop's pool held a model on disk from loading for
+    three minutes), one a name at a time, and a failure answered again at once for
+    LOOKUP_RETRY_S (each request for a failing id called the Hub again)."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None  # made in the process that looks up
+        self._running: dict[str, asyncio.Future[ModelSpec]] = {}
+        self._failed: dict[str, tuple[float, Exception]] = {}
+
+    async def run(self, name: str, lookup: Callable[[], ModelSpec]) -> ModelSpec:
+        failed = self._failed.get(name)
+        if failed is not None and time.monotonic() - failed[0] < LOOKUP_RETRY_S:
+            raise failed[1]
+        running = self._running.get(name)
+        if running is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="ember-hub")
+            running = asyncio.get_running_loop().run_in_executor(self._pool, lookup)
+            self._running[name] = running
+            running.add_done_callback(lambda done: self._done(name, done))
+        return await asyncio.shield(running)
+
+    def _done(self, name: str, done: asyncio.Future[ModelSpec]) -> None:
+        self._running.pop(name, None)
+        if done.cancelled() or (failure := done.exception()) is None:
+            return
+        now = time.monotonic()
+        if len(self._failed) >= MAX_REMEMBERED_FAILURES:  # names are the clients' to make up
+            self._failed = {k: v for k, v in self._failed.items()
+                            if now - v[0] < LOOKUP_RETRY_S}
+        if isinstance(failure, Exception):
+            self._failed[name] = (now, failure)
+
+
+HUB_LOOKUPS = HubLookups()
+
+
 class CatalogLookup:
     """Names in a catalog, and its specs by name (an unknown name is ModelNotFound)."""
 
     catalog: Mapping[str, ModelSpec]
+
+    async def find(self, name: str) -> ModelSpec:
+        """`spec`, off the event loop where a request's Hub id may download."""
+        if name in self.catalog:
+            return self.catalog[name]
+        return await HUB_LOOKUPS.run(name, lambda: self.spec(name))
 
     @property
     def names(self) -> list[str]:
@@ -166,7 +217,7 @@ class CatalogLookup:
             pass
         try:
             found = hub_spec_on_request(name)
-        except NotOnHub as exc:
+        except (NotOnHub, NotDownloaded) as exc:  # no model here: not a fault
             raise ModelNotFound(name, self.names, str(exc)) from None
         except (FileNotFoundError, CatalogError) as exc:
             raise ModelLoadError(name, str(exc)) from None
@@ -264,9 +315,7 @@ class Registry(CatalogLookup):
         return ModelInUse(self, name)
 
     async def get(self, name: str) -> LoadedModel:
-        if name not in self.catalog:  # a Hub id a request named may download: off the loop
-            await asyncio.to_thread(self.spec, name)
-        spec = self.spec(name)
+        spec = await self.find(name)
         if (model := self._loaded.get(name)) is not None:
             if model.worker.failure is not None:  # its loop failed: a fresh one serves on
                 log.warning("restarting the worker of %s: %s", name, model.worker.failure)

@@ -54,7 +54,7 @@ from ember.config import ModelSpec, resolve_source
 from ember.engine.errors import RequestTooLarge
 from ember.engine.types import PreparedItem
 from ember.errors import InvalidInput, ModelLoadError, UnsupportedTask
-from ember.model_files import read_model_file
+from ember.model_files import maps_to_code, read_model_file
 
 TASKS: tuple[Task, ...] = ("extract",)
 CONFIG_FILE = "gliner_config.json"
@@ -391,6 +391,28 @@ def check_weights(spec: ModelSpec, folder: Path) -> None:
     raise ModelLoadError(spec.name, f"{folder} holds no GLiNER weights (model.safetensors)")
 
 
+def checked_backbone(spec: ModelSpec, folder: Path) -> Path | None:
+    """The folder of the model's backbone (`hub.backbone_folder`), once neither it nor
+    the model maps a class to code (`refuse_remote_code`)."""
+    backbone = hub.backbone_folder(folder)
+    refuse_remote_code(spec, [folder, *([backbone] if backbone is not None else [])])
+    return backbone
+
+
+def refuse_remote_code(spec: ModelSpec, folders: Sequence[Path]) -> None:
+    """gliner builds its backbone with trust_remote_code on, whatever the YAML says: a
+    class mapped to code in the model's or its backbone's files would run here. Only a
+    YAML that trusts remote code may load one (found by a review: a Hub GLiNER ran it)."""
+    if spec.trust_remote_code:
+        return
+    for folder in folders:
+        if (found := maps_to_code(folder)) is not None:
+            raise ModelLoadError(spec.name, f"{folder.name}/{found} maps a class to the "
+                                            "repository's own code (auto_map); Ember runs it "
+                                            "only for a model whose YAML says "
+                                            "trust_remote_code: true")
+
+
 def read_config(folder: Path, backbone: Path | None, model: str) -> dict[str, Any]:
     """gliner_config.json, its backbone named by its local folder when it has one, so
     nothing loads from the network."""
@@ -407,7 +429,7 @@ def _load(spec: ModelSpec, runtime: Runtime) -> Any:
     if not (folder / CONFIG_FILE).is_file():
         raise ModelLoadError(spec.name, f"{folder} is not a GLiNER model (no {CONFIG_FILE})")
     check_weights(spec, folder)
-    backbone = hub.backbone_folder(folder)
+    backbone = checked_backbone(spec, folder)
     common.apply_runtime(runtime)
     with tempfile.TemporaryDirectory(prefix="ember-gliner-") as staged:
         # gliner reads the backbone's name from the config: a folder that names its
@@ -451,7 +473,8 @@ def load_front(spec: ModelSpec, runtime: Runtime) -> GlinerFront:
     from transformers import AutoTokenizer
 
     folder = resolve_source(spec)
-    fields = read_config(folder, hub.backbone_folder(folder), spec.name)
+    backbone = checked_backbone(spec, folder)
+    fields = read_config(folder, backbone, spec.name)
     fields.pop("model_type", None)
     config = GLiNERConfig(**fields)
     own = (folder / "tokenizer_config.json").is_file()

@@ -155,9 +155,7 @@ class RemoteModels(CatalogLookup):
     async def get(self, name: str) -> RemoteModel:
         """The model's front half, loaded here once (concurrent first requests share the
         load), with the engine holding its weights."""
-        if name not in self.catalog:  # a Hub id a request named may download: off the loop
-            await asyncio.to_thread(self.spec, name)
-        spec = self.spec(name)
+        spec = await self.find(name)
         await self.client.call("load", model=name)  # raises the engine's ModelLoadError
         if name in self._fronts:
             return self._fronts[name]
