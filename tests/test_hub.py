@@ -443,7 +443,7 @@ async def main():
     registry = Registry(load_catalog(), Runtime(backend="torch"))
     out = {{}}
     for name in ("someone/not-there", {TINY + "@main"!r}, {TINY + " "!r}, {TINY + "  "!r},
-                 "someone/gated", "someone/private"):
+                 "someone/gated", "someone/private", "baai/bge-small-en-v1.5"):
         try:
             await registry.get(name)
             out[name] = "loaded"
@@ -471,6 +471,11 @@ asyncio.run(main())
     status, kind, message = answers[TINY + "@main"]  # type: ignore[misc]
     assert (status, kind) == (404, "model_not_found")
     assert f"--model {TINY}@main" in message and "may not name a Hub revision" in message
+    # Found by a review: a catalog name in other case was a second, uncurated copy.
+    status, kind, message = answers["baai/bge-small-en-v1.5"]  # type: ignore[misc]
+    assert (status, kind) == (404, "model_not_found")
+    assert "did you mean 'BAAI/bge-small-en-v1.5'?" in message
+    assert not [p for _, p, _ in standin.requests if "baai/" in p]
     # A space after the id is no Hub id (it had loaded a second copy under "org/x ").
     for alias in (TINY + " ", TINY + "  "):
         assert answers[alias][:2] == [404, "model_not_found"]  # type: ignore[index]

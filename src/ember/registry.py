@@ -215,6 +215,11 @@ class CatalogLookup:
             return self.catalog[name]
         except KeyError:
             pass
+        if (same := next((k for k in self.catalog if k.lower() == name.lower()), None)):
+            # The Hub's ids ignore case; a second copy would download and serve it again,
+            # without its entry's settings (BGE's query instruction).
+            raise ModelNotFound(name, self.names, f"model {name!r} is not in the catalog; "
+                                f"did you mean {same!r}? (names match exactly, case too)")
         try:
             found = hub_spec_on_request(name)
         except (NotOnHub, NotDownloaded) as exc:  # no model here: not a fault
