@@ -96,13 +96,31 @@ HUB = "source: {hub: org/tiny}\n"
      "options.dims?); options accepts dims, embeddings_side"),
     (f"{HUB}options: {{activation: none}}\n", "unknown field options.activation; options "
      "accepts dims, embeddings_side"),  # a cross-encoder's option, on a transformer
+    # Found by a review of the start: each started, then failed /v1/models or every
+    # request with a 500, or was never applied.
+    ("source: {hub: org/tiny, revision: 1.0}\n", "source.revision must be text, got 1.0; "
+     "quote it"),
+    ("source: {hub: 12345}\n", "source.hub must be text, got 12345"),
+    (f"{HUB}prompts: {{query: 12345}}\n", "prompts.query must be text, got a number"),
+    (f"{HUB}prompts: {{querry: 'q: '}}\n",
+     "unknown field prompts.querry (did you mean prompts.query?)"),
+    (f"{HUB}loras: {{legal: [a, b]}}\n", "loras.legal must be text, got an array"),
+    ("source: {hub: org/tiny}\ntasks: [extract]\n", "the transformer family cannot "
+     "extract; its tasks are encode, score"),
+    (f"{HUB}description: [&a [x, x], [*a, *a]]\n", "description must be text, got an array"),
+    (f"{HUB}batching: {{max_batch_wait_ms: .nan}}\n",
+     "batching.max_batch_wait_ms must be a number >= 0, got nan"),
+    (f"{HUB}batching: {{forward_fills_cores: true}}\n",
+     "batching.forward_fills_cores is not a setting"),
 ], ids=["pooling_mode", "normalise", "prompt", "no-match", "source-key", "batching-value",
         "batching-type", "batching-tokens-bool", "batching-tokens-float",
         "batching-tokens-str", "batching-padding", "pooling", "max_seq_length",
         "max_seq_length-str",
         "bool-str", "remote-code-str", "path-and-hub", "missing-path", "missing-lora",
         "lora-without-adapter", "onnx-lora", "int8-lora", "torch-int8", "option-typo",
-        "other-familys-option"])
+        "other-familys-option", "revision-number", "hub-number", "prompt-number",
+        "prompt-typo", "lora-list", "task-of-another-family", "description-alias-bomb",
+        "batching-nan", "batching-registrys-own"])
 def test_a_field_that_would_be_ignored_or_fail_every_request_is_refused_at_read(
         tmp_path: Path, body: str, message: str) -> None:
     (tmp_path / "bad.yaml").write_text(f"name: me/x\nadapter: transformer\ntasks: [encode]\n"
@@ -146,6 +164,27 @@ def test_m3_score_weights_are_scaled_to_sum_to_one_whatever_their_range() -> Non
     for bad in ({"dense": True}, {"dense": float("nan")}, {"dense": -0.5, "sparse": 1}):
         with pytest.raises(ValueError, match="must map output types"):
             m3_score_weights(bad)
+
+
+@pytest.mark.parametrize("make", ["latin-1", "broken link", "a folder", "too large"])
+def test_a_catalog_file_that_cannot_be_read_is_one_line(tmp_path: Path, make: str) -> None:
+    """Found by a review of the start: these were tracebacks, not one line and exit 2."""
+    bad = tmp_path / "bad.yaml"
+    if make == "latin-1":
+        bad.write_bytes("name: caf\u00e9\nadapter: synthetic\ntasks: [encode]\n".encode("latin-1"))
+    elif make == "broken link":
+        bad.symlink_to(tmp_path / "gone.yaml")
+    elif make == "a folder":
+        bad.mkdir()
+    else:
+        bad.write_text("name: x\nadapter: synthetic\ntasks: [encode]\n"
+                       + "# padding\n" * 200_000)
+    with pytest.raises(CatalogError) as caught:
+        load_catalog([tmp_path])
+    said = str(caught.value)
+    assert said.startswith(f"{bad}: ") and "\n" not in said
+    assert {"latin-1": "not UTF-8", "broken link": "cannot be read",
+            "a folder": "cannot be read", "too large": "bytes, over the"}[make] in said
 
 
 def test_a_path_gone_since_the_start_fails_its_model_not_the_catalog(tmp_path: Path) -> None:
@@ -380,3 +419,25 @@ def test_each_familys_options_are_its_own(tmp_path: Path, adapter: str, task: st
                                        f"{HUB}options: {options}\n")
     with pytest.raises(CatalogError, match=r"bad\.yaml: unknown field options\."):
         load_catalog([tmp_path])
+
+
+def test_two_files_of_one_folder_naming_one_model_are_refused(tmp_path: Path) -> None:
+    """Found by a review of the start: the later file won without a word. (A later folder
+    still replaces a model of an earlier one: that is how a user overrides a default.)"""
+    entry = "name: my/dup\nadapter: synthetic\ntasks: [encode]\n"
+    (tmp_path / "a.yaml").write_text(entry)
+    (tmp_path / "b.yml").write_text(entry)
+    with pytest.raises(CatalogError, match=r"a\.yaml and .*b\.yml both name the model 'my/dup'"):
+        load_catalog([tmp_path])
+
+
+def test_a_model_dir_may_start_with_a_tilde(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "m.yaml").write_text("name: my/m\nadapter: synthetic\n"
+                                                "tasks: [encode]\n")
+    assert "my/m" in load_catalog([Path("~/models")])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CatalogError, match="is a file"):
+        load_catalog([tmp_path / "file"])

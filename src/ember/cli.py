@@ -5,6 +5,7 @@ Flags are matched exactly (`allow_abbrev=False`): `--model` is never read as
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import math
 import os
@@ -298,8 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="List the model catalog: each model's name, "
                                  "tasks, whether its files are on this machine (cached), "
                                  "their size, and with --url its live state and dims.")
-    models.add_argument("--model-dir", action="append", default=None,
-                        help="folder of extra model YAML files (repeatable)")
+    models.add_argument("--model-dir", action=AppendOverEnv,
+                        default=os.environ.get(env_name("model-dir")),
+                        help="folder of extra model YAML files (repeatable) "
+                        f"[{env_name('model-dir')}], as `ember serve` reads them")
     models.add_argument("--url", default=None, help="a running server (http://host:port) "
                         "to ask for each model's live state and dims; without it, the "
                         "catalog alone (dims when its YAML gives them)")
@@ -375,6 +378,7 @@ def serve(settings: ServerSettings) -> int:
     from ember.logs import configure_logging
 
     configure_logging(settings)
+    say_mistyped_variables(os.environ)
     try:
         known = load_catalog(settings.model_dirs, check_paths=True)
     except CatalogError as exc:
@@ -549,6 +553,26 @@ def local_files(spec: ModelSpec) -> tuple[str, str]:
     if folder is None:
         return "no", "-"
     return "yes", hub.human_bytes(hub.snapshot_bytes(folder))
+
+
+def setting_variables() -> set[str]:
+    """The EMBER_* variable of every `ember serve` flag."""
+    serve_parser = next(action for action in build_parser()._actions
+                        if isinstance(action, argparse._SubParsersAction)).choices["serve"]
+    return {env_name(option[2:]) for action in serve_parser._actions
+            for option in action.option_strings if option.startswith("--")}
+
+
+def say_mistyped_variables(environment: Mapping[str, str]) -> None:
+    """A variable that spells a setting's almost (EMBER_APIKEY) is ignored, as any other
+    is: say so, or a server meant to need a key would start open without a word."""
+    known = setting_variables()
+    for name in sorted(environment):
+        if name.startswith("EMBER_") and name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+            if close:
+                log.warning("%s is not a setting and is ignored; did you mean %s?", name,
+                            close[0])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

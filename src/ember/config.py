@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from ember.engine.config import SettingError, WorkerConfig
-from ember.errors import closest
+from ember.errors import closest, json_kind
 from ember.hub import HubRef, Wanted, parse_hub_id
 from ember.model_files import ModelFileError, maps_to_code, read_model_json
 
@@ -32,6 +32,16 @@ FAMILY_OUTPUTS: dict[str, tuple[str, ...]] = {
     "m3": ("dense", "sparse", "multivector"),
     "clip": ("dense",), "gliner": (), "synthetic": ("dense",), "cross_encoder": (),
     "spacy": ()}
+# The tasks each family can serve: a YAML's `tasks` may name no other.
+FAMILY_TASKS: dict[str, tuple[str, ...]] = {
+    "transformer": ("encode", "score"), "cross_encoder": ("score",), "gliner": ("extract",),
+    "clip": ("encode", "score"), "spacy": ("extract",), "sparse": ("encode", "score"),
+    "multivector": ("encode", "score"), "m3": ("encode", "score"),
+    "synthetic": ("encode", "score")}
+# `prompts` a model takes: the query's, then the document's by any of its names (in
+# sentence-transformers' order).
+PROMPT_NAMES = ("query", "document", "passage", "corpus")
+MAX_CATALOG_FILE_BYTES = 1 << 20  # a model's YAML is a few hundred bytes
 # The `options` each family reads; another would be ignored, so a misspelt one is refused.
 # `dims` is what `ember models` shows before a load; `embeddings_side: query` puts
 # /v1/embeddings on the query side.
@@ -195,6 +205,12 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
     unknown = [t for t in tasks if t not in TASKS]
     if not tasks or unknown:
         raise CatalogError(f"{where}: tasks must be a non-empty list of {TASKS}, got {tasks}")
+    if beyond := [t for t in tasks if t not in FAMILY_TASKS[adapter]]:
+        raise CatalogError(f"{where}: the {adapter} family cannot {', '.join(beyond)}; its "
+                           f"tasks are {', '.join(FAMILY_TASKS[adapter])}")
+    description = data.get("description", "")
+    if not isinstance(description, str):  # str() of a nested alias bomb took gigabytes
+        raise CatalogError(f"{where}: description must be text, got {json_kind(description)}")
     source = _parse_source(data, adapter, where, base_dir)
     loras = data.get("loras") or {}
     if not isinstance(loras, Mapping):
@@ -229,7 +245,7 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
         allow_pickle=bool(data.get("allow_pickle", False)),
         options=dict(data.get("options") or {}),
         prompts=dict(data.get("prompts") or {}),
-        description=str(data.get("description", "")),
+        description=description,
         origin=base_dir,
         backend=cast(Backend | None, backend),
         quantize=quantize,
@@ -255,6 +271,10 @@ def _parse_source(data: Mapping[str, Any], adapter: str, where: str,
     if len(named) > 1:  # which one would win is not what the file says: refuse
         raise CatalogError(f"{where}: 'source' names {' and '.join(named)}; give exactly "
                            "one of package, path or hub")
+    for key in SOURCE_FIELDS:  # a revision written 1.0 is a number to YAML
+        if raw_source.get(key) is not None and not isinstance(raw_source[key], str):
+            raise CatalogError(f"{where}: source.{key} must be text, got "
+                               f"{raw_source[key]!r}; quote it")
     for key, needs in (("subdir", "package"), ("revision", "hub")):
         if raw_source.get(key) is not None and not raw_source.get(needs):
             raise CatalogError(f"{where}: source.{key} applies to source.{needs} only")
@@ -271,7 +291,8 @@ def _parse_batching(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     """`batching:`, the WorkerConfig settings a model overrides (settings the engine no
     longer reads are accepted with a warning)."""
     batching = data.get("batching") or {}
-    allowed = set(WorkerConfig.__dataclass_fields__)
+    # forward_fills_cores is the registry's to set, from the model it loaded.
+    allowed = set(WorkerConfig.__dataclass_fields__) - {"forward_fills_cores"}
     if not isinstance(batching, Mapping):
         raise CatalogError(f"{where}: 'batching' must map settings to values")
     unknown = sorted(map(str, set(batching) - allowed - UNREAD_BATCHING))
@@ -296,6 +317,13 @@ def _check_switches_and_tables(data: Mapping[str, Any], adapter: str, where: str
     for table in ("options", "prompts"):
         if not isinstance(data.get(table) or {}, Mapping):
             raise CatalogError(f"{where}: {table!r} must be a mapping")
+    prompts = data.get("prompts") or {}
+    _refuse_unknown(prompts, PROMPT_NAMES, where, "prompts.")
+    for table, values in (("prompts", prompts), ("loras", data.get("loras") or {})):
+        for key, value in values.items():
+            if not isinstance(value, str):
+                raise CatalogError(f"{where}: {table}.{key} must be text, got "
+                                   f"{json_kind(value)}")
     _refuse_unknown(data.get("options") or {}, FAMILY_OPTIONS[adapter], where, "options.")
     if adapter == "m3" and "score_weights" in (data.get("options") or {}):
         try:
@@ -310,9 +338,16 @@ def load_spec_file(path: Path, check_paths: bool = False) -> ModelSpec:
     process that reads the catalog: a folder gone since the start fails its model's load
     (502), not a new engine's start."""
     try:
+        if (size := path.stat().st_size) > MAX_CATALOG_FILE_BYTES:
+            raise CatalogError(f"{path}: {size:,} bytes, over the {MAX_CATALOG_FILE_BYTES:,} "
+                               "a model's YAML may have")
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise CatalogError(f"{path}: not valid YAML ({exc})") from None
+    except UnicodeDecodeError:
+        raise CatalogError(f"{path}: not UTF-8 text; save it as UTF-8") from None
+    except OSError as exc:  # a broken link, a folder named *.yaml, no permission
+        raise CatalogError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     spec = parse_spec(data, str(path), path.parent)
     if check_paths and spec.source.path is not None and not spec.source.path.exists():
         raise CatalogError(f"{path}: source.path {spec.source.path} does not exist")
@@ -395,11 +430,16 @@ def load_catalog(extra_dirs: Iterable[Path] = (), model_paths: Iterable[Path | s
     catalog has keeps its curated settings; another is read from its files, which this
     downloads when they are not in the cache."""
     catalog: dict[str, ModelSpec] = {}
-    for folder in (BUILTIN_CATALOG, *extra_dirs):
+    for folder in (BUILTIN_CATALOG, *(Path(d).expanduser() for d in extra_dirs)):
         if not folder.is_dir():
-            raise CatalogError(f"model directory {folder} does not exist")
+            raise CatalogError(f"model directory {folder} "
+                               f"{'is a file' if folder.exists() else 'does not exist'}")
+        from_here: dict[str, Path] = {}  # a later folder may replace a model; one folder not
         for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
             spec = load_spec_file(path, check_paths)
+            if (first := from_here.setdefault(spec.name, path)) != path:
+                raise CatalogError(f"{first} and {path} both name the model {spec.name!r}; "
+                                   "keep one")
             catalog[spec.name] = spec
     model_paths = list(model_paths)
     named_by: dict[str, Path | str] = {}  # a catalog name -> the --model that gave it
@@ -789,6 +829,12 @@ class ServerSettings:
         # A value that would make every request fail is refused at start, not served.
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be 0-65535, got {self.port}")
+        if not self.host.strip():  # an empty host binds every interface, not loopback
+            raise ValueError("--host is empty (an unset EMBER_HOST?); give an address: "
+                             "127.0.0.1 for this machine only, 0.0.0.0 for every interface")
+        if not self.default_model.strip():  # read as a folder, it was the current one
+            raise ValueError("--default-model is empty (an unset EMBER_DEFAULT_MODEL?); "
+                             "name a model, or leave it out for the default")
         if not DEVICE.fullmatch(self.device):
             raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
         for flag, value in (("--max-body-bytes", self.max_body_bytes),

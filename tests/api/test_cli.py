@@ -232,11 +232,16 @@ def test_models_asks_a_running_server(live_server: ServerProcess,
     assert served[SLOW]["cached"] is None and rows[SLOW][2] == "-"
 
 
-def test_models_with_an_extra_folder(model_dir: Path,
-                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_models_with_an_extra_folder(model_dir: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
     assert main(["models", "--model-dir", str(model_dir)]) == 0
     names = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
     assert {SLOW, BUSY, DEFAULT_MODEL} <= names
+    # Found by a review of the start: `ember models` ignored EMBER_MODEL_DIR, which
+    # `ember serve` reads, and listed another catalog.
+    monkeypatch.setenv("EMBER_MODEL_DIR", str(model_dir))
+    assert main(["models"]) == 0
+    assert {SLOW, BUSY} <= {line.split()[0] for line in capsys.readouterr().out.splitlines()}
 
 
 def test_models_with_a_missing_folder_is_exit_2(tmp_path: Path,
@@ -253,9 +258,10 @@ def test_models_with_a_broken_yaml_names_the_file(tmp_path: Path,
     assert "bad.yaml" in err and "adapter" in err
 
 
-def run_ember(*argv: str, module: str = "ember.cli") -> subprocess.CompletedProcess[str]:
+def run_ember(*argv: str, module: str = "ember.cli", env: dict[str, str] | None = None
+              ) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True,
-                          text=True, env=server_env(), cwd=REPO, timeout=120)
+                          text=True, env=server_env(env), cwd=REPO, timeout=120)
 
 
 def test_serve_refuses_an_unknown_default_model() -> None:
@@ -402,6 +408,10 @@ def test_a_bad_log_level_is_one_line() -> None:
     (("--onnx-threads", "0"), "--onnx-threads must be 1 or more"),
     (("--max-loaded-models", "2", "--preload", f"{BUSY},{SLOW}"),
      "--preload and the default model name 3 models, and --max-loaded-models keeps 2"),
+    # Found by a review of the start: an empty host listened on every interface, and an
+    # empty default model was read as the current folder.
+    (("--host", ""), "--host is empty (an unset EMBER_HOST?)"),
+    (("--default-model", " "), "--default-model is empty"),
 ])
 def test_a_setting_that_would_fail_every_request_is_refused_at_start(
         flags: tuple[str, ...], says: str) -> None:
@@ -582,3 +592,18 @@ def test_an_api_key_no_client_can_send_stops_the_start(
     monkeypatch.setenv("EMBER_API_KEY", key)
     with pytest.raises(ValueError, match=f"--api-key \\(or EMBER_API_KEY\\).*{says}"):
         parse()
+
+
+def test_a_variable_that_misspells_a_setting_is_named_at_start() -> None:
+    """Found by a review of the start: EMBER_APIKEY was ignored without a word, and the
+    server meant to need a key started open."""
+    port = free_port()
+    with socket.socket() as taken:  # the start stops at the port, after the warning
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        result = run_ember("serve", "--port", str(port), "--default-model", SYNTH,
+                           env={"EMBER_APIKEY": "s3cret", "EMBER_FRAMEWORK": "unrelated"})
+    warnings = [line for line in result.stderr.splitlines() if "WARNING" in line]
+    assert any("EMBER_APIKEY is not a setting and is ignored; did you mean EMBER_API_KEY?"
+               in line for line in warnings), result.stderr
+    assert not any("EMBER_FRAMEWORK" in line for line in warnings)  # another tool's

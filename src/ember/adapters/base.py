@@ -30,7 +30,14 @@ from typing import (
 import numpy as np
 import numpy.typing as npt
 
-from ember.config import ADAPTERS, Backend, ModelSpec, Spinning, resolve_source
+from ember.config import (
+    ADAPTERS,
+    PROMPT_NAMES,
+    Backend,
+    ModelSpec,
+    Spinning,
+    resolve_source,
+)
 from ember.engine.types import PreparedItem, RequestResult
 from ember.errors import InvalidInput
 
@@ -118,7 +125,7 @@ class TaskOutput(Generic[T]):
 
 
 # What models call the document side's prompt, in sentence-transformers' order.
-DOCUMENT_PROMPTS = ("document", "passage", "corpus")
+DOCUMENT_PROMPTS = PROMPT_NAMES[1:]
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -71,8 +72,8 @@ class WorkerConfig:
                 raise SettingError(name, f"must be >= 1, got {getattr(self, name)}")
         for name in ("max_batch_wait_ms", "idle_coalesce_ms", "hold_fraction", "max_padding"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise SettingError(name, f"must be >= 0, got {value}")
+            if value is not None and not 0 <= value < math.inf:  # NaN compares false
+                raise SettingError(name, f"must be a number >= 0, got {value}")
         if self.max_padding is not None and 0 < self.max_padding < 1:
             raise SettingError("max_padding", f"must be 0 (off) or >= 1, got {self.max_padding}")
         if not (self.lead_ratio == 0 or self.lead_ratio >= 1):
