@@ -531,11 +531,16 @@ def list_models(model_dirs: Sequence[str] | None, url: str | None = None,
             print(f"ember: cannot list the models of {url}: {exc}", file=sys.stderr)
             return 1
         # Cached as the server says (its machine's files); the size where this one has them.
-        rows = [(m["id"], ",".join(m["tasks"]),
-                 {True: "yes", False: "no"}.get(m.get("cached"), "-"),
-                 local_files(catalog[m["id"]])[1] if m["id"] in catalog else "-",
-                 m["state"], "-" if m["dims"] is None else str(m["dims"]))
-                for m in response.json()["data"]]
+        try:
+            rows = [(m["id"], ",".join(m["tasks"]),
+                     {True: "yes", False: "no"}.get(m.get("cached"), "-"),
+                     local_files(catalog[m["id"]])[1] if m["id"] in catalog else "-",
+                     m["state"], "-" if m["dims"] is None else str(m["dims"]))
+                    for m in response.json()["data"]]
+        except (ValueError, KeyError, TypeError):  # an answer, but not an Ember server's
+            print(f"ember: {url} answered /v1/models with no Ember model list; is it an "
+                  "Ember server?", file=sys.stderr)
+            return 1
     header = ("NAME", "TASKS", "CACHED", "SIZE", "STATE", "DIMS")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
     for row in [header, *rows]:

@@ -190,9 +190,6 @@ class HubLookups:
             self._failed[name] = (now, failure)
 
 
-HUB_LOOKUPS = HubLookups()
-
-
 class CatalogLookup:
     """Names in a catalog, and its specs by name (an unknown name is ModelNotFound)."""
 
@@ -202,7 +199,10 @@ class CatalogLookup:
         """`spec`, off the event loop where a request's Hub id may download."""
         if name in self.catalog:
             return self.catalog[name]
-        return await HUB_LOOKUPS.run(name, lambda: self.spec(name))
+        lookups = self.__dict__.get("_hub_lookups")
+        if lookups is None:  # this catalog's own: its failures are its own to remember
+            lookups = self.__dict__["_hub_lookups"] = HubLookups()
+        return await lookups.run(name, lambda: self.spec(name))
 
     @property
     def names(self) -> list[str]:

@@ -312,6 +312,19 @@ def test_a_folder_without_weights_says_so_not_to_serve_it_on_torch(
     assert "backend: torch" not in str(caught.value)
 
 
+def test_a_folder_of_pickle_weights_only_points_to_allow_pickle(
+        tmp_path: Path, tiny: dict[str, Path]) -> None:
+    """Found by a review of the start: it said the folder held no weights and to fetch it
+    again, with pytorch_model.bin right there."""
+    folder = tmp_path / "pickled"
+    shutil.copytree(tiny["bi"], folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04never unpickled")
+    with pytest.raises(ModelLoadError, match=r"its weights are a pickle \(pytorch_model.bin\); "
+                       "Ember loads safetensors unless the model's YAML says "
+                       "allow_pickle: true"):
+        load_bi(folder, tmp_path / "cache")
+
+
 def test_loras_run_on_torch_or_are_refused_on_onnx(tiny: dict[str, Path]) -> None:
     loras = {"a": tiny["lora"]}
     with_loras = transformer.load(spec_for(tiny["bi"], "transformer", ("encode",),

@@ -607,3 +607,32 @@ def test_a_variable_that_misspells_a_setting_is_named_at_start() -> None:
     assert any("EMBER_APIKEY is not a setting and is ignored; did you mean EMBER_API_KEY?"
                in line for line in warnings), result.stderr
     assert not any("EMBER_FRAMEWORK" in line for line in warnings)  # another tool's
+
+
+def test_models_of_a_server_that_is_not_embers_is_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a review of the start: a web page's 200 was a JSONDecodeError traceback."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<html>not a model list</html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            """Quiet."""
+
+    page = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    Thread(target=page.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{page.server_address[1]}"
+        assert main(["models", "--url", url]) == 1
+        assert "no Ember model list; is it an Ember server?" in capsys.readouterr().err
+    finally:
+        page.shutdown()
+        page.server_close()

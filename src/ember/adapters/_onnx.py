@@ -226,6 +226,10 @@ def _fp32(spec: ModelSpec, model_dir: Path, plan: ExportPlan,
             raise ModelLoadError(spec.name, f"its weights file is incomplete or corrupt "
                                             f"({exc}); fetch the model again") from exc
         if isinstance(exc, OSError) and "no file named" in str(exc):  # transformers' words
+            if (model_dir / "pytorch_model.bin").is_file() and not spec.allow_pickle:
+                raise ModelLoadError(spec.name, "its weights are a pickle (pytorch_model.bin); "
+                                                "Ember loads safetensors unless the model's "
+                                                "YAML says allow_pickle: true") from exc
             raise ModelLoadError(spec.name, f"its folder holds no weights file ({exc}); "
                                             "fetch the model again, or point its source at "
                                             "the folder that has them") from exc
