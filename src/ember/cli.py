@@ -104,16 +104,33 @@ class AppendOverEnv(argparse.Action):
         setattr(namespace, self.dest, [*items, values])
 
 
+class BadVariable:
+    """The default an EMBER_* variable gave a flag, when it does not parse: an error only
+    where the flag does not replace it (so `ember models`, `--version`, `--help`, and a
+    start that gives the flag, are not held by it)."""
+
+    def __init__(self, message: str, raw: str) -> None:
+        self.message, self.raw = message, raw
+
+    def __repr__(self) -> str:  # what --help shows as the default
+        return repr(self.raw)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with a suggestion for a mistyped flag (`--max-loaded` for
-    `--max-loaded-models`), as the YAML fields have."""
+    `--max-loaded-models`), as the YAML fields have, and the refusal of a bad variable
+    that no flag replaced, with the whole command's usage."""
 
     words: Sequence[str] = ()
 
     def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                    namespace: argparse.Namespace | None = None) -> argparse.Namespace:
         self.words = list(sys.argv[1:] if args is None else args)
-        return super().parse_args(self.words, namespace)
+        parsed = super().parse_args(self.words, namespace)
+        for value in vars(parsed).values():
+            if isinstance(value, BadVariable):
+                self.error(value.message)
+        return parsed
 
     def error(self, message: str) -> NoReturn:
         prefix = "unrecognized arguments: "
@@ -170,24 +187,21 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Serve the catalog over HTTP. Each flag can also "
                                 "be set by the EMBER_* variable named in its help.")
 
-    # A bad variable is refused once the parser is whole, so its usage line names every
-    # command.
-    bad_variables: list[str] = []
-
     def flag(name: str, kind: Parse, default: object, text: str, env_choices: bool = True,
              **extra: object) -> None:
+        value: object
         try:
             value = env_default(name, kind, default)
         except ValueError:
             wanted = (f"one of {', '.join(repr(v) for v in TRUE + FALSE if v)}"
                       if kind is bool else f"a valid {kind.__name__}")
-            bad_variables.append(f"{env_name(name)}={os.environ[env_name(name)]!r} is not "
-                                 f"{wanted}")
-            value = default
+            raw = os.environ[env_name(name)]
+            value = BadVariable(f"{env_name(name)}={raw!r} is not {wanted}", raw)
         choices = cast("list[object] | None", extra.get("choices"))
-        if env_choices and choices is not None and value not in choices:  # argparse: flags
-            bad_variables.append(f"{env_name(name)}={value!r} is not one of "
-                                 f"{', '.join(map(repr, choices))}")
+        if (env_choices and choices is not None and not isinstance(value, BadVariable)
+                and value not in choices):  # argparse checks the flags' own
+            value = BadVariable(f"{env_name(name)}={value!r} is not one of "
+                                f"{', '.join(map(repr, choices))}", str(value))
         if kind is bool:
             serve.add_argument(f"--{name}", action="store_true", default=value,
                                help=f"{text} [{env_name(name)}]")
@@ -308,8 +322,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "catalog alone (dims when its YAML gives them)")
     models.add_argument("--api-key", default=os.environ.get("EMBER_API_KEY"),
                         help="the server's API key, with --url [EMBER_API_KEY]")
-    if bad_variables:
-        parser.error(bad_variables[0])
     return parser
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import logging
 import math
 import re
@@ -692,6 +693,22 @@ def hub_spec_on_request(name: str) -> ModelSpec | None:
     return spec_from_hub(ref, download=True)
 
 
+def check_proxy(entry: str) -> None:
+    """One entry of --forwarded-allow-ips: `*`, an address or a network; anything else
+    would match no proxy, and their clients would all seem to be the proxy."""
+    if entry in ("", "*"):
+        return
+    try:
+        ipaddress.ip_network(entry, strict=True)
+    except ValueError:
+        try:
+            suggestion = f"; did you mean {ipaddress.ip_network(entry, strict=False)}?"
+        except ValueError:
+            suggestion = ""
+        raise ValueError(f"--forwarded-allow-ips {entry!r} is not an IP address or network "
+                         f"(10.0.0.5, 10.0.0.0/8, or * for any){suggestion}") from None
+
+
 @dataclass(frozen=True)
 class RaySettings:
     """`ember serve --ray`: the engine as Ray Serve replicas (`ember.cluster`). A fixed
@@ -854,6 +871,8 @@ class ServerSettings:
         if self.forwarded_allow_ips is not None and self.ray is not None:
             raise ValueError("--forwarded-allow-ips sets Ember's own HTTP server; under --ray "
                              "Ray's proxy takes the connections: leave it out")
+        for proxy in (self.forwarded_allow_ips or "").split(","):
+            check_proxy(proxy.strip())
         for origin in self.cors_origins:
             try:
                 sent = browser_origin(origin)

@@ -114,11 +114,25 @@ def test_a_bad_variable_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
                                          value: str, says: str) -> None:
     monkeypatch.setenv(variable, value)
     with pytest.raises(SystemExit) as exit_:
-        build_parser()
+        build_parser().parse_args(["serve"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert says in err
-    assert "{serve,models}" in err  # the usage of the whole command (found by a review)
+    assert err.startswith("usage: ember serve")  # the command the variable is for
+
+
+def test_a_bad_variable_holds_nothing_a_flag_replaces_or_that_does_not_read_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a review of the start: EMBER_PORT=abc stopped `ember models`, `--version`
+    and `serve --help`, and `serve --port 8080` too."""
+    monkeypatch.setenv("EMBER_PORT", "abc")
+    monkeypatch.setenv("EMBER_BACKEND", "TORCH")
+    assert build_parser().parse_args(["serve", "--port", "8080", "--backend", "onnx"]).port \
+        == 8080
+    assert build_parser().parse_args(["models"]).command == "models"
+    with pytest.raises(SystemExit) as shown:
+        build_parser().parse_args(["serve", "--help"])
+    assert shown.value.code == 0 and "'abc'" in capsys.readouterr().out
 
 
 def test_a_boolean_variable_takes_its_words(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -411,6 +425,9 @@ def test_a_bad_log_level_is_one_line() -> None:
     # Found by a review of the start: an empty host listened on every interface, and an
     # empty default model was read as the current folder.
     (("--host", ""), "--host is empty (an unset EMBER_HOST?)"),
+    (("--forwarded-allow-ips", "10.0.0.1/8"), "--forwarded-allow-ips '10.0.0.1/8' is not an "
+     "IP address or network (10.0.0.5, 10.0.0.0/8, or * for any); did you mean 10.0.0.0/8?"),
+    (("--forwarded-allow-ips", "127.0.0.1,garbage"), "--forwarded-allow-ips 'garbage' is not"),
     (("--default-model", " "), "--default-model is empty"),
 ])
 def test_a_setting_that_would_fail_every_request_is_refused_at_start(
