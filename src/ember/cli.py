@@ -606,12 +606,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             settings = settings_from(args)
         except ValueError as exc:  # a value no flag takes (the spinning mode, a limit)
-            print(f"ember: {exc}", file=sys.stderr)
+            say_refused(str(exc), args.log_format)
             return 2
         return serve(settings)
     except CatalogError as exc:
-        print(f"ember: {exc}", file=sys.stderr)
+        say_refused(str(exc), getattr(args, "log_format", "text"))
         return 2
+
+
+def say_refused(message: str, log_format: str) -> None:
+    """Why the start is refused, on stderr before logging is set up: a line of text, or
+    under --log-format json a JSON line as every other is."""
+    if log_format.lower() == "json":
+        from ember.logs import JsonFormatter
+
+        record = logging.LogRecord("ember", logging.ERROR, __file__, 0, message, None, None)
+        print(JsonFormatter().format(record), file=sys.stderr)
+    else:
+        print(f"ember: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":

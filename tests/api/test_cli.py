@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import socket
 import subprocess
 import sys
@@ -653,3 +654,13 @@ def test_models_of_a_server_that_is_not_embers_is_one_line(
     finally:
         page.shutdown()
         page.server_close()
+
+
+def test_a_refused_start_under_json_logs_is_a_json_line() -> None:
+    """Found by a review of the start: the README says every line on stderr is JSON under
+    --log-format json; a refused setting was plain text."""
+    result = run_ember("serve", "--port", "99999", "--log-format", "json")
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    entry = json.loads(line)
+    assert entry["level"] == "error" and entry["message"] == "--port must be 0-65535, got 99999"
