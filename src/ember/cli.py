@@ -417,6 +417,10 @@ def serve(settings: ServerSettings) -> int:
     if settings.workers < 0:
         log.error("--workers must be 0 (one process) or more, got %d", settings.workers)
         return 2
+    if settings.workers > (cores := os.cpu_count() or 1):
+        log.warning("--workers %d is more API processes than this machine's %d cores: those "
+                    "past the cores add memory (about 80 MB each), not throughput",
+                    settings.workers, cores)
     if settings.max_loaded_models == 1 and len(catalog) > 1:
         log.warning("--max-loaded-models 1 holds the default model alone: any other model "
                     "is loaded for each request and evicted after it; raise it to keep "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -612,15 +613,30 @@ def test_an_api_key_no_client_can_send_stops_the_start(
         parse()
 
 
+def start_stopped_at_its_port(*flags: str, env: dict[str, str] | None = None
+                              ) -> subprocess.CompletedProcess[str]:
+    """`ember serve` run through its start's checks and warnings, then stopped by a port
+    that is taken (exit 1), so nothing serves."""
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen(1)
+        return run_ember("serve", "--port", str(port), "--default-model", SYNTH, *flags,
+                         env=env)
+
+
+def test_more_api_processes_than_cores_is_a_warning() -> None:
+    """Found by a review of the start: --workers took any count without a word."""
+    result = start_stopped_at_its_port("--workers", "512")
+    assert f"--workers 512 is more API processes than this machine's {os.cpu_count()} " \
+        "cores" in result.stderr, result.stderr
+
+
 def test_a_variable_that_misspells_a_setting_is_named_at_start() -> None:
     """Found by a review of the start: EMBER_APIKEY was ignored without a word, and the
     server meant to need a key started open."""
-    port = free_port()
-    with socket.socket() as taken:  # the start stops at the port, after the warning
-        taken.bind(("127.0.0.1", port))
-        taken.listen(1)
-        result = run_ember("serve", "--port", str(port), "--default-model", SYNTH,
-                           env={"EMBER_APIKEY": "s3cret", "EMBER_FRAMEWORK": "unrelated"})
+    result = start_stopped_at_its_port(env={"EMBER_APIKEY": "s3cret",
+                                            "EMBER_FRAMEWORK": "unrelated"})
     warnings = [line for line in result.stderr.splitlines() if "WARNING" in line]
     assert any("EMBER_APIKEY is not a setting and is ignored; did you mean EMBER_API_KEY?"
                in line for line in warnings), result.stderr
