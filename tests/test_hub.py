@@ -858,3 +858,19 @@ def test_downloads_that_requests_start_leave_the_loads_threads_free(
     # A share of a download's time, not most of it: here 0.51 s against 7.3 s; on the
     # loop's pool the model with no files waited 4.8 s for a thread.
     assert result["local_s"] < result["first_download_s"] / 3, result  # type: ignore[operator]
+
+
+def test_a_request_may_not_start_a_download_over_the_limit(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    """Found by a review: with --allow-hub-models any client could make the server
+    download a repository of any size. Past --max-download-gb (here 10 kB), a request's
+    download is refused before anything is fetched."""
+    before = len(standin.requests)
+    answers = run(standin, tmp_path / "hf", FAILING_LOOKUPS.format(repo=TINY),
+                  extra={"EMBER_ALLOW_HUB_MODELS": "1", "EMBER_MAX_DOWNLOAD_GB": "0.00001"}
+                  )["answers"]
+    status, kind, message = answers[0]  # type: ignore[index]
+    assert (status, kind) == (502, "model_load_failed"), answers
+    assert "over the 10.0 kB a request may start (--max-download-gb)" in message
+    assert f"--preload {TINY}" in message
+    assert not [p for m, p, _ in standin.requests[before:] if m == "GET" and "/resolve/" in p]

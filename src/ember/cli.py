@@ -232,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
          "let a request name a Hub model the server does "
          "not have, which it then downloads; off, only the models named at startup are "
          "downloaded")
+    flag("max-download-gb", number, SERVER.max_download_gb, "the largest model a request may "
+         "make the server download, with --allow-hub-models (models named at the start "
+         "are not limited)")
     flag("device", str, SERVER.device, "cpu, cuda or cuda:N (fp16 on CUDA)")
     flag("torch-threads", int, None, "torch intra-op threads (default: all cores but one; 1 "
          "where every model runs on ONNX Runtime)")
@@ -346,7 +349,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         host=args.host, port=args.port, workers=args.workers,
         model_dirs=tuple(Path(p) for p in _list(args.model_dir, ":")),
         model_paths=tuple(Path(p) for p in _list(args.model, ":")),
-        allow_hub_models=args.allow_hub_models,
+        allow_hub_models=args.allow_hub_models, max_download_gb=args.max_download_gb,
         preload=_list(args.preload, ","), default_model=args.default_model,
         device=args.device, torch_threads=args.torch_threads, backend=args.backend,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
@@ -409,7 +412,7 @@ def serve(settings: ServerSettings) -> int:
                       "%s)", settings.default_model, exc,
                       did_you_mean(settings.default_model, sorted(known)), ", ".join(sorted(known)))
         return 2
-    hub.let_requests_download(settings.allow_hub_models)
+    hub.let_requests_download(settings.allow_hub_models, settings.max_download_gb)
     if settings.default_model not in catalog:
         log.error("default model %r is not in the catalog; known: %s",
                   settings.default_model, ", ".join(sorted(catalog)))

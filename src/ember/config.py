@@ -655,7 +655,7 @@ def hub_wanted(spec: ModelSpec, backend: Backend | None = None, device: str = "c
 
 
 def spec_from_hub(ref: HubRef, download: bool | None = None,
-                  base: ModelSpec | None = None) -> ModelSpec:
+                  base: ModelSpec | None = None, limit: int | None = None) -> ModelSpec:
     """A catalog entry for a Hub id: a curated entry (`base`) at the revision asked for,
     or a plain one named after the repository, its family read from the downloaded files
     (as for a local directory; what the load needs besides comes with it: hub_wanted)."""
@@ -664,7 +664,7 @@ def spec_from_hub(ref: HubRef, download: bool | None = None,
         return replace(base, source=Source(hub=ref.repo, revision=ref.revision or pinned))
     from ember import hub
 
-    folder = hub.snapshot(ref, Wanted(), download)
+    folder = hub.snapshot(ref, Wanted(), download, limit=limit)
     family, tasks = _detect_family(folder)
     _refuse_remote_code(folder, str(ref))
     return ModelSpec(name=ref.repo, adapter=family, source=Source(hub=ref.repo,
@@ -690,7 +690,7 @@ def hub_spec_on_request(name: str) -> ModelSpec | None:
     ref = hub_id(name)
     if ref is None or ref.revision is not None or not hub.requests_may_download():
         return None
-    return spec_from_hub(ref, download=True)
+    return spec_from_hub(ref, download=True, limit=hub.request_download_limit())
 
 
 def check_proxy(entry: str) -> None:
@@ -818,6 +818,7 @@ class ServerSettings:
     model_dirs: tuple[Path, ...] = ()
     model_paths: tuple[Path, ...] = ()  # --model: local directories or Hub ids
     allow_hub_models: bool = False  # may a request name a Hub model to download
+    max_download_gb: float = 20.0  # the largest download a request may start
     preload: tuple[str, ...] = ()
     default_model: str = DEFAULT_MODEL
     device: str = "cpu"
@@ -849,6 +850,8 @@ class ServerSettings:
         if not self.host.strip():  # an empty host binds every interface, not loopback
             raise ValueError("--host is empty (an unset EMBER_HOST?); give an address: "
                              "127.0.0.1 for this machine only, 0.0.0.0 for every interface")
+        if not 0 < self.max_download_gb < math.inf:
+            raise ValueError(f"--max-download-gb must be over 0, got {self.max_download_gb}")
         if not self.default_model.strip():  # read as a folder, it was the current one
             raise ValueError("--default-model is empty (an unset EMBER_DEFAULT_MODEL?); "
                              "name a model, or leave it out for the default")

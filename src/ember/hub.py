@@ -34,6 +34,7 @@ log = logging.getLogger("ember.hub")
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95})"
                     r"(?:@(?P<revision>[\w.\-/]{1,200}))?")
 ALLOW_ENV = "EMBER_ALLOW_HUB_MODELS"  # "0": this process may not download (set by serve)
+LIMIT_ENV = "EMBER_MAX_DOWNLOAD_GB"  # the largest download a request may start
 PROGRESS_EVERY_S = 2.0  # at most one byte-count line per download this often
 
 # Tokenizers' files are among these (tokenizer.json, vocab.txt, spiece.model); a pattern
@@ -119,10 +120,21 @@ class Wanted:
         return patterns
 
 
-def let_requests_download(allowed: bool) -> None:
+def let_requests_download(allowed: bool, max_gb: float = 20.0) -> None:
     """From here on this process, and those it starts, download only what a request may
-    name, and that only if `allowed` (--allow-hub-models)."""
+    name, that only if `allowed` (--allow-hub-models), and at most `max_gb` a model
+    (--max-download-gb)."""
     os.environ[ALLOW_ENV] = "1" if allowed else "0"
+    os.environ[LIMIT_ENV] = repr(max_gb)
+
+
+def request_download_limit() -> int | None:
+    """Bytes a download that a request starts may take; None: not limited (a library
+    caller's process)."""
+    try:
+        return int(float(os.environ[LIMIT_ENV]) * 1e9)
+    except (KeyError, ValueError):
+        return None
 
 
 def requests_may_download() -> bool:
@@ -180,9 +192,9 @@ def has_weights(folder: Path, pickle: bool) -> bool:
 
 
 def snapshot(ref: HubRef, wanted: Wanted, download: bool | None = None,
-             exact: bool = True) -> Path:
-    """The local folder of `ref`: from the cache, else downloaded (when allowed). Not
-    `exact`: a cached snapshot without the ONNX graph will do."""
+             exact: bool = True, limit: int | None = None) -> Path:
+    """The local folder of `ref`: from the cache, else downloaded (when allowed, and at
+    most `limit` bytes). Not `exact`: a cached snapshot without the ONNX graph will do."""
     folder = cached(ref, wanted if exact else replace(wanted, onnx=False))
     if folder is not None:
         return folder
@@ -198,10 +210,10 @@ def snapshot(ref: HubRef, wanted: Wanted, download: bool | None = None,
         raise NotDownloaded(f"model {ref} {where} ({cache_root()}) and this server "
                             "downloads only the models named at its start; name it with "
                             f"--preload {ref}, or start with --allow-hub-models")
-    return fetch(ref, wanted)
+    return fetch(ref, wanted, limit)
 
 
-def fetch(ref: HubRef, wanted: Wanted) -> Path:
+def fetch(ref: HubRef, wanted: Wanted, limit: int | None = None) -> Path:
     """Download what `ref` needs, one process at a time per repository."""
     from filelock import FileLock
 
@@ -213,10 +225,10 @@ def fetch(ref: HubRef, wanted: Wanted) -> Path:
         if folder is not None:
             log.info("%s: found in the cache, fetched by another process", ref)
             return folder
-        return _download(ref, wanted)
+        return _download(ref, wanted, limit)
 
 
-def _download(ref: HubRef, wanted: Wanted) -> Path:
+def _download(ref: HubRef, wanted: Wanted, limit: int | None) -> Path:
     from huggingface_hub import HfApi, snapshot_download, try_to_load_from_cache
     from huggingface_hub.errors import (
         RepositoryNotFoundError,
@@ -262,6 +274,10 @@ def _download(ref: HubRef, wanted: Wanted) -> Path:
     missing = [f for f in files
                if not isinstance(try_to_load_from_cache(ref.repo, f, revision=sha), str)]
     total = sum(sizes[f] for f in missing)
+    if limit is not None and total > limit:
+        raise HubError(f"model {ref} would download {human_bytes(total)}, over the "
+                       f"{human_bytes(limit)} a request may start (--max-download-gb); name "
+                       f"it at the start (--preload {ref}) to fetch it")
     log.info("%s: downloading %d of %d files (%s) at revision %s", ref, len(missing),
              len(files), human_bytes(total), sha)
     for name in missing:

@@ -41,7 +41,7 @@ class EmberEngine:
         # Serve awaits an async constructor: the replica is running once this returns.
         configure_logging(settings)
         if settings.allow_hub_models:  # a replica on another node has not inherited it
-            let_requests_download(True)
+            let_requests_download(True, settings.max_download_gb)
         self.settings = settings
         self.registry = Registry.serving(settings, load_catalog(settings.model_dirs,
                                                                 settings.model_paths))

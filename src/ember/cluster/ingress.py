@@ -49,7 +49,7 @@ class EmberIngress:
     def __init__(self, settings: ServerSettings, engine_app: str) -> None:
         configure_logging(settings)
         if settings.allow_hub_models:  # a replica on another node has not inherited it
-            let_requests_download(True)
+            let_requests_download(True, settings.max_download_gb)
         self.settings = settings
         # The engine is an application of its own, so a drain can stop this one first.
         self.engine: DeploymentHandle[Any] = serve.get_deployment_handle(ENGINE, engine_app)
