@@ -687,11 +687,23 @@ def test_a_gliner_whose_files_map_a_class_to_code_runs_none_of_it(
     (backbone / "tokenizer.py").write_text(code_that_marks(marker))
     (backbone / "modeling_evil.py").write_text(code_that_marks(marker))
     standin.add("evil/backbone", backbone)
+    # A second review: a config too large for the check (transformers reads any size),
+    # and models gliner loads itself from the Hub (a bi-encoder's labels encoder).
+    bloated = copytree(backbone, tmp_path / "bloated")
+    (bloated / "config.json").write_text(json.dumps(
+        {**config, "auto_map": {"AutoModel": "modeling_evil.EvilModel"},
+         "padding": "x" * (17 << 20)}))
+    standin.add("evil/bloated", bloated)
     encoder = dict(config, auto_map={"AutoModel": "evil/code--modeling_evil.EvilModel"})
     hostile_gliner(standin, tmp_path, "evil/gliner-encoder-code", encoder_config=encoder)
     hostile_gliner(standin, tmp_path, "evil/gliner-backbone-code", model_name="evil/backbone")
-    for repo, says in (("evil/gliner-encoder-code", "gliner_config.json has an auto_map"),
-                       ("evil/gliner-backbone-code", "config.json maps a class")):
+    hostile_gliner(standin, tmp_path, "evil/gliner-bloated", model_name="evil/bloated")
+    hostile_gliner(standin, tmp_path, "evil/gliner-labels", labels_encoder="evil/backbone")
+    for repo, says in (
+            ("evil/gliner-encoder-code", "gliner_config.json maps a class to code"),
+            ("evil/gliner-backbone-code", "config.json maps a class to code"),
+            ("evil/gliner-bloated", "config.json cannot be checked for code"),
+            ("evil/gliner-labels", "names other models (labels_encoder: evil/backbone)")):
         refused = run(standin, tmp_path / "hf", LOAD_GLINER.format(repo=repo))
         assert says in str(refused.get("error")), refused
         assert "trust_remote_code: true" in str(refused["error"])

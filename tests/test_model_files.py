@@ -46,9 +46,14 @@ def test_a_class_mapped_to_code_is_found_at_any_depth_of_any_config(tmp_path: Pa
     from ember.model_files import maps_to_code
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (tmp_path / "modules.json").write_text(json.dumps([{"idx": 0, "path": ""}]))
     (tmp_path / "tokenizer.json").write_text(json.dumps({"auto_map": "a vocabulary's word"}))
-    (tmp_path / "broken.json").write_text("{not json")
-    assert maps_to_code(tmp_path) is None  # a vocabulary is not read, a broken file is none
+    assert maps_to_code(tmp_path) is None  # an array is read through; a vocabulary is not
     (tmp_path / "gliner_config.json").write_text(json.dumps(
         {"encoder_config": {"layers": [{"auto_map": {"AutoModel": "x--code.Model"}}]}}))
-    assert maps_to_code(tmp_path) == "gliner_config.json"
+    assert maps_to_code(tmp_path) == "gliner_config.json maps a class to code (auto_map)"
+    (tmp_path / "gliner_config.json").unlink()
+    # A file the check cannot read through counts as one that maps code: transformers
+    # read a 17 MB config.json the check skipped (found by a second review).
+    (tmp_path / "broken.json").write_text("{not json")
+    assert str(maps_to_code(tmp_path)).startswith("broken.json cannot be checked for code")

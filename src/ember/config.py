@@ -677,9 +677,9 @@ def _refuse_remote_code(folder: Path, name: str) -> None:
     """A model whose files map its classes to the repository's own code needs a YAML
     that says trust_remote_code: true; a bare Hub id never runs remote code."""
     if (found := maps_to_code(folder)) is not None:
-        raise CatalogError(f"model {name} runs its own code ({found} has an auto_map); "
-                           "Ember runs remote code only for a model whose YAML says "
-                           "trust_remote_code: true (a file in a --model-dir)")
+        raise CatalogError(f"model {name} may run its own code: {found}; Ember runs remote "
+                           "code only for a model whose YAML says trust_remote_code: true "
+                           "(a file in a --model-dir)")
 
 
 def hub_spec_on_request(name: str) -> ModelSpec | None:

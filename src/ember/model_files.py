@@ -18,9 +18,11 @@ class ModelFileError(ValueError):
 MAX_MODEL_JSON_BYTES = 16 << 20  # configs are kilobytes; a vocabulary's JSON a few MB
 
 
-def read_model_json(path: Path, expect: type[dict[str, Any]] | type[list[Any]] = dict) -> Any:
+def read_model_json(path: Path, expect: type[dict[str, Any]] | type[list[Any]] | type[object]
+                    = dict) -> Any:
     """A JSON file of a model directory (config.json, modules.json...), checked for size,
-    syntax, depth and its top-level type (`expect`) before anything reads a field."""
+    syntax, depth and its top-level type (`expect`; `object`: any) before anything reads a
+    field."""
     size = path.stat().st_size
     if size > MAX_MODEL_JSON_BYTES:
         raise ModelFileError(f"{path.name} is {size:,} bytes, over the {MAX_MODEL_JSON_BYTES:,} "
@@ -51,24 +53,25 @@ VOCABULARY_FILES = ("tokenizer.json", "vocab.json")
 
 
 def maps_to_code(folder: Path) -> str | None:
-    """The first JSON file of `folder` that maps a class to the repository's own code (an
+    """Which JSON file of `folder` maps a class to the repository's own code (an
     `auto_map` at any depth: config.json's, tokenizer_config.json's, a GLiNER config's
-    encoder_config), or None. Libraries that load with trust_remote_code on (gliner does,
-    always) would run that code; so a model only runs it where its YAML trusts it. An
-    unreadable file counts as none: its own reader refuses it."""
+    encoder_config), as a phrase naming it, or None. Libraries that load with
+    trust_remote_code on (gliner does, always) would run that code; so a model runs it
+    only where its YAML trusts it. A file that cannot be read through is counted as one
+    (transformers reads a 17 MB config.json that this check would skip)."""
     for path in sorted(folder.glob("*.json")):
         if path.name in VOCABULARY_FILES or not path.is_file():
             continue
         try:
-            data = read_model_json(path, dict)
-        except (ModelFileError, OSError):
-            continue
+            data = read_model_json(path, object)  # modules.json is an array
+        except (ModelFileError, OSError) as exc:
+            return f"{path.name} cannot be checked for code ({exc})"
         pending: list[Any] = [data]
         while pending:
             value = pending.pop()
             if isinstance(value, dict):
                 if "auto_map" in value:
-                    return path.name
+                    return f"{path.name} maps a class to code (auto_map)"
                 pending.extend(value.values())
             elif isinstance(value, list):
                 pending.extend(value)

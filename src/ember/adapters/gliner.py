@@ -399,18 +399,30 @@ def checked_backbone(spec: ModelSpec, folder: Path) -> Path | None:
     return backbone
 
 
+# Other models a GLiNER config may name, which gliner loads itself, from the Hub, with
+# trust_remote_code on: a bi-encoder's labels encoder, a decoder of labels.
+OTHER_MODELS = ("labels_encoder", "labels_decoder")
+
+
 def refuse_remote_code(spec: ModelSpec, folders: Sequence[Path]) -> None:
-    """gliner builds its backbone with trust_remote_code on, whatever the YAML says: a
-    class mapped to code in the model's or its backbone's files would run here. Only a
-    YAML that trusts remote code may load one (found by a review: a Hub GLiNER ran it)."""
+    """gliner builds its models with trust_remote_code on, whatever the YAML says: a class
+    mapped to code in the model's or its backbone's files would run here, and so would one
+    in any other model its config names. Only a YAML that trusts remote code may load such
+    a GLiNER (found by two reviews: a Hub GLiNER ran code each of these ways)."""
     if spec.trust_remote_code:
         return
     for folder in folders:
         if (found := maps_to_code(folder)) is not None:
-            raise ModelLoadError(spec.name, f"{folder.name}/{found} maps a class to the "
-                                            "repository's own code (auto_map); Ember runs it "
-                                            "only for a model whose YAML says "
-                                            "trust_remote_code: true")
+            raise ModelLoadError(spec.name, f"{folder.name}/{found}; Ember runs a "
+                                            "repository's own code only for a model whose "
+                                            "YAML says trust_remote_code: true")
+    fields = read_model_file(folders[0] / CONFIG_FILE, spec.name)
+    if named := {key: fields[key] for key in OTHER_MODELS if fields.get(key)}:
+        raise ModelLoadError(spec.name, f"its {CONFIG_FILE} names other models "
+                                        f"({', '.join(f'{k}: {v}' for k, v in named.items())}), "
+                                        "which gliner would fetch and load itself, code and "
+                                        "all; Ember serves such a GLiNER only where its YAML "
+                                        "says trust_remote_code: true")
 
 
 def read_config(folder: Path, backbone: Path | None, model: str) -> dict[str, Any]:
