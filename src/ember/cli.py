@@ -119,7 +119,7 @@ class BadVariable:
 class Parser(argparse.ArgumentParser):
     """argparse with a suggestion for a mistyped flag (`--max-loaded` for
     `--max-loaded-models`), as the YAML fields have, and the refusal of a bad variable
-    that no flag replaced, with the whole command's usage."""
+    that no flag replaced, with its command's usage."""
 
     words: Sequence[str] = ()
 
