@@ -699,11 +699,13 @@ def test_a_gliner_whose_files_map_a_class_to_code_runs_none_of_it(
     hostile_gliner(standin, tmp_path, "evil/gliner-backbone-code", model_name="evil/backbone")
     hostile_gliner(standin, tmp_path, "evil/gliner-bloated", model_name="evil/bloated")
     hostile_gliner(standin, tmp_path, "evil/gliner-labels", labels_encoder="evil/backbone")
+    hostile_gliner(standin, tmp_path, "evil/gliner-decoder", labels_decoder="evil/backbone")
     for repo, says in (
             ("evil/gliner-encoder-code", "gliner_config.json maps a class to code"),
             ("evil/gliner-backbone-code", "config.json maps a class to code"),
             ("evil/gliner-bloated", "config.json cannot be checked for code"),
-            ("evil/gliner-labels", "names other models (labels_encoder: evil/backbone)")):
+            ("evil/gliner-labels", "names other models (labels_encoder: evil/backbone)"),
+            ("evil/gliner-decoder", "names other models (labels_decoder: evil/backbone)")):
         refused = run(standin, tmp_path / "hf", LOAD_GLINER.format(repo=repo))
         assert says in str(refused.get("error")), refused
         assert "trust_remote_code: true" in str(refused["error"])
