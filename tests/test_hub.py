@@ -813,8 +813,10 @@ def test_only_a_models_own_files_are_fetched_and_a_repository_of_thousands_is_re
         (cluttered / junk).parent.mkdir(parents=True, exist_ok=True)
         (cluttered / junk).write_text("{}")
     standin.add("someone/cluttered", cluttered)
+    (cluttered / "notes[1].json").write_text("{}")  # a wanted name that reads as a pattern
     folder = Path(str(run(standin, tmp_path / "hf", snapshot("someone/cluttered"))["folder"]))
     assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+    assert (folder / "notes[1].json").is_file()  # fetched by its name, not as a pattern
     for junk in ("checkpoint-500", "runs", "tokenizer.pkl", "tokenizer_extra.bin",
                  "tokenizer.py"):
         assert not (folder / junk).exists(), junk

@@ -479,3 +479,22 @@ async def test_a_familys_module_is_imported_off_the_event_loop(
                           max_queue_items=8)
     await fronts.get("a")
     assert len(imported_in) == 2 and loop_thread not in imported_in
+
+
+async def test_a_remembered_lookup_failure_is_raised_again_without_a_longer_traceback() -> None:
+    """A request's Hub id that failed its lookup fails at once for a while; raising the one
+    remembered exception again must not grow its traceback with every request."""
+    from ember.registry import HubLookups
+
+    def lookup() -> ModelSpec:
+        raise ModelNotFound("someone/gone", [])
+
+    lookups, depths = HubLookups(), []
+    for _ in range(4):
+        with pytest.raises(ModelNotFound) as caught:
+            await lookups.run("someone/gone", lookup)
+        depth, frame = 0, caught.value.__traceback__
+        while frame is not None:
+            depth, frame = depth + 1, frame.tb_next
+        depths.append(depth)
+    assert depths[1] == depths[2] == depths[3], depths

@@ -28,6 +28,7 @@ from ember.config import (
     hub_wanted,
     load_catalog,
     local_name,
+    spec_for_model,
     spinning_mode,
     with_hub_models,
 )
@@ -485,7 +486,7 @@ def without_unavailable_preloads(settings: ServerSettings,
     for name in settings.preload:
         if name not in known and name not in named and hub_id(name) is not None:
             try:
-                load_catalog(model_paths=[name])  # from the cache, else from the Hub
+                spec_for_model(name, known)  # from the cache, else from the Hub
             except CatalogError as exc:
                 log.error("could not preload %s: %s", name, exc)
                 continue

@@ -10,6 +10,7 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Protocol, cast
 
 from ember import heap, hub
@@ -168,7 +169,7 @@ class HubLookups:
     async def run(self, name: str, lookup: Callable[[], ModelSpec]) -> ModelSpec:
         failed = self._failed.get(name)
         if failed is not None and time.monotonic() - failed[0] < LOOKUP_RETRY_S:
-            raise failed[1]
+            raise failed[1].with_traceback(None)  # else each raise lengthens its traceback
         running = self._running.get(name)
         if running is None:
             if self._pool is None:
@@ -195,14 +196,16 @@ class CatalogLookup:
 
     catalog: Mapping[str, ModelSpec]
 
+    @cached_property
+    def _hub_lookups(self) -> HubLookups:
+        """This catalog's own: its failures are its own to remember."""
+        return HubLookups()
+
     async def find(self, name: str) -> ModelSpec:
         """`spec`, off the event loop where a request's Hub id may download."""
         if name in self.catalog:
             return self.catalog[name]
-        lookups = self.__dict__.get("_hub_lookups")
-        if lookups is None:  # this catalog's own: its failures are its own to remember
-            lookups = self.__dict__["_hub_lookups"] = HubLookups()
-        return await lookups.run(name, lambda: self.spec(name))
+        return await self._hub_lookups.run(name, lambda: self.spec(name))
 
     @property
     def names(self) -> list[str]:
@@ -329,7 +332,7 @@ class Registry(CatalogLookup):
             return model
         failure = self._failures.get(name)
         if failure and time.monotonic() - failure[0] < self.limits.failure_retry_s:
-            raise failure[1]
+            raise failure[1].with_traceback(None)  # remembered: its traceback must not grow
         pending = self._loading.get(name)
         if pending is None:
             pending = asyncio.get_running_loop().create_future()

@@ -281,7 +281,6 @@ class Preprocessor:
             pixels = ((pixels - mean) / std).astype(np.float32)
         return np.ascontiguousarray(pixels)
 
-
     def _resize(self, image: Image.Image, size: tuple[int, int], param: str) -> Image.Image:
         """`image` resized to `size` (width, height). Past WHOLE_RESIZE_PIXELS, only the
         part the center crop keeps is made, a pass a side: each kept pixel is computed

@@ -391,44 +391,33 @@ def check_weights(spec: ModelSpec, folder: Path) -> None:
     raise ModelLoadError(spec.name, f"{folder} holds no GLiNER weights (model.safetensors)")
 
 
-def checked_backbone(spec: ModelSpec, folder: Path) -> Path | None:
-    """The folder of the model's backbone (`hub.backbone_folder`), once neither it nor
-    the model maps a class to code (`refuse_remote_code`)."""
-    backbone = hub.backbone_folder(folder)
-    refuse_remote_code(spec, [folder, *([backbone] if backbone is not None else [])])
-    return backbone
-
-
 # Other models a GLiNER config may name, which gliner loads itself, from the Hub, with
 # trust_remote_code on: a bi-encoder's labels encoder, a decoder of labels.
 OTHER_MODELS = ("labels_encoder", "labels_decoder")
 
 
-def refuse_remote_code(spec: ModelSpec, folders: Sequence[Path]) -> None:
-    """gliner builds its models with trust_remote_code on, whatever the YAML says: a class
-    mapped to code in the model's or its backbone's files would run here, and so would one
-    in any other model its config names. Only a YAML that trusts remote code may load such
-    a GLiNER (found by two reviews: a Hub GLiNER ran code each of these ways)."""
-    if spec.trust_remote_code:
-        return
-    for folder in folders:
-        if (found := maps_to_code(folder)) is not None:
-            raise ModelLoadError(spec.name, f"{folder.name}/{found}; Ember runs a "
-                                            "repository's own code only for a model whose "
-                                            "YAML says trust_remote_code: true")
-    fields = read_model_file(folders[0] / CONFIG_FILE, spec.name)
-    if named := {key: fields[key] for key in OTHER_MODELS if fields.get(key)}:
-        raise ModelLoadError(spec.name, f"its {CONFIG_FILE} names other models "
-                                        f"({', '.join(f'{k}: {v}' for k, v in named.items())}), "
-                                        "which gliner would fetch and load itself, code and "
-                                        "all; Ember serves such a GLiNER only where its YAML "
-                                        "says trust_remote_code: true")
-
-
-def read_config(folder: Path, backbone: Path | None, model: str) -> dict[str, Any]:
+def checked_config(spec: ModelSpec, folder: Path) -> dict[str, Any]:
     """gliner_config.json, its backbone named by its local folder when it has one, so
-    nothing loads from the network."""
-    fields: dict[str, Any] = read_model_file(folder / CONFIG_FILE, model)
+    nothing loads from the network; once nothing gliner would load runs code.
+
+    gliner builds its models with trust_remote_code on, whatever the YAML says: a class
+    mapped to code in the model's or its backbone's files would run, and so would one in
+    any other model its config names. Only a YAML that trusts remote code may load such a
+    GLiNER (found by two reviews: a Hub GLiNER ran code each of these ways)."""
+    backbone = hub.backbone_folder(folder)
+    fields: dict[str, Any] = read_model_file(folder / CONFIG_FILE, spec.name)
+    if not spec.trust_remote_code:
+        for checked in (folder, *([backbone] if backbone is not None else [])):
+            if (found := maps_to_code(checked)) is not None:
+                raise ModelLoadError(spec.name, f"{checked.name}/{found}; Ember runs a "
+                                                "repository's own code only for a model "
+                                                "whose YAML says trust_remote_code: true")
+        if named := {key: fields[key] for key in OTHER_MODELS if fields.get(key)}:
+            listed = ", ".join(f"{key}: {value}" for key, value in named.items())
+            raise ModelLoadError(spec.name, f"its {CONFIG_FILE} names other models ({listed}), "
+                                            "which gliner would fetch and load itself, code "
+                                            "and all; Ember serves such a GLiNER only where "
+                                            "its YAML says trust_remote_code: true")
     if backbone is not None:
         fields["model_name"] = str(backbone)
     return fields
@@ -441,7 +430,7 @@ def _load(spec: ModelSpec, runtime: Runtime) -> Any:
     if not (folder / CONFIG_FILE).is_file():
         raise ModelLoadError(spec.name, f"{folder} is not a GLiNER model (no {CONFIG_FILE})")
     check_weights(spec, folder)
-    backbone = checked_backbone(spec, folder)
+    fields = checked_config(spec, folder)
     common.apply_runtime(runtime)
     with tempfile.TemporaryDirectory(prefix="ember-gliner-") as staged:
         # gliner reads the backbone's name from the config: a folder that names its
@@ -449,7 +438,6 @@ def _load(spec: ModelSpec, runtime: Runtime) -> Any:
         for path in folder.iterdir():
             if path.name != CONFIG_FILE:
                 (Path(staged) / path.name).symlink_to(path.resolve())
-        fields = read_config(folder, backbone, spec.name)
         (Path(staged) / CONFIG_FILE).write_text(json.dumps(fields), encoding="utf-8")
         model = GLiNER.from_pretrained(staged, local_files_only=True,
                                        map_location=runtime.device)
@@ -485,8 +473,7 @@ def load_front(spec: ModelSpec, runtime: Runtime) -> GlinerFront:
     from transformers import AutoTokenizer
 
     folder = resolve_source(spec)
-    backbone = checked_backbone(spec, folder)
-    fields = read_config(folder, backbone, spec.name)
+    fields = checked_config(spec, folder)
     fields.pop("model_type", None)
     config = GLiNERConfig(**fields)
     own = (folder / "tokenizer_config.json").is_file()

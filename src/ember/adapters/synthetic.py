@@ -4,13 +4,13 @@ It returns deterministic unit vectors derived from each text (and the active
 LoRA), and takes a forward time from a cost model,
 `overhead_ms + per_token_us * padded tokens` (padded tokens = items x longest),
 either sleeping (a GPU-like device that leaves the CPU free) or computing (a
-CPU-like device that keeps a core busy); `load_ms` is how long its weights take to load
-(the engine's load sleeps that long; a front half has no weights). A text containing `fault_marker`
-makes its whole forward raise, for fault-injection tests. TESTS ONLY: a model whose
-options set `test_crash_marker` ends the process that runs a forward holding a text
-that contains it (`os._exit`, as a native crash in a model would), so that the tests can
-send a request that kills the engine; no catalog entry sets it, and without it no input
-does this.
+CPU-like device that keeps a core busy); `load_ms` is how long its weights take to
+load (the engine's load sleeps that long; a front half has no weights). A text
+containing `fault_marker` makes its whole forward raise, for fault-injection tests.
+TESTS ONLY: a model whose options set `test_crash_marker` ends the process that runs a
+forward holding a text that contains it (`os._exit`, as a native crash in a model
+would), so that the tests can send a request that kills the engine; no catalog entry
+sets it, and without it no input does this.
 """
 
 from __future__ import annotations
