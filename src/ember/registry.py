@@ -309,6 +309,10 @@ class Registry(CatalogLookup):
     async def refresh(self) -> None:
         """Nothing to do: this registry's state is always current."""
 
+    def answered_within(self, seconds: float) -> bool:
+        """Always: the engine is this process, and its status is never late."""
+        return True
+
     def ready(self, name: str) -> LoadedModel | None:
         """The model if it is loaded and its worker can take work now, else None (then
         `use` or `get` loads it, or restarts its worker)."""

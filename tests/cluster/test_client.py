@@ -3,18 +3,23 @@ raises becomes the answer Ember gives for the same state in its other modes."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import pytest
 from ray.serve._private.common import DeploymentID
 from ray.serve.exceptions import DeploymentUnavailableError
 
+from ember.adapters.base import Runtime
 from ember.api.errors import as_api_error
+from ember.api.state import STATUS_TIMEOUT_S, ServerState
 from ember.cluster.client import RayEngineClient
-from ember.config import load_catalog
+from ember.config import ServerSettings, load_catalog
 from ember.engine import WorkerFailed
 from ember.engine.errors import RequestTooLarge
-from ember.ipc.models import RemoteModel
+from ember.ipc.models import RemoteModel, RemoteModels
+from ember.metrics import Metrics
 
 
 class Unavailable:
@@ -57,3 +62,65 @@ def test_one_replicas_full_queue_refuses_nothing_at_the_ingress() -> None:
     model.check_room(1)  # not refused here
     with pytest.raises(RequestTooLarge):  # what no replica could take still is
         model.check_room(11)
+
+
+SYNTHETIC = "ember/synthetic"
+
+
+class StatusBehindRequests:
+    """A deployment handle as Ray's router behaves under overload: requests are answered,
+    while a status call, after the first, waits in the router's queue behind them."""
+
+    def __init__(self) -> None:
+        self.statuses = 0
+        self.held = asyncio.Event()  # set: the held status calls go through
+
+    def options(self, **_: Any) -> StatusBehindRequests:
+        return self
+
+    def __getattr__(self, op: str) -> Any:
+        handle = self
+
+        class Method:
+            def remote(self, fields: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
+                return asyncio.ensure_future(handle.answer(op))
+
+        return Method()
+
+    async def answer(self, op: str) -> dict[str, Any]:
+        if op == "status":
+            self.statuses += 1
+            if self.statuses > 1:
+                await self.held.wait()
+            return {"op": "result", "states": {SYNTHETIC: "loaded"}, "info": {},
+                    "pending": {}, "running": {}}
+        if op == "submit":
+            return {"op": "result", "values": [], "pending": 0, "queue_ms": 0.0,
+                    "inference_ms": 0.0, "forwards": 1}
+        return {"op": "result"}  # load: the replica holds the model
+
+
+async def test_readyz_stays_ready_while_the_status_waits_behind_answered_requests() -> None:
+    """Found in CI-like runs of the overload test: under load /readyz answered 503 "the
+    engine did not answer" (30 of 100), its status call waiting in Ray's router behind the
+    requests the engine was answering. An engine that answers requests is busy, not
+    silent: the last status stands. One that answers nothing is still a 503."""
+    handle = StatusBehindRequests()
+    settings = ServerSettings(default_model=SYNTHETIC)
+    models = RemoteModels(load_catalog(), Runtime.from_settings(settings),
+                          RayEngineClient(handle), max_queue_items=8)  # type: ignore[arg-type]
+    state = ServerState(settings, models, Metrics())
+    try:
+        assert await state.unready() is None  # the first status is answered
+        model = await models.get(SYNTHETIC)
+        await asyncio.sleep(STATUS_TIMEOUT_S + 0.1)  # that status is old now; nothing answered
+        assert await state.unready() == (
+            "not_ready", f"the engine did not answer within {STATUS_TIMEOUT_S:g} s")
+        await model.submit([], "encode", None)  # a request is answered meanwhile
+        started = time.monotonic()
+        assert await state.unready() is None
+        assert time.monotonic() - started < STATUS_TIMEOUT_S  # not a full status timeout
+        assert handle.statuses == 2  # one status call waits; the probes share it
+    finally:
+        handle.held.set()
+        await models.close()

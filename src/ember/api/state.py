@@ -65,6 +65,11 @@ class Models(Protocol):
         """Bring `state` and `info` up to date (a no-op where they are always current)."""
         ...
 
+    def answered_within(self, seconds: float) -> bool:
+        """Whether the engine answered a request in the last `seconds` (always, where the
+        engine is this process): a late status is then a busy engine's, not a silent one's."""
+        ...
+
     def use(self, name: str) -> AbstractAsyncContextManager[ServedModel]: ...
 
     async def get(self, name: str) -> object: ...
@@ -73,7 +78,8 @@ class Models(Protocol):
 
 
 STATUS_MAX_AGE_S = 1.0  # /readyz answers from a status this recent ...
-STATUS_TIMEOUT_S = 1.0  # ... and waits this long for a fresh one
+STATUS_TIMEOUT_S = 1.0  # ... and waits this long for a fresh one ...
+BUSY_STATUS_WAIT_S = 0.25  # ... or this long, where requests are being answered meanwhile
 
 
 @dataclass
@@ -139,15 +145,19 @@ class ServerState:
     async def recent_status(self) -> bool:
         """The registry's status, at most STATUS_MAX_AGE_S old: one refresh shared by every
         caller, awaited at most STATUS_TIMEOUT_S. False: the engine did not answer in time
-        (a wedged engine makes /readyz a 503, not a hang)."""
+        (a wedged engine makes /readyz a 503, not a hang). An engine that answered a
+        request within STATUS_MAX_AGE_S is busy, not silent: on Ray its status call waits
+        in the router behind the requests, so the last status stands after a short wait."""
         loop = asyncio.get_running_loop()
         if loop.time() - self.status_at <= STATUS_MAX_AGE_S:
             return True
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = loop.create_task(self._refresh())
-        done, _ = await asyncio.wait([self._refreshing], timeout=STATUS_TIMEOUT_S)
+        busy = self.registry.answered_within(STATUS_MAX_AGE_S)
+        done, _ = await asyncio.wait([self._refreshing],
+                                     timeout=BUSY_STATUS_WAIT_S if busy else STATUS_TIMEOUT_S)
         if not done:
-            return False
+            return self.registry.answered_within(STATUS_MAX_AGE_S)
         failure = self._refreshing.exception()
         return failure is None or isinstance(failure, QueueFull)  # busy, not silent
 

@@ -60,7 +60,7 @@ class RemoteModel:
     adapter: TaskModel
     client: EngineCalls
     pending: int = 0  # the engine's queue depth at its last answer ...
-    pending_at: float = 0.0  # ... and when that answer came (time.monotonic())
+    pending_at: float = float("-inf")  # ... and when that answer came (time.monotonic())
     max_queue_items: int = 0
 
     def check_room(self, items: int) -> None:
@@ -127,6 +127,12 @@ class RemoteModels(CatalogLookup):
     def dispatches(self) -> dict[str, dict[str, Any]]:
         """Every loaded model's dispatch, as of the last status."""
         return dict(self._dispatch)
+
+    def answered_within(self, seconds: float) -> bool:
+        """Whether the engine answered (or refused) a request to any model in the last
+        `seconds`: each model notes when its last answer came."""
+        now = time.monotonic()
+        return any(now - model.pending_at <= seconds for model in self._fronts.values())
 
     async def refresh(self) -> None:
         status = await self.client.call("status")
