@@ -124,3 +124,58 @@ async def test_readyz_stays_ready_while_the_status_waits_behind_answered_request
     finally:
         handle.held.set()
         await models.close()
+
+
+class TwoReplicas:
+    """A deployment handle whose status calls Ray's router sends to one engine replica of
+    two, in turn, each with its own models and queue."""
+
+    def __init__(self, views: list[dict[str, Any]]) -> None:
+        self.views, self.calls = views, 0
+
+    def options(self, **_: Any) -> TwoReplicas:
+        return self
+
+    @property
+    def status(self) -> TwoReplicas:
+        return self
+
+    def remote(self, fields: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
+        view = self.views[self.calls % len(self.views)]
+        self.calls += 1
+        answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        answer.set_result({"op": "result", **view})
+        return answer
+
+
+def replica_view(name: str, states: dict[str, str], pending: dict[str, int]
+                 ) -> dict[str, Any]:
+    return {"replica": name, "states": states, "pending": pending,
+            "running": dict.fromkeys(pending, 0), "info": {}, "dispatch": {}}
+
+
+async def test_the_pool_status_merges_what_each_replica_said(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each status call reaches one engine replica: a model is loaded where any replica
+    holds it, queues add up, and a replica not heard from for a while is forgotten."""
+    monkeypatch.setattr("ember.ipc.models.REPLICA_QUEUES_S", 0.2)
+    monkeypatch.setattr("ember.ipc.models.REPLICA_MODELS_S", 0.4)
+    handle = TwoReplicas([
+        replica_view("a", {SYNTHETIC: "loaded", "ember/other": "available"}, {SYNTHETIC: 3}),
+        replica_view("b", {SYNTHETIC: "loaded", "ember/other": "loading"},
+                     {SYNTHETIC: 4, "ember/other": 0})])
+    models = RemoteModels(load_catalog(), Runtime.from_settings(ServerSettings()),
+                          RayEngineClient(handle), max_queue_items=8)  # type: ignore[arg-type]
+    for _ in range(2):
+        await models.refresh()
+        assert models.state(SYNTHETIC) == "loaded"
+    assert models.state("ember/other") == "loading"  # whichever replica was asked last
+    assert models.pending() == {SYNTHETIC: 7, "ember/other": 0}
+    handle.views = handle.views[:1]  # replica b stops answering (it was scaled down)
+    await asyncio.sleep(0.25)
+    await models.refresh()
+    assert models.pending() == {SYNTHETIC: 3}  # b's queue is too old to count
+    assert models.state("ember/other") == "loading"  # its models, not yet
+    await asyncio.sleep(0.2)
+    await models.refresh()
+    assert models.state("ember/other") == "available"

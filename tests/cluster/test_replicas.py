@@ -121,6 +121,20 @@ def test_a_loading_model_does_not_block_the_others(ray_server: ServerProcess) ->
     assert answered_during_load >= 3, answered_during_load
 
 
+def test_a_model_one_replica_loaded_is_listed_loaded_whichever_replica_is_asked(
+        ray_server: ServerProcess) -> None:
+    """A model loaded on first use sits on one replica of two, and each status call goes to
+    either: `/v1/models` said loaded or available by which one Ray asked. The ingress
+    merges what each replica said."""
+    with httpx.Client(timeout=120) as client:
+        answer = client.post(f"{ray_server.url}/v1/encode/{LOADING}",
+                             json=encode_body("loaded on one replica"))
+        assert answer.status_code == 200, answer.text
+        states = [next(m["state"] for m in client.get(f"{ray_server.url}/v1/models")
+                       .json()["data"] if m["id"] == LOADING) for _ in range(16)]
+    assert states == ["loaded"] * 16, states
+
+
 def test_a_replica_killed_under_load_loses_no_request(ray_server: ServerProcess) -> None:
     """16 clients keep 50 ms forwards busy on both replicas; one replica is killed (SIGKILL)
     mid-way. Every request gets its own correct vector: those the dead replica was running

@@ -15,6 +15,7 @@ before it lets the model go.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -43,6 +44,7 @@ class EmberEngine:
         if settings.allow_hub_models:  # a replica on another node has not inherited it
             let_requests_download(True, settings.max_download_gb)
         self.settings = settings
+        self.replica = uuid.uuid4().hex
         self.registry = Registry.serving(settings, load_catalog(settings.model_dirs,
                                                                 settings.model_paths))
         self.calls = RegistryCalls(self.registry)
@@ -72,7 +74,8 @@ class EmberEngine:
         return await self._answer(message, self.calls.load)
 
     async def status(self, message: dict[str, Any]) -> Reply:
-        return await self._answer(message, self.calls.status)
+        # Which replica speaks: the ingress merges the replicas' views (`RemoteModels`).
+        return {**(await self._answer(message, self.calls.status)), "replica": self.replica}
 
     async def _answer(self, message: dict[str, Any],
                       call: Callable[[dict[str, Any]], Awaitable[Reply]]) -> Reply:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -30,6 +31,13 @@ from ember.registry import CatalogLookup, check_room
 FrontLoader = Callable[[ModelSpec, Runtime], TaskModel]
 # A queue depth older than this is not enough to refuse a request on: the engine decides.
 FRESH_DEPTH_S = 0.5
+# On Ray each status comes from one engine replica of several: what a replica said is
+# merged with the others' for this long (its models), or this long (its queues), then
+# forgotten (a replica that is no longer asked may have stopped).
+REPLICA_MODELS_S = 60.0
+REPLICA_QUEUES_S = 5.0
+# A model's state across replicas: the one a request would meet first.
+STATE_RANK = {"loaded": 3, "loading": 2, "failed": 1, "available": 0}
 
 
 def front_loader(family: str) -> FrontLoader:
@@ -108,6 +116,7 @@ class RemoteModels(CatalogLookup):
     _pending: dict[str, int] = field(default_factory=dict)
     _running: dict[str, int] = field(default_factory=dict)
     _dispatch: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _replicas: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
 
     def state(self, name: str) -> str:
         return self._states.get(name, "available")
@@ -136,6 +145,8 @@ class RemoteModels(CatalogLookup):
 
     async def refresh(self) -> None:
         status = await self.client.call("status")
+        if (replica := status.get("replica")) is not None:
+            status = self._across_replicas(replica, status)
         self._states = dict(status["states"])
         for name in self._states.keys() - self.catalog.keys():
             self._adopt(name)
@@ -143,6 +154,31 @@ class RemoteModels(CatalogLookup):
         self._pending = dict(status["pending"])
         self._running = dict(status["running"])
         self._dispatch = dict(status.get("dispatch") or {})
+
+    def _across_replicas(self, replica: str, status: dict[str, Any]) -> dict[str, Any]:
+        """The pool's status from each replica's latest: a model is loaded where any
+        replica holds it (Ray sends its requests there), and queues add up. Without this,
+        `/v1/models` said loaded or not by which replica Ray asked."""
+        now = time.monotonic()
+        self._replicas[replica] = (now, status)
+        for gone in [r for r, (at, _) in self._replicas.items() if now - at > REPLICA_MODELS_S]:
+            del self._replicas[gone]
+        views = [view for _, view in self._replicas.values()]
+        fresh = [view for at, view in self._replicas.values() if now - at <= REPLICA_QUEUES_S]
+        states: dict[str, str] = {}
+        for view in views:
+            for name, state in view["states"].items():
+                if STATE_RANK.get(state, 0) >= STATE_RANK.get(states.get(name, ""), -1):
+                    states[name] = state
+        pending: Counter[str] = Counter()
+        running: Counter[str] = Counter()
+        for view in fresh:
+            pending.update(view["pending"])
+            running.update(view["running"])
+        return {"states": states, "pending": dict(pending), "running": dict(running),
+                "info": {k: v for view in views for k, v in view["info"].items()},
+                "dispatch": {k: v for view in views
+                             for k, v in (view.get("dispatch") or {}).items()}}
 
     def _adopt(self, name: str) -> None:
         """A Hub model the engine took on at another API process's request: into this
