@@ -55,6 +55,19 @@ def test_engine_options_follow_the_settings() -> None:
     assert quick["target_ongoing_requests"] == 16
 
 
+
+def test_a_drain_on_ray_outlasts_the_longest_request_the_settings_allow() -> None:
+    """Ray kills a stopping replica after its graceful timeout, with whatever it still
+    holds: 120 s, or past --request-timeout-s where that is longer."""
+    pytest.importorskip("ray.serve", reason="the ray extra is not installed")
+    from ember.cluster.app import engine_options, ingress_options
+
+    for options in (engine_options, ingress_options):
+        assert options(ServerSettings())["graceful_shutdown_timeout_s"] == 120
+        assert options(ServerSettings(request_timeout_s=30))["graceful_shutdown_timeout_s"] == 120
+        assert options(ServerSettings(request_timeout_s=600))["graceful_shutdown_timeout_s"] == 610
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 is over"),
     (["--replicas", "0"], "must be 1 or more"),

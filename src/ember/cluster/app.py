@@ -31,7 +31,8 @@ APP = "ember"  # the HTTP application (the ingress)
 ENGINE_APP = "ember-engine"
 INGRESS = "EmberIngress"
 INGRESS_MAX_ONGOING = 4096  # HTTP requests one ingress replica takes at once (Ray's default: 5)
-GRACEFUL_SHUTDOWN_S = 120.0  # a replica being stopped finishes what it holds first
+GRACEFUL_SHUTDOWN_S = 120.0  # a replica being stopped finishes what it holds first ...
+DRAIN_MARGIN_S = 10.0  # ... or, with --request-timeout-s, that and this (no request is cut)
 SHUTDOWN_POLL_S = 0.5  # how often a stopping replica checks that it has finished
 
 
@@ -46,6 +47,14 @@ def autoscaling_config(ray: RaySettings, max_batch_items: int) -> dict[str, Any]
             "upscale_delay_s": ray.upscale_delay_s,
             "downscale_delay_s": ray.downscale_delay_s,
             "look_back_period_s": window, "metrics_interval_s": min(10.0, window / 2)}
+
+
+def graceful_shutdown_s(settings: ServerSettings) -> float:
+    """How long Ray lets a stopping replica finish what it holds before it kills it: past
+    the longest a request may last where `--request-timeout-s` bounds it."""
+    if settings.request_timeout_s is None:
+        return GRACEFUL_SHUTDOWN_S
+    return max(GRACEFUL_SHUTDOWN_S, settings.request_timeout_s + DRAIN_MARGIN_S)
 
 
 def logging_config(settings: ServerSettings) -> dict[str, Any]:
@@ -64,7 +73,7 @@ def engine_options(settings: ServerSettings) -> dict[str, Any]:
         "logging_config": logging_config(settings),
         "max_ongoing_requests": ray.ongoing(settings.worker.max_queue_items),
         "max_queued_requests": ray.queued(settings.worker.max_batch_items),
-        "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
+        "graceful_shutdown_timeout_s": graceful_shutdown_s(settings),
         "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
         # One replica per device: a GPU replica asks Ray for a whole GPU.
         "ray_actor_options": ({"num_gpus": 1, "num_cpus": 1}
@@ -82,7 +91,7 @@ def ingress_options(settings: ServerSettings) -> dict[str, Any]:
     return {"name": INGRESS, "num_replicas": max(1, settings.workers),
             "logging_config": logging_config(settings),
             "max_ongoing_requests": INGRESS_MAX_ONGOING,
-            "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
+            "graceful_shutdown_timeout_s": graceful_shutdown_s(settings),
             "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
             "ray_actor_options": {"num_cpus": 0}}  # light next to the engines it feeds
 
