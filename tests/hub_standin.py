@@ -158,6 +158,8 @@ class HubStandIn:
                 return sha, entry.commits[sha]
 
             def _info(self, repo: str, revision: str) -> None:
+                # As the Hub: an id in any case finds the repository, answered by its own.
+                repo = next((r for r in hub.repos if r.lower() == repo.lower()), repo)
                 if repo in hub.refused:  # as the Hub answers a token without access
                     return self._json({"error": "Access to this repository is restricted"},
                                       hub.refused[repo])

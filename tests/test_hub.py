@@ -443,7 +443,8 @@ async def main():
     registry = Registry(load_catalog(), Runtime(backend="torch"))
     out = {{}}
     for name in ("someone/not-there", {TINY + "@main"!r}, {TINY + " "!r}, {TINY + "  "!r},
-                 "someone/gated", "someone/private", "baai/bge-small-en-v1.5"):
+                 "someone/gated", "someone/private", "baai/bge-small-en-v1.5",
+                 {TINY.upper()!r}):
         try:
             await registry.get(name)
             out[name] = "loaded"
@@ -476,6 +477,11 @@ asyncio.run(main())
     assert (status, kind) == (404, "model_not_found")
     assert "did you mean 'BAAI/bge-small-en-v1.5'?" in message
     assert not [p for _, p, _ in standin.requests if "baai/" in p]
+    # Found by a review: a Hub id in other case was a second download and a second model.
+    status, kind, message = answers[TINY.upper()]  # type: ignore[misc]
+    assert (status, kind) == (404, "model_not_found")
+    assert f"did you mean {TINY!r}?" in message
+    assert not [p for _, p, _ in standin.requests if "/resolve/" in p and TINY.upper() in p]
     # A space after the id is no Hub id (it had loaded a second copy under "org/x ").
     for alias in (TINY + " ", TINY + "  "):
         assert answers[alias][:2] == [404, "model_not_found"]  # type: ignore[index]

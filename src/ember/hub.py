@@ -247,6 +247,11 @@ def _download(ref: HubRef, wanted: Wanted, limit: int | None) -> Path:
                        ) from None
     except Exception as exc:  # the client's HTTP errors, and its transport's of any kind
         raise hub_failure(ref, exc, "listing its files") from None
+    if info.id and info.id != ref.repo and info.id.lower() == ref.repo.lower():
+        # The Hub matches ids in any case, its cache does not: a second spelling would be
+        # a second download and a second model in memory.
+        raise NotOnHub(f"model {ref} is on the Hub as {info.id!r}: did you mean "
+                       f"{info.id!r}? (one spelling, one copy)")
     sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or []}
     if unsafe := sorted(name for name in sizes if not _inside(name)):
         raise HubError(f"model {ref}: the repository lists files outside itself "
