@@ -22,6 +22,7 @@ weights), the best of 5 timings of many calls:
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -96,9 +97,12 @@ def reranker_pairs(wrapper: Any, docs: list[str]) -> list[Any]:
     from ember.adapters.cross_encoder import Pair
     from ember.engine import PreparedItem
 
-    tokens = _tokenize.TextTokenizer(wrapper, 256, pairs=True)
-    encodings = tokens.encode_pairs("how do search engines rank documents", docs,
-                                    "only_second")
+    query = "how do search engines rank documents"
+    if "pairs" in inspect.signature(_tokenize.TextTokenizer).parameters:  # an older tree
+        older: Any = _tokenize.TextTokenizer
+        encodings = older(wrapper, 256, pairs=True).encode_pairs(query, docs, "only_second")
+    else:
+        encodings = _tokenize.TextTokenizer(wrapper, 256).encode_pairs(query, docs, True)
     if hasattr(_tokenize, "id_rows"):
         rows = zip(_tokenize.id_rows(encodings), _tokenize.id_rows(encodings, "type_ids"),
                    strict=True)

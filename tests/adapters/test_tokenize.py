@@ -95,15 +95,15 @@ def test_an_over_long_text_is_refused_by_name(wrapper: Any) -> None:
         in str(caught.value)
 
 
-@pytest.mark.parametrize("strategy", ["only_second", "longest_first", None])
-def test_pairs_match_the_transformers_wrapper(minilm_wrapper: Any,
-                                              strategy: str | None) -> None:
-    tokens = TextTokenizer(minilm_wrapper, LIMIT, pairs=True)
+@pytest.mark.parametrize("truncate", [True, False])
+def test_pairs_match_the_transformers_wrapper(minilm_wrapper: Any, truncate: bool) -> None:
+    tokens = TextTokenizer(minilm_wrapper, LIMIT)
     assert tokens.token_types and tokens.pair_specials == 3
     query, docs = "what is the capital of France ?", [t for t in texts(30) if t.strip()]
-    got = tokens.encode_pairs(query, docs, strategy)
-    expected = minilm_wrapper([query] * len(docs), docs, truncation=strategy or False,
-                              max_length=LIMIT if strategy else None, verbose=False)
+    got = tokens.encode_pairs(query, docs, truncate)
+    expected = minilm_wrapper([query] * len(docs), docs,
+                              truncation="longest_first" if truncate else False,
+                              max_length=LIMIT if truncate else None, verbose=False)
     assert [e.ids for e in got] == expected["input_ids"]
     assert [e.type_ids for e in got] == expected["token_type_ids"]
     assert tokens.count(query) == len(minilm_wrapper(query, add_special_tokens=False)

@@ -135,11 +135,12 @@ def over_limit(count: int, limit: int, param: str) -> InputTooLong:
 
 class TextTokenizer:
     """A fast tokenizer's backend, copied and configured once per truncation strategy:
-    none, `longest_first` (one text, or a pair cut from the longer side) and, with
-    `pairs`, `only_second`; each cuts to `limit` tokens, special tokens included, from
-    the wrapper's `truncation_side`, as the transformers wrapper would."""
+    none, or `longest_first` (one text, or a pair cut from the longer side, as
+    sentence-transformers and TEI cut a reranker's pair); it cuts to `limit` tokens,
+    special tokens included, from the wrapper's `truncation_side`, as the transformers
+    wrapper would."""
 
-    def __init__(self, wrapper: Any, limit: int, pairs: bool = False) -> None:
+    def __init__(self, wrapper: Any, limit: int) -> None:
         source: str = wrapper.backend_tokenizer.to_str()
         self.limit = limit
         self.token_types = "token_type_ids" in wrapper.model_input_names
@@ -157,9 +158,6 @@ class TextTokenizer:
 
         self._whole = copy(None)
         self._cut = copy("longest_first")
-        self._second = copy("only_second") if pairs else None
-        self._by_strategy = {None: self._whole, "longest_first": self._cut,
-                             "only_second": self._second}
         self.pair_specials = self._whole.num_special_tokens_to_add(is_pair=True)
         self.head, self.tail = self._frame()
 
@@ -216,12 +214,9 @@ class TextTokenizer:
                                         skip_special_tokens=skip_special)
 
     def encode_pairs(self, first: str, seconds: Sequence[str],
-                     strategy: str | None) -> list[Encoding]:
-        """(first, second) pairs in one batch call, cut by `strategy` ("only_second",
-        "longest_first") or, with None, whole."""
-        tokenizer = self._by_strategy[strategy]
-        if tokenizer is None:
-            raise ValueError("this TextTokenizer was made without pairs=True")
+                     truncate: bool) -> list[Encoding]:
+        """(first, second) pairs in one batch call, cut from the longer side or whole."""
+        tokenizer = self._cut if truncate else self._whole
         return encode_batch(tokenizer, [(first, second) for second in seconds])
 
     def _frame(self) -> tuple[list[int], list[int]]:

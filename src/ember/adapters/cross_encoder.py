@@ -1,10 +1,10 @@
 """Cross-encoders (rerankers): one sequence-classification forward per (query, document) pair.
 
-A pair is tokenized with the document truncated first (`only_second`); only
-when the query alone leaves no room for the document is the longer of the two
-cut (`longest_first`). The score is the model's single logit through the
-activation the folder names (sentence-transformers 4+ writes it into config.json),
-else a sigmoid; `options: {activation: none | sigmoid}` in the spec overrides both.
+A pair over the limit is cut from the longer of its two texts (`longest_first`), as
+sentence-transformers and TEI cut it, so scores match theirs. The score is the model's
+single logit through the activation the folder names (sentence-transformers 4+ writes it
+into config.json), else a sigmoid; `options: {activation: none | sigmoid}` in the spec
+overrides both.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class CrossEncoderAdapter(common.TorchModel):
                                             f"model has {labels}")
         self.params = ScoreParams(activation)
         self.max_seq_length = common.model_max_length(spec, config, tokenizer)
-        self.tokens = TextTokenizer(tokenizer, self.max_seq_length, pairs=True)
+        self.tokens = TextTokenizer(tokenizer, self.max_seq_length)
         self.specials = self.tokens.pair_specials
         if set(spec.tasks) - set(TASKS):
             raise ModelLoadError(spec.name, f"a cross-encoder does only {TASKS}, the spec "
@@ -122,9 +122,7 @@ class CrossEncoderAdapter(common.TorchModel):
         query_tokens = self.tokens.count(query)
         if not truncate and query_tokens + self.specials > limit:
             raise over_limit(query_tokens + self.specials, limit, "query.text")
-        # only_second fails when the query alone fills the limit; then cut both.
-        strategy = "only_second" if query_tokens + self.specials < limit else "longest_first"
-        encodings = self.tokens.encode_pairs(query, docs, strategy if truncate else None)
+        encodings = self.tokens.encode_pairs(query, docs, truncate)
         for i, encoding in enumerate(encodings):
             if len(encoding) > limit:
                 raise over_limit(len(encoding), limit, f"items[{i}].text")
