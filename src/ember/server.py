@@ -34,6 +34,10 @@ KEEP_ALIVE_S = 75
 # long for the client to send (answered 503, `Connection: close`) or to close it.
 IDLE_GRACE_S = 1.0
 DRAIN_BEAT_S = 1.0  # a managed process's sign of life to its supervisor, while it drains
+# At the end of a drain, an answer its client has not read whole after this long is cut
+# (as a body not whole 10 s into a drain is refused): a client that does not read cannot
+# hold the exit.
+UNREAD_ANSWER_S = 10.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -132,6 +136,7 @@ class DrainingServer(uvicorn.Server):
         await self._let_idle_connections_go(IDLE_GRACE_S)
         await self.state.wait_idle()
         await self.state.registry.close()
+        await self._close_connections(UNREAD_ANSWER_S)
         log.info("drained in %.2f s; exiting", loop.time() - started)
         self.should_exit = True
 
@@ -150,6 +155,23 @@ class DrainingServer(uvicorn.Server):
             for listener in server.sockets:
                 with socket.socket(fileno=os.dup(listener.fileno())) as copy:
                     copy.listen(0)
+
+    async def _close_connections(self, unread_s: float) -> None:
+        """Close every connection once its answer is sent; cut one whose client has not
+        read its answer whole within `unread_s` (uvicorn's own shutdown would wait for it
+        without end)."""
+        loop = asyncio.get_running_loop()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()  # closes once what is written has been sent
+        deadline = loop.time() + unread_s
+        while self.server_state.connections and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if unread := list(self.server_state.connections):
+            log.warning("%d client%s did not read %s answer within %g s of the drain's end: "
+                        "cut", len(unread), "" if len(unread) == 1 else "s",
+                        "its" if len(unread) == 1 else "their", unread_s)
+            for connection in unread:
+                connection.transport.abort()
 
     async def _let_idle_connections_go(self, grace_s: float) -> None:
         """Wait until every connection has closed (each answer in a drain says `Connection:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import base64
 import http.client
+import json
 import re
 import signal
+import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -413,6 +415,41 @@ def test_a_hang_up_drains_as_sigterm_does(model_dir: Path, tmp_path: Path) -> No
         assert statuses == [200] * 3
         assert server.process.wait(30) == 0, server.log_tail()
         assert "drained in" in server.log_text()
+    finally:
+        server.stop()
+
+
+WIDE = "test/wide-synthetic"
+
+
+def test_a_client_that_does_not_read_its_answer_cannot_hold_the_exit(tmp_path: Path) -> None:
+    """Found by a review: a client that never read a large answer kept the server from
+    exiting after its drain (40 s and on, in either mode): uvicorn's shutdown waited for
+    the connection without end. It is cut 10 s after the drain's end."""
+    (tmp_path / "wide.yaml").write_text(f"""
+name: {WIDE}
+description: synthetic test model of 4,096 dimensions (large answers; not a real model)
+adapter: synthetic
+tasks: [encode]
+options: {{dims: 4096}}
+""", encoding="utf-8")
+    server = start_server(tmp_path / "unread.log", ["--model-dir", str(tmp_path),
+                                                    "--default-model", WIDE], ready_timeout=60)
+    try:
+        body = json.dumps(encode_body(*(f"text {i}" for i in range(512)))).encode()
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # it reads no more
+        client.connect(("127.0.0.1", server.port))
+        client.sendall(f"POST /v1/encode/{WIDE} HTTP/1.1\r\nHost: ember\r\n"
+                       f"Content-Type: application/json\r\nContent-Length: {len(body)}"
+                       "\r\n\r\n".encode() + body)
+        assert client.recv(12) == b"HTTP/1.1 200"  # its answer (~25 MB) has begun
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(40) == 0, server.log_tail()
+        assert time.monotonic() - signalled < 30  # the bound is 10 s after the drain
+        assert "1 client did not read its answer" in server.log_text(), server.log_tail()
+        client.close()
     finally:
         server.stop()
 
