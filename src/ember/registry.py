@@ -179,6 +179,10 @@ class HubLookups:
             running.add_done_callback(lambda done: self._done(name, done))
         return await asyncio.shield(running)
 
+    def running(self) -> list[str]:
+        """The ids being looked up (downloading) now."""
+        return list(self._running)
+
     def _done(self, name: str, done: asyncio.Future[ModelSpec]) -> None:
         self._running.pop(name, None)
         if done.cancelled() or (failure := done.exception()) is None:
@@ -210,6 +214,13 @@ class CatalogLookup:
     @property
     def names(self) -> list[str]:
         return sorted(self.catalog)
+
+    def unfinished(self) -> list[str]:
+        """The models still being downloaded or loaded (none awaited once a drain ends)."""
+        return sorted({*self._hub_lookups.running(), *self._loads_running()})
+
+    def _loads_running(self) -> list[str]:
+        return []
 
     def spec(self, name: str) -> ModelSpec:
         """The entry by that name; a Hub id the catalog lacks is added (downloading it)
@@ -312,6 +323,9 @@ class Registry(CatalogLookup):
     def answered_within(self, seconds: float) -> bool:
         """Always: the engine is this process, and its status is never late."""
         return True
+
+    def _loads_running(self) -> list[str]:
+        return [name for name, load in self._loading.items() if not load.done()]
 
     def ready(self, name: str) -> LoadedModel | None:
         """The model if it is loaded and its worker can take work now, else None (then

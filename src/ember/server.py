@@ -17,7 +17,13 @@ import uvicorn
 
 from ember.api.state import Models, ServerState
 from ember.config import ServerSettings
-from ember.ipc.lifeline import DRAIN_ORDER, ENGINE_GONE_ORDER, repeated_hangup, takes_hangup
+from ember.ipc.lifeline import (
+    DRAIN_ORDER,
+    ENGINE_GONE_ORDER,
+    exit_leaving_unfinished,
+    repeated_hangup,
+    takes_hangup,
+)
 
 log = logging.getLogger("ember")
 
@@ -80,6 +86,11 @@ class DrainingServer(uvicorn.Server):
             settings = self.state.settings
             log.info("Ember listening on http://%s:%d (default model %s; /docs for the API)",
                      settings.host, self.bound_port(), settings.default_model)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        # Here, not after `run`: asyncio's own ending waits for every thread it lent.
+        exit_leaving_unfinished(self.state.registry.unfinished())
 
     def bound_port(self) -> int:
         """The port listened on (the one the system chose, for --port 0)."""

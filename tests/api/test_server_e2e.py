@@ -454,6 +454,39 @@ options: {{dims: 4096}}
         server.stop()
 
 
+LONG_LOAD = "test/long-load"
+
+
+def test_a_load_no_request_awaits_cannot_hold_the_exit(tmp_path: Path) -> None:
+    """Found by a review: a model load whose client had gone held the exit until it ended
+    (18 s more in one process); with --workers the engine outlived its drain, was killed
+    after 10 s and the server exited 1."""
+    (tmp_path / "long.yaml").write_text(f"""
+name: {LONG_LOAD}
+description: synthetic test model whose weights take 60 s to load (not a real model)
+adapter: synthetic
+tasks: [encode]
+options: {{dims: 8, load_ms: 60000}}
+""", encoding="utf-8")
+    server = start_server(tmp_path / "long.log", ["--model-dir", str(tmp_path),
+                                                  "--default-model", SYNTH], ready_timeout=60)
+    try:
+        with pytest.raises(httpx.TimeoutException):  # the client leaves during the load
+            httpx.post(f"{server.url}/v1/encode/{LONG_LOAD}", json=encode_body("x"),
+                       timeout=1.0)
+        deadline = time.monotonic() + 10
+        while f"loading model {LONG_LOAD}" not in server.log_text():
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.05)
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(40) == 0, server.log_tail()
+        assert time.monotonic() - signalled < 9  # well before the load's end, or a 10 s kill
+        assert f"exiting without waiting for {LONG_LOAD}" in server.log_text()
+    finally:
+        server.stop()
+
+
 def test_a_second_signal_exits_at_once(model_dir: Path, tmp_path: Path) -> None:
     server = start_slow_server(model_dir, tmp_path / "twice.log")
     try:

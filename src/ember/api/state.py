@@ -65,6 +65,10 @@ class Models(Protocol):
         """Bring `state` and `info` up to date (a no-op where they are always current)."""
         ...
 
+    def unfinished(self) -> list[str]:
+        """The models still being downloaded or loaded."""
+        ...
+
     def answered_within(self, seconds: float) -> bool:
         """Whether the engine answered a request in the last `seconds` (always, where the
         engine is this process): a late status is then a busy engine's, not a silent one's."""

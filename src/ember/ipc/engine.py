@@ -54,6 +54,7 @@ from ember.ipc.calls import RegistryCalls
 from ember.ipc.lifeline import (
     DRAIN_ORDER,
     die_with_parent,
+    exit_leaving_unfinished,
     ignore_stop_signals,
     take_drain_orders,
 )
@@ -470,6 +471,8 @@ async def _engine(settings: ServerSettings, address: str, ready: Connection,
     await server.close()
     ready.close()
     log.info("engine drained in %.2f s; exiting", time.perf_counter() - started)
+    # Here, not after the loop: asyncio's own ending waits for every thread it lent.
+    exit_leaving_unfinished(registry.unfinished())
 
 
 async def _preload(registry: Registry, names: list[str], notes: LoadNotes) -> None:

@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing import resource_tracker
 from types import FrameType
 
@@ -105,3 +105,16 @@ def _watch(parent: int) -> None:
         time.sleep(WATCH_S)
     log.error("the supervisor process died; exiting")
     os._exit(1)
+
+
+def exit_leaving_unfinished(unfinished: Sequence[str]) -> None:
+    """Exit 0 now, once a drain has answered everything accepted, where a model load or
+    download that no request awaits any more still runs: its thread is one the
+    interpreter's exit would wait for (minutes, for a large model). Otherwise return."""
+    if not unfinished:
+        return
+    logging.getLogger("ember").info(
+        "exiting without waiting for %s: still loading, and no request waits for it",
+        ", ".join(unfinished))
+    logging.shutdown()
+    os._exit(0)

@@ -137,6 +137,9 @@ class RemoteModels(CatalogLookup):
         """Every loaded model's dispatch, as of the last status."""
         return dict(self._dispatch)
 
+    def _loads_running(self) -> list[str]:
+        return [name for name, load in self._loading.items() if not load.done()]
+
     def answered_within(self, seconds: float) -> bool:
         """Whether the engine answered (or refused) a request to any model in the last
         `seconds`: each model notes when its last answer came."""
