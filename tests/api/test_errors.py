@@ -400,6 +400,33 @@ async def test_the_timeout_covers_a_requests_wait_for_its_models_load(
         assert ok.status_code == 200, ok.text
 
 
+async def test_requests_awaiting_a_load_are_refused_at_once_past_the_queues_room(
+        apps: AppFactory) -> None:
+    """Found by a review: requests that came during a model's load all waited for it, with
+    no bound (500 for 20 s, then 468 of them got 429). As many items as the model's queue
+    takes may wait for the load; a request past that is refused at once."""
+    gate = threading.Event()
+    async with apps.serve(wait=False, loader=gated_loader(gate),
+                          worker=WorkerConfig(max_queue_items=4)) as served:
+        state = served.app.state.ember
+        waiting = [asyncio.create_task(served.client.post(
+            f"/v1/encode/{SYNTH}", json=encode_body(f"w{i}a", f"w{i}b"))) for i in range(2)]
+        await wait_for(lambda: state.load_waiters[SYNTH] == 4)
+        refused = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("late"))
+        error = assert_error(refused, 429, "queue_full")
+        assert "4 items pending + 1 requested" in error["message"]
+        too_large = await served.client.post(f"/v1/encode/{SYNTH}",
+                                              json=encode_body(*"abcde"))
+        assert_error(too_large, 413, "payload_too_large")
+        assert not gate.is_set() and not any(task.done() for task in waiting)
+        gate.set()
+        for task in waiting:
+            assert (await task).status_code == 200
+        assert not state.load_waiters  # none left counted
+        ok = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body(*"abcd"))
+        assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize(("content", "param"), [
     (b"{", "body"),  # malformed JSON: the field is the body, not a character offset
     (b'{"items": [{"text": "caf\xe9"}]}', "body"),  # not UTF-8

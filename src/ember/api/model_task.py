@@ -233,7 +233,13 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
         if spec is not None and lora is not None:
             check_lora(lora, tuple(spec.loras))
 
+        limit = int((spec.batching if spec is not None else {}).get(
+            "max_queue_items", state.settings.worker.max_queue_items))
+
         async def served() -> TaskOutput[T]:
+            if task is not None and state.registry.ready(model_name) is None:
+                with state.awaiting_model(model_name, queued, limit):
+                    await state.registry.get(model_name)  # its load, or its worker's restart
             async with state.registry.use(model_name) as model:
                 if spec is None and fits is not None:  # a Hub model a request brought
                     fits(model.spec)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Hashable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Awaitable, Hashable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -17,7 +18,7 @@ from fastapi import Request
 from ember.adapters.base import ModelInfo, TaskModel
 from ember.config import ModelSpec, ServerSettings
 from ember.engine import PreparedItem, RequestResult
-from ember.engine.errors import QueueFull, WorkerFailed
+from ember.engine.errors import QueueFull, RequestTooLarge, WorkerFailed
 from ember.metrics import Metrics
 
 
@@ -74,6 +75,10 @@ class Models(Protocol):
         engine is this process): a late status is then a busy engine's, not a silent one's."""
         ...
 
+    def ready(self, name: str) -> object | None:
+        """The model, if a request can use it now without awaiting a load."""
+        ...
+
     def use(self, name: str) -> AbstractAsyncContextManager[ServedModel]: ...
 
     async def get(self, name: str) -> object: ...
@@ -96,6 +101,7 @@ class ServerState:
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     status_at: float = float("-inf")  # when the registry's status was last brought up to date
+    load_waiters: Counter[str] = field(default_factory=Counter)  # items awaiting a model
     _refreshing: asyncio.Task[None] | None = None
     _reloading: asyncio.Task[None] | None = None
 
@@ -117,6 +123,23 @@ class ServerState:
     async def _reload(self, name: str) -> None:
         with contextlib.suppress(Exception):  # the load's own failure is logged there
             await self.registry.get(name)
+
+    @contextlib.contextmanager
+    def awaiting_model(self, name: str, items: int, limit: int) -> Iterator[None]:
+        """The items of a request while it awaits its model (a load): as many as the
+        model's queue takes may wait; past that a request is refused at once (429), not
+        after the load. A loaded model is entered without waiting, so nothing adds up."""
+        if items > limit:  # it would never fit: 413 now, not after the load
+            raise RequestTooLarge(items, limit)
+        if (waiting := self.load_waiters[name]) + items > limit:
+            raise QueueFull(waiting, items, limit)
+        self.load_waiters[name] += items
+        try:
+            yield
+        finally:
+            self.load_waiters[name] -= items
+            if self.load_waiters[name] <= 0:
+                del self.load_waiters[name]
 
     def enter(self) -> None:
         self.in_flight += 1

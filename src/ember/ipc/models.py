@@ -225,6 +225,9 @@ class RemoteModels(CatalogLookup):
         heap.settle()
         return model
 
+    def ready(self, name: str) -> RemoteModel | None:
+        return self._fronts.get(name)
+
     @asynccontextmanager
     async def use(self, name: str) -> AsyncIterator[RemoteModel]:
         model = self._fronts.get(name) or await self.get(name)
