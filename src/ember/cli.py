@@ -119,8 +119,8 @@ class BadVariable:
 
 class Parser(argparse.ArgumentParser):
     """argparse with a suggestion for a mistyped flag (`--max-loaded` for
-    `--max-loaded-models`), as the YAML fields have, and the refusal of a bad variable
-    that no flag replaced, with its command's usage."""
+    `--max-loaded-models`), as the YAML fields have, and the refusal, in one line, of a
+    bad variable that no flag replaced."""
 
     words: Sequence[str] = ()
 
@@ -130,8 +130,13 @@ class Parser(argparse.ArgumentParser):
         parsed = super().parse_args(self.words, namespace)
         for value in vars(parsed).values():
             if isinstance(value, BadVariable):
-                self.error(value.message)
+                self.refuse_variable(value)
         return parsed
+
+    def refuse_variable(self, bad: BadVariable) -> NoReturn:
+        """One line, without the usage: the usage lists the flags, and no flag was wrong."""
+        chosen = self._chosen() or self
+        chosen.exit(2, f"{chosen.prog}: error: {bad.message}\n")
 
     def error(self, message: str) -> NoReturn:
         prefix = "unrecognized arguments: "
