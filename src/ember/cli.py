@@ -57,7 +57,7 @@ Parse = Callable[[str], object]  # a flag's type: a class, or `number`
 WORKER_FLAGS: list[tuple[str, Parse, object, str]] = [
     ("max-batch-tokens", int, None, "padded tokens per forward (items x longest; default: "
      "learned, what a forward of about 250 ms holds, or 32 fixed costs' worth where that is "
-     "more, at most 16384)"),
+     "more, at least 512 and at most 16384)"),
     ("max-batch-items", int, WORKER.max_batch_items, "items per forward"),
     ("dispatch", str, WORKER.dispatch, "auto: the batch windows below that are not set follow the "
      "cost per forward the engine measures on each model; fixed: unset windows take the "

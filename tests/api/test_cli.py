@@ -18,6 +18,8 @@ from ember import __version__
 from ember.cli import WORKER_FLAGS, build_parser, env_name, main, settings_from
 from ember.config import DEFAULT_MODEL, ServerSettings
 from ember.engine import WorkerConfig
+from ember.engine.config import FIXED_MAX_BATCH_TOKENS
+from ember.engine.policy import MIN_LEARNED_BATCH_TOKENS
 from tests.api.conftest import BROKEN, BUSY, SLOW, SPACY, SYNTH
 from tests.live_server import REPO, ServerProcess, free_port, server_env
 
@@ -563,6 +565,14 @@ def test_a_mistyped_flag_is_told_the_closest_one(argv: list[str], hint: str,
     assert hint in err
     # The command's own usage (found by a fresh-clone walkthrough: the top level's).
     assert err.startswith(f"usage: ember {argv[0]} ") and f"ember {argv[0]}: error:" in err
+
+
+def test_max_batch_tokens_help_gives_the_learned_budgets_bounds() -> None:
+    """Found by a review: the help gave the ceiling, not the floor a noisy fit cannot pass."""
+    text = next(help_text for name, _, _, help_text in WORKER_FLAGS
+                if name == "max-batch-tokens")
+    assert (f"at least {MIN_LEARNED_BATCH_TOKENS} and at most {FIXED_MAX_BATCH_TOKENS}"
+            in text)
 
 
 def test_help_gives_each_default_once(capsys: pytest.CaptureFixture[str]) -> None:
