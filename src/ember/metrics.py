@@ -111,6 +111,7 @@ def dispatch_metrics(models: Mapping[str, Mapping[str, Any]]) -> Iterator[Metric
             learned.add_metric([name, lora], float(windows["learned"]))
             if cost is not None:
                 fixed.add_metric([name, lora], cost["fixed_ms"] / 1e3)
+            if cost is not None and cost["per_token_us"] is not None:  # None: unmeasured
                 per_token.add_metric([name, lora], cost["per_token_us"] / 1e6)
     yield from (fixed, per_token, window, padding, tokens, learned)
 

@@ -110,6 +110,21 @@ def test_a_few_forwards_of_another_size_do_not_wipe_a_measured_slope() -> None:
     assert slopes and min(slopes) == pytest.approx(430, rel=0.3)
 
 
+def test_describe_reports_an_unmeasured_cost_per_token_as_null_not_zero() -> None:
+    """Found by a review: /v1/models/{id} said per_token_us 0.0 beside per_token_seen
+    false, a token that costs nothing, where the docs say unmeasured."""
+    policy = DispatchPolicy(WorkerConfig())
+    for _ in range(50):  # one size: no slope can be measured
+        policy.observe(None, 416, 416, 32, 0.0025)
+    cost = policy.describe()["cost"]
+    assert cost["per_token_seen"] is False and cost["per_token_us"] is None
+    assert cost["fixed_ms"] == pytest.approx(2.5)
+    for padded in (200, 800) * 40:  # sizes apart: measured, and free here
+        policy.observe(None, padded, padded, 32, 0.0025)
+    cost = policy.describe()["cost"]
+    assert cost["per_token_seen"] is True and cost["per_token_us"] == 0.0
+
+
 @pytest.mark.parametrize("seconds", [float("nan"), float("inf"), -1.0, 0.0, 1e9])
 def test_fit_refuses_impossible_forwards(seconds: float) -> None:
     fit = CostFit()

@@ -291,7 +291,16 @@ class DispatchPolicy:
         def of(lora: str | None) -> dict[str, Any]:
             cost = self.cost(lora)
             return {"windows": asdict(self.windows(lora)),
-                    "cost": asdict(cost) if cost is not None else None}
+                    "cost": described_cost(cost) if cost is not None else None}
 
         return {"dispatch": self.config.dispatch, **of(None),
                 "loras": {lora: of(lora) for lora in self.loras() if lora is not None}}
+
+
+def described_cost(cost: CostEstimate) -> dict[str, Any]:
+    """The estimate as plain values, with `per_token_us` None until some window measured
+    it: the fit's 0.0 there means unmeasured, and would read as a token that costs nothing."""
+    values = asdict(cost)
+    if not cost.per_token_seen:
+        values["per_token_us"] = None
+    return values
