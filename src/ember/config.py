@@ -290,7 +290,7 @@ def _parse_source(data: Mapping[str, Any], adapter: str, where: str,
 
 def _parse_batching(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     """`batching:`, the WorkerConfig settings a model overrides (settings the engine no
-    longer reads are accepted with a warning)."""
+    longer reads are accepted and dropped; `say_unread_batching` warns of them)."""
     batching = data.get("batching") or {}
     # forward_fills_cores is the registry's to set, from the model it loaded.
     allowed = set(WorkerConfig.__dataclass_fields__) - {"forward_fills_cores"}
@@ -300,9 +300,6 @@ def _parse_batching(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     if unknown:
         raise CatalogError(f"{where}: batching.{', batching.'.join(unknown)} is not a setting; "
                            f"'batching' accepts only {sorted(allowed)}")
-    for unread in sorted(set(batching) & UNREAD_BATCHING):
-        log.warning("%s: batching.%s is accepted but no longer used by the engine; "
-                    "remove it (docs/architecture.md, settings)", where, unread)
     kept = {key: value for key, value in batching.items() if key in allowed}
     _check_batching(kept, where)
     return kept
@@ -335,7 +332,8 @@ def _check_switches_and_tables(data: Mapping[str, Any], adapter: str, where: str
 
 def load_spec_file(path: Path, check_paths: bool = False) -> ModelSpec:
     """One YAML file's entry; with `check_paths` (the server's start), a `source.path`
-    that does not exist, or a LoRA folder without its adapter, is refused too. Not in every
+    that does not exist, or a LoRA folder without its adapter, is refused too, and unread
+    batching settings are named in a warning. Not in every
     process that reads the catalog: a folder gone since the start fails its model's load
     (502), not a new engine's start."""
     try:
@@ -350,6 +348,8 @@ def load_spec_file(path: Path, check_paths: bool = False) -> ModelSpec:
     except OSError as exc:  # a broken link, a folder named *.yaml, no permission
         raise CatalogError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     spec = parse_spec(data, str(path), path.parent)
+    if check_paths:
+        say_unread_batching(data, str(path))
     if check_paths and spec.source.path is not None and not spec.source.path.exists():
         raise CatalogError(f"{path}: source.path {spec.source.path} does not exist")
     for lora, folder in spec.loras.items() if check_paths else ():
@@ -357,6 +357,14 @@ def load_spec_file(path: Path, check_paths: bool = False) -> ModelSpec:
             raise CatalogError(f"{path}: loras.{lora} {folder} is not a PEFT adapter folder "
                                "(no adapter_config.json)")
     return spec
+
+
+def say_unread_batching(data: Mapping[str, Any], where: str) -> None:
+    """Warn of the batching settings the engine no longer reads. Only with the start's
+    check: every later read of the catalog (the start's own, each process's) said it again."""
+    for unread in sorted(set(data.get("batching") or {}) & UNREAD_BATCHING):
+        log.warning("%s: batching.%s is accepted but no longer used by the engine; "
+                    "remove it (docs/architecture.md, settings)", where, unread)
 
 
 def _refuse_unknown(data: Mapping[Any, Any], accepted: tuple[str, ...], where: str,
