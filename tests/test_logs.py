@@ -78,6 +78,10 @@ def test_the_peer_is_one_token_whatever_its_address() -> None:
     assert peer(("10.0.0.7", 51234)) == "10.0.0.7:51234"
     assert peer(("::1", 8080)) == "[::1]:8080"
     assert peer(None) == "-"
+    # Behind a proxy the address comes from X-Forwarded-For, without a port: a review
+    # found `client=203.0.113.7:0`.
+    assert peer(("203.0.113.7", 0)) == "203.0.113.7"
+    assert peer(("2001:db8::7", None)) == "2001:db8::7"
 
 
 @pytest.mark.parametrize("json_lines", [False, True])

@@ -216,11 +216,14 @@ def access_log(method: str, path: str, route: str, model: str, status: int, item
                fields["client"], extra={"fields": fields})
 
 
-def peer(address: tuple[str, int] | None) -> str:
-    """An ASGI scope's `client` as one token: host:port, [v6 host]:port, or "-"."""
+def peer(address: tuple[str, int | None] | None) -> str:
+    """An ASGI scope's `client` as one token: host:port, [v6 host]:port, the host alone
+    where the port is unknown (0 or None: an X-Forwarded-For address has none), or "-"."""
     if not address:
         return "-"
     host, port = address
+    if not port:
+        return host
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
