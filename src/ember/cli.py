@@ -574,6 +574,20 @@ def list_models(model_dirs: Sequence[str] | None, url: str | None = None,
     return 0
 
 
+def quiet_on_closed_stdout(write: Callable[[], int]) -> int:
+    """`write()`'s exit status; a reader that closed stdout early (`ember models | head -1`)
+    ends it with status 1 and no traceback, as Python's docs advise (signal module)."""
+    try:
+        status = write()
+        sys.stdout.flush()  # a broken pipe shows here, not in the interpreter's last flush
+        return status
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: devnull takes that flush without an error.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
 def local_files(spec: ModelSpec) -> tuple[str, str]:
     """Whether the model's files are on this machine (a Hub model in the Hub's cache, an
     installed package, a folder), and their size; `-` for a model without files."""
@@ -609,7 +623,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "models":
-            return list_models(args.model_dir, args.url, args.api_key)
+            return quiet_on_closed_stdout(
+                lambda: list_models(args.model_dir, args.url, args.api_key))
         for name, value, allowed in (("--log-level", args.log_level, LEVELS),
                                      ("--log-format", args.log_format, FORMATS)):
             if value.lower() not in allowed:

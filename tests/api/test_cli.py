@@ -694,3 +694,16 @@ def test_a_refused_start_under_json_logs_is_a_json_line() -> None:
     [line] = result.stderr.strip().splitlines()
     entry = json.loads(line)
     assert entry["level"] == "error" and entry["message"] == "--port must be 0-65535, got 99999"
+
+
+def test_models_piped_into_a_reader_that_stops_early_ends_quietly() -> None:
+    """Found by a review: `ember models | head -1` ended in a BrokenPipeError traceback."""
+    process = subprocess.Popen([sys.executable, "-m", "ember", "models"], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=server_env())
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # before its first line: the reader is gone (unbuffered output)
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
