@@ -551,6 +551,9 @@ def list_models(model_dirs: Sequence[str] | None, url: str | None = None,
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         try:
             response = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=10)
+            if response.status_code == 401:  # httpx's own words name no flag to give a key
+                print(f"ember: {key_refused(url, api_key)}", file=sys.stderr)
+                return 1
             response.raise_for_status()
         except httpx.HTTPError as exc:
             print(f"ember: cannot list the models of {url}: {exc}", file=sys.stderr)
@@ -572,6 +575,13 @@ def list_models(model_dirs: Sequence[str] | None, url: str | None = None,
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
               + "  " + row[-1])
     return 0
+
+
+def key_refused(url: str, api_key: str | None) -> str:
+    """What to do about a server's 401, in one line."""
+    if api_key:
+        return f"{url} refused the API key given (401); check --api-key or EMBER_API_KEY"
+    return f"{url} needs an API key (401); give it with --api-key KEY or EMBER_API_KEY"
 
 
 def quiet_on_closed_stdout(write: Callable[[], int]) -> int:

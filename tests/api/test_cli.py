@@ -707,3 +707,36 @@ def test_models_piped_into_a_reader_that_stops_early_ends_quietly() -> None:
     assert process.wait(timeout=120) == 1
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
+
+@pytest.mark.parametrize(("key", "says"), [
+    (None, "needs an API key (401); give it with --api-key KEY or EMBER_API_KEY"),
+    ("wrong", "refused the API key given (401); check --api-key or EMBER_API_KEY"),
+])
+def test_models_of_a_server_that_needs_a_key_says_how_to_give_it(
+        capsys: pytest.CaptureFixture[str], key: str | None, says: str) -> None:
+    """Found by a review: a 401 was httpx's text and a link to developer.mozilla.org."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    class NeedsKey(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"error": "unauthorized"}'
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            """Quiet."""
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NeedsKey)
+    Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert main(["models", "--url", url, *(["--api-key", key] if key else [])]) == 1
+        err = capsys.readouterr().err
+        assert err == f"ember: {url} {says}\n"
+    finally:
+        server.shutdown()
+        server.server_close()
