@@ -340,8 +340,8 @@ def sample_inputs(inputs: Sequence[str], vocab_size: int, batch: int,
 
 def export(name: str, plan: ExportPlan, target: Path) -> None:
     """Export, fuse where parity holds, check, and move into `target`; logs progress."""
-    log.info("%s: exporting to ONNX (first load of these weights; cached at %s) ...", name,
-             target.parent)
+    log.info("%s: exporting to ONNX (first load under this name and these weights; cached "
+             "at %s) ...", name, target.parent)
     started = time.monotonic()
     model = plan.load_torch().eval()
     wrapper = _Exported(model, plan.inputs, plan.output)
