@@ -30,6 +30,7 @@ import yaml
 from ember.adapters.synthetic import CRASH_EXIT_CODE
 from ember.config import ServerSettings
 from ember.supervisor import Supervisor
+from tests.api.conftest import MODEL_YAMLS, SLOW
 from tests.live_server import (
     REPO,
     ServerProcess,
@@ -365,6 +366,37 @@ def test_a_stopped_api_process_cannot_hold_the_drain_for_good(
     assert re.search(rf"API process {index} \(pid {victim}\) gave no sign of life for 10 s "
                      "of its drain", log), server.log_tail()
     assert "engine drained" in log, server.log_tail()
+
+
+def test_what_an_api_process_killed_in_its_drain_queued_is_dropped_by_the_engine(
+        tmp_path: Path) -> None:
+    """Found by a review: an API process killed during its drain (kill -9) left its queued
+    requests to the engine, which ran their forwards for no one (4-5 replies "not sent:
+    that process is gone"). The supervisor tells the engine to forget it, as it does for
+    one that dies outside a drain."""
+    (tmp_path / "slow.yaml").write_text(MODEL_YAMLS["slow.yaml"], encoding="utf-8")
+    server = start_server(tmp_path / "server.log", ["--model-dir", str(tmp_path),
+                                                    "--default-model", SLOW,
+                                                    "--workers", "1"])
+    try:
+        [victim] = api_pids(server)
+        with ThreadPoolExecutor(12) as pool:  # 300 ms a forward, one item each: 3.6 s
+            answers = [pool.submit(encode, server.url, f"queued {i}", SLOW)
+                       for i in range(12)]
+            time.sleep(0.5)
+            server.process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            os.kill(victim, signal.SIGKILL)
+            for answer in answers:
+                with contextlib.suppress(httpx.TransportError):  # lost with the process
+                    answer.result()
+        assert server.process.wait(30) == 1, server.log_tail()  # a process was killed
+        log = server.log_text()
+        dropped = re.search(r"api-\d+ is gone: (\d+) of its calls dropped", log)
+        assert dropped and int(dropped.group(1)) >= 5, server.log_tail()
+        assert log.count("is not sent: that process is gone") <= 1, server.log_tail()
+    finally:
+        server.stop()
 
 
 def test_a_taken_port_is_one_line_and_exit_1(two_api_processes: ServerProcess) -> None:

@@ -444,9 +444,10 @@ def serve(settings: ServerSettings) -> int:
 
         return serve_processes(settings)
     from ember.registry import Registry
-    from ember.server import run_http
+    from ember.server import hold_stop_signals, run_http
     from ember.supervisor import listening_socket
 
+    hold_stop_signals()
     if (sock := listening_socket(settings)) is None:
         return 1
     with sock:

@@ -46,6 +46,25 @@ DRAIN_BEAT_S = 1.0  # a managed process's sign of life to its supervisor, while 
 UNREAD_ANSWER_S = 10.0
 
 
+_early_signals: list[int] = []  # stop signals that came before the server could drain
+
+
+def hold_stop_signals() -> None:
+    """From the port's binding until the server serves, a stop signal is kept, not fatal
+    (it killed the process, resetting connections already queued on the port): the server
+    drains on it as soon as it serves, answering those 503."""
+    stops = [signal.SIGTERM, signal.SIGINT, *([signal.SIGHUP] if takes_hangup() else [])]
+    for stop in stops:
+        signal.signal(stop, _hold)
+
+
+def _hold(sig: int, frame: FrameType | None) -> None:
+    if _early_signals:
+        log.warning("second signal: exiting now")
+        os._exit(1)
+    _early_signals.append(sig)
+
+
 class DrainingServer(uvicorn.Server):
     """The first signal (SIGTERM, SIGINT or SIGHUP) drains: /readyz and new requests answer
     503, accepted requests finish, the workers drain, then the process exits 0. A second
@@ -86,6 +105,8 @@ class DrainingServer(uvicorn.Server):
             settings = self.state.settings
             log.info("Ember listening on http://%s:%d (default model %s; /docs for the API)",
                      settings.host, self.bound_port(), settings.default_model)
+            if _early_signals:  # held since the port was bound: drained now
+                self.handle_exit(_early_signals[0], None)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await super().shutdown(sockets)
@@ -107,6 +128,9 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.managed and (sig != DRAIN_ORDER or self.state.draining):
             return  # the supervisor's order; once given, it ends this process if it must
+        if self._loop is None and not self.managed:  # not serving yet: held till it does
+            _hold(sig, frame)
+            return
         if repeated_hangup(sig, self.state.draining):
             return
         if self.state.draining:

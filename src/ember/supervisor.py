@@ -401,8 +401,10 @@ class Supervisor:
         Their exit codes, and the engine that is left."""
         self._order_drain()
         ordered = time.monotonic()
+        forgotten: set[int] = set()
         while draining := [api for api in self.apis if api.process.is_alive()]:
             self._wait_drains(draining, ordered, also=[engine.sentinel])
+            self._forget_the_killed(forgotten)
             if not engine.is_alive() and any(api.process.is_alive() for api in self.apis):
                 self._read_engine_notes()
                 replacement = self._replace_engine(engine)
@@ -410,6 +412,15 @@ class Supervisor:
                     return self._stop_apis_engine_gone(), engine
                 engine = replacement
         return [api.drain_code() for api in self.apis], engine
+
+    def _forget_the_killed(self, forgotten: set[int]) -> None:
+        """Tell the engine to drop what an API process that did not end its drain cleanly
+        (killed, or ended as wedged) had queued: no one is left to read its answers."""
+        for api in self.apis:
+            pid, code = api.process.pid, api.process.exitcode
+            if pid is not None and pid not in forgotten and code not in (None, 0):
+                forgotten.add(pid)
+                self._tell_engine({"op": "forget", "peer": peer_name(pid)})
 
     def _wait_drains(self, draining: list[ApiProcess], ordered: float,
                      timeout: float | None = None, also: Sequence[Any] = ()) -> None:

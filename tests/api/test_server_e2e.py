@@ -10,6 +10,8 @@ import json
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -33,7 +35,7 @@ from tests.api.conftest import (
     encode_body,
     vectors,
 )
-from tests.live_server import ServerProcess, start_server
+from tests.live_server import REPO, ServerProcess, free_port, server_env, start_server
 
 SYNTH_DIMS = 64  # the catalog's ember/synthetic
 SLOW_DIMS = 16
@@ -486,6 +488,44 @@ options: {{dims: 8, load_ms: 60000}}
         assert f"exiting without waiting for {LONG_LOAD}" in server.log_text()
     finally:
         server.stop()
+
+
+@pytest.mark.own_mode  # one process: its port is bound before the app is built
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_as_the_port_opens_drains_and_answers_what_was_sent(
+        stop: signal.Signals, tmp_path: Path) -> None:
+    """Found by a review: a stop signal in the first second after the port opened (bound
+    before the app is built) killed the process (-15, -2 with a traceback, -1), without a
+    drain or a line, resetting a connection that had sent its request."""
+    port = free_port()
+    with (tmp_path / "early.log").open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ember.cli", "serve", "--host", "127.0.0.1", "--port",
+             str(port), "--default-model", SYNTH], stdout=out, stderr=subprocess.STDOUT,
+            env=server_env(), cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client = socket.create_connection(("127.0.0.1", port), timeout=30)
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline and process.poll() is None
+                time.sleep(0.005)
+        body = json.dumps(encode_body("sent as the port opened")).encode()
+        client.sendall(f"POST /v1/encode/{SYNTH} HTTP/1.1\r\nHost: ember\r\n"
+                       f"Content-Type: application/json\r\nContent-Length: {len(body)}"
+                       "\r\n\r\n".encode() + body)
+        process.send_signal(stop)
+        answer = client.recv(65536)  # not a reset: an answer (503 unless it came first)
+        client.close()
+        assert answer.startswith((b"HTTP/1.1 503", b"HTTP/1.1 200")), answer[:200]
+        assert process.wait(30) == 0
+        log = (tmp_path / "early.log").read_text()
+        assert f"{stop.name}: draining" in log and "Traceback" not in log, log
+    finally:
+        if process.poll() is None:
+            process.kill()
 
 
 def test_a_second_signal_exits_at_once(model_dir: Path, tmp_path: Path) -> None:

@@ -177,9 +177,11 @@ class EngineServer(RegistryCalls):
             return
         if op == "forget":
             gone = str(message["peer"]).encode()
-            for call, task in list(self._calls.items()):
-                if call.peer == gone:
-                    task.cancel()
+            dropped = [task for call, task in self._calls.items() if call.peer == gone]
+            for task in dropped:
+                task.cancel()
+            log.info("%s is gone: %d of its calls dropped", gone.decode(errors="replace"),
+                     len(dropped))
             self._backlogs.pop(gone, None)
             self._greeted.discard(gone)
             self._params.pop(gone, None)
