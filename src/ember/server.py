@@ -14,6 +14,7 @@ from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ember.api.state import Models, ServerState
 from ember.config import ServerSettings
@@ -40,10 +41,50 @@ KEEP_ALIVE_S = 75
 # long for the client to send (answered 503, `Connection: close`) or to close it.
 IDLE_GRACE_S = 1.0
 DRAIN_BEAT_S = 1.0  # a managed process's sign of life to its supervisor, while it drains
+# A request's head (its line and headers) arrives whole within this, as a body's pauses are
+# bounded (30 s): a client sending a header a byte a minute cannot hold a connection.
+HEAD_S = 30.0
 # At the end of a drain, an answer its client has not read whole after this long is cut
 # (as a body not whole 10 s into a drain is refused): a client that does not read cannot
 # hold the exit.
 UNREAD_ANSWER_S = 10.0
+
+
+class BoundedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the two bounds it lacks: a connection that never
+    sends a request closes after the keep-alive time (uvicorn counts it from a response
+    only), and one whose request head stalls closes after HEAD_S. Opened connections that
+    send nothing, or a head a byte at a time, would otherwise be held for good."""
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        # uvicorn's own keep-alive timer: the first byte received cancels it.
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                            self.timeout_keep_alive_handler)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_timer = self.loop.call_later(HEAD_S, self._head_too_slow)
+
+    def on_headers_complete(self) -> None:
+        self._stop_head_timer()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
 
 _early_signals: list[int] = []  # stop signals that came before the server could drain
@@ -228,7 +269,8 @@ def run_http(settings: ServerSettings, registry: Models,
 
     app = create_app(settings, registry)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, loop="uvloop",
-                            http="httptools", log_level=settings.log_level, access_log=False,
+                            http=BoundedHttpProtocol, log_level=settings.log_level,
+                            access_log=False,
                             log_config=None,  # uvicorn's lines go through Ember's format
                             proxy_headers=settings.forwarded_allow_ips is not None,
                             forwarded_allow_ips=settings.forwarded_allow_ips,
