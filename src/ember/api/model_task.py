@@ -233,11 +233,12 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
         if spec is not None and lora is not None:
             check_lora(lora, tuple(spec.loras))
 
-        limit = int((spec.batching if spec is not None else {}).get(
-            "max_queue_items", state.settings.worker.max_queue_items))
-
         async def served() -> TaskOutput[T]:
-            if task is not None and state.registry.ready(model_name) is None:
+            # A catalog model's load is awaited within its queue's room (an unknown name
+            # is the registry's to answer: a 404, or a Hub id it looks up).
+            if task is not None and spec is not None and state.registry.ready(model_name) is None:
+                limit = int(spec.batching.get("max_queue_items",
+                                              state.settings.worker.max_queue_items))
                 with state.awaiting_model(model_name, queued, limit):
                     await state.registry.get(model_name)  # its load, or its worker's restart
             async with state.registry.use(model_name) as model:
