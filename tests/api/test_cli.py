@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -657,17 +659,16 @@ def test_a_variable_that_misspells_a_setting_is_named_at_start() -> None:
     assert not any("EMBER_FRAMEWORK" in line for line in warnings)  # another tool's
 
 
-def test_models_of_a_server_that_is_not_embers_is_one_line(
-        capsys: pytest.CaptureFixture[str]) -> None:
-    """Found by a review of the start: a web page's 200 was a JSONDecodeError traceback."""
+@contextlib.contextmanager
+def answering(status: int, content_type: str, body: bytes) -> Iterator[str]:
+    """The URL of a local HTTP server that answers every GET with this, while it runs."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from threading import Thread
 
-    class Page(BaseHTTPRequestHandler):
+    class Answer(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = b"<html>not a model list</html>"
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html")
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -675,15 +676,21 @@ def test_models_of_a_server_that_is_not_embers_is_one_line(
         def log_message(self, format: str, *args: object) -> None:
             """Quiet."""
 
-    page = ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    Thread(target=page.serve_forever, daemon=True).start()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    Thread(target=server.serve_forever, daemon=True).start()
     try:
-        url = f"http://127.0.0.1:{page.server_address[1]}"
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_models_of_a_server_that_is_not_embers_is_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a review of the start: a web page's 200 was a JSONDecodeError traceback."""
+    with answering(200, "text/html", b"<html>not a model list</html>") as url:
         assert main(["models", "--url", url]) == 1
         assert "no Ember model list; is it an Ember server?" in capsys.readouterr().err
-    finally:
-        page.shutdown()
-        page.server_close()
 
 
 def test_a_refused_start_under_json_logs_is_a_json_line() -> None:
@@ -715,28 +722,6 @@ def test_models_piped_into_a_reader_that_stops_early_ends_quietly() -> None:
 def test_models_of_a_server_that_needs_a_key_says_how_to_give_it(
         capsys: pytest.CaptureFixture[str], key: str | None, says: str) -> None:
     """Found by a review: a 401 was httpx's text and a link to developer.mozilla.org."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-    from threading import Thread
-
-    class NeedsKey(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = b'{"error": "unauthorized"}'
-            self.send_response(401)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            """Quiet."""
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), NeedsKey)
-    Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
+    with answering(401, "application/json", b'{"error": "unauthorized"}') as url:
         assert main(["models", "--url", url, *(["--api-key", key] if key else [])]) == 1
-        err = capsys.readouterr().err
-        assert err == f"ember: {url} {says}\n"
-    finally:
-        server.shutdown()
-        server.server_close()
+        assert capsys.readouterr().err == f"ember: {url} {says}\n"
