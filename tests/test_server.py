@@ -4,6 +4,7 @@ server in this process, with its bounds shortened."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator
 
 import pytest
@@ -11,7 +12,7 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from ember import server as ember_server
-from ember.server import BoundedHttpProtocol
+from ember.server import BoundedHttpProtocol, hold_stop_signals, release_stop_signals
 
 BOUND_S = 0.3  # the keep-alive time and the head's bound, here
 
@@ -19,6 +20,8 @@ BOUND_S = 0.3  # the keep-alive time and the head's bound, here
 async def hello(scope: Scope, receive: Receive, send: Send) -> None:
     if scope["type"] != "http":
         return
+    if scope["path"] == "/slow":  # an answer that outlasts the bounds
+        await asyncio.sleep(3 * BOUND_S)
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-length", b"2")]})
     await send({"type": "http.response.body", "body": b"ok"})
@@ -73,3 +76,33 @@ async def test_requests_sent_whole_are_answered_and_the_bounds_do_not_cut_them(
         assert head.startswith(b"HTTP/1.1 200")
         assert await reader.readexactly(2) == b"ok"
     writer.close()
+
+
+async def test_a_head_pipelined_behind_a_long_answer_is_timed_once_that_answer_is_sent(
+        port: int) -> None:
+    """Found by a review: a head pipelined behind a request still being answered was cut
+    after the bound, though uvicorn does not read on while it answers: the connection and
+    the answers pending on it were lost."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: ember\r\n\r\n"
+                 b"GET / HTTP/1.1\r\nHost: ember\r\n\r\nGET / HTTP/1.1\r\nHo")
+    await asyncio.sleep(1.5 * BOUND_S)  # past the bound, while /slow is being answered
+    writer.write(b"st: ember\r\n\r\n")
+    for _ in range(3):
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200")
+        assert await reader.readexactly(2) == b"ok"
+    writer.close()
+
+
+def test_the_stop_signals_held_until_serving_are_given_back_after_it() -> None:
+    """Found by a review: after `ember serve` returned, the first SIGTERM or SIGINT was
+    swallowed (uvicorn put back the holding handler it found)."""
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    before = {stop: signal.getsignal(stop) for stop in stops}
+    hold_stop_signals()
+    try:
+        assert all(signal.getsignal(stop) is not before[stop] for stop in stops[:2])
+    finally:
+        release_stop_signals()
+    assert {stop: signal.getsignal(stop) for stop in stops} == before

@@ -399,6 +399,41 @@ def test_what_an_api_process_killed_in_its_drain_queued_is_dropped_by_the_engine
         server.stop()
 
 
+def test_requests_awaiting_a_reload_after_an_eviction_are_bounded_by_the_queue(
+        tmp_path: Path) -> None:
+    """Found by a review: requests for a model the engine had evicted all waited out its
+    reload, then most got 429 (the API process bounds only a first load: it keeps the
+    model's front half). The engine bounds what awaits a load, across API processes."""
+    for name, load_ms, queue in (("test/reloaded", 3000, 10), ("test/other", 0, 64)):
+        (tmp_path / f"{name[5:]}.yaml").write_text(yaml.safe_dump({
+            "name": name, "adapter": "synthetic", "tasks": ["encode"],
+            "description": "synthetic test model (not a real model)",
+            "options": {"dims": 8, "load_ms": load_ms},
+            "batching": {"max_queue_items": queue}}))
+    server = start_server(tmp_path / "server.log", ["--model-dir", str(tmp_path),
+                                                    "--default-model", SYNTH, "--workers", "1",
+                                                    "--max-loaded-models", "2"])
+    try:
+        body = {"items": [{"text": f"t{i}"} for i in range(5)]}
+        url = f"{server.url}/v1/encode/test/reloaded"
+        assert httpx.post(url, json=body, timeout=30).status_code == 200  # loaded once
+        assert encode(server.url, "evicts it", "test/other").status_code == 200
+        assert "evicting model test/reloaded" in server.log_text(), server.log_tail()
+
+        def timed() -> tuple[int, float]:
+            started = time.monotonic()
+            status = httpx.post(url, json=body, timeout=30).status_code
+            return status, time.monotonic() - started
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: timed(), range(6)))
+        assert sorted(status for status, _ in answers) == [200, 200, 429, 429, 429, 429]
+        # Refused at once, not after the 3 s reload (generously: well under it).
+        assert all(took < 2.0 for status, took in answers if status == 429), answers
+    finally:
+        server.stop()
+
+
 def test_a_taken_port_is_one_line_and_exit_1(two_api_processes: ServerProcess) -> None:
     taken = two_api_processes.port
     result = subprocess.run(

@@ -195,6 +195,29 @@ class HubLookups:
             self._failed[name] = (now, failure)
 
 
+class LoadWaiters:
+    """The items of requests awaiting a model (its load, or its worker's restart), by
+    model: as many as its queue takes may wait; past that a request is refused at once
+    (429), and one larger than the queue too (413), not once the load is done."""
+
+    def __init__(self) -> None:
+        self._items: Counter[str] = Counter()
+
+    def items(self, name: str) -> int:
+        return self._items[name]
+
+    @contextmanager
+    def awaiting(self, name: str, items: int, limit: int) -> Iterator[None]:
+        check_room(self._items[name], items, limit)
+        self._items[name] += items
+        try:
+            yield
+        finally:
+            self._items[name] -= items
+            if self._items[name] <= 0:
+                del self._items[name]
+
+
 class CatalogLookup:
     """Names in a catalog, and its specs by name (an unknown name is ModelNotFound)."""
 
@@ -326,6 +349,11 @@ class Registry(CatalogLookup):
 
     def _loads_running(self) -> list[str]:
         return [name for name, load in self._loading.items() if not load.done()]
+
+    def queue_limit(self, name: str) -> int | None:
+        """The queue's size of a catalog model; None for a name the catalog lacks."""
+        spec = self.catalog.get(name)
+        return None if spec is None else spec.worker_config(self.worker_config).max_queue_items
 
     def ready(self, name: str) -> LoadedModel | None:
         """The model if it is loaded and its worker can take work now, else None (then

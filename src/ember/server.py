@@ -12,6 +12,7 @@ import socket
 import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -57,6 +58,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     send nothing, or a head a byte at a time, would otherwise be held for good."""
 
     _head_timer: asyncio.TimerHandle | None = None
+    _head_open = False  # a request's head has begun and is not yet whole
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -66,11 +68,25 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head_timer = self.loop.call_later(HEAD_S, self._head_too_slow)
+        self._head_open = True
+        # A head pipelined behind a request still being answered is not read on (uvicorn
+        # pauses reading): its time counts once that answer is sent.
+        if self.cycle is None or self.cycle.response_complete:
+            self._start_head_timer()
 
     def on_headers_complete(self) -> None:
+        self._head_open = False
         self._stop_head_timer()
         super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._head_open and self._head_timer is None:
+            self._start_head_timer()
+
+    def _start_head_timer(self) -> None:
+        self._stop_head_timer()
+        self._head_timer = self.loop.call_later(HEAD_S, self._head_too_slow)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
@@ -90,13 +106,24 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 _early_signals: list[int] = []  # stop signals that came before the server could drain
 
 
+_held_handlers: dict[int, Any] = {}  # the handlers hold_stop_signals replaced
+
+
 def hold_stop_signals() -> None:
     """From the port's binding until the server serves, a stop signal is kept, not fatal
     (it killed the process, resetting connections already queued on the port): the server
     drains on it as soon as it serves, answering those 503."""
     stops = [signal.SIGTERM, signal.SIGINT, *([signal.SIGHUP] if takes_hangup() else [])]
     for stop in stops:
-        signal.signal(stop, _hold)
+        _held_handlers[stop] = signal.signal(stop, _hold)
+
+
+def release_stop_signals() -> None:
+    """The handlers from before `hold_stop_signals`, once the server has stopped serving
+    (uvicorn puts back the one it found, which would swallow the next signal)."""
+    while _held_handlers:
+        stop, handler = _held_handlers.popitem()
+        signal.signal(stop, handler)
 
 
 def _hold(sig: int, frame: FrameType | None) -> None:
@@ -278,3 +305,4 @@ def run_http(settings: ServerSettings, registry: Models,
                             timeout_keep_alive=KEEP_ALIVE_S)
     DrainingServer(config, app.state.ember, managed, on_serving, on_engine_gone,
                    on_draining).run(sockets=sockets)
+    release_stop_signals()

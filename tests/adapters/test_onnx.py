@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -342,3 +346,28 @@ def test_onnx_is_refused_off_cpu(tiny: dict[str, Path]) -> None:
     with pytest.raises(ModelLoadError, match="CPU only"):
         transformer.load(spec_for(tiny["bi"], "transformer", ("encode",), backend="onnx"),
                          Runtime(device="cuda"))
+
+
+def test_staging_folders_no_export_will_finish_are_swept_by_the_next(tmp_path: Path) -> None:
+    """Found by a review: an export a server left unfinished at its exit (no request
+    awaited it), or one a crash ended, left its staging folder (a partial graph, hundreds
+    of MB for a real model), and nothing removed it."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    host = socket.gethostname().replace("-", "_")
+    gone = tmp_path / f".staging-{host}-{ended.pid}-abc"
+    alive = tmp_path / f".staging-{host}-{os.getpid()}-def"  # an export of this process
+    elsewhere = tmp_path / ".staging-another_host-1-ghi"  # whose owner cannot be told
+    stale = tmp_path / ".staging-k2j3h4"  # an older Ember's, untouched for two days
+    for folder in (gone, alive, elsewhere, stale):
+        folder.mkdir()
+        (folder / "model.onnx").write_bytes(b"half")
+    two_days_ago = time.time() - 2 * 24 * 3600
+    os.utime(stale, (two_days_ago, two_days_ago))
+    with _onnx._staging(tmp_path / "model.onnx") as staged:
+        staged.write_bytes(b"graph")
+    assert not gone.exists() and not stale.exists()
+    assert alive.exists() and elsewhere.exists()
+    assert (tmp_path / "model.onnx").read_bytes() == b"graph"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["model.onnx", alive.name, elsewhere.name])  # its own staging folder went too

@@ -411,7 +411,7 @@ async def test_requests_awaiting_a_load_are_refused_at_once_past_the_queues_room
         state = served.app.state.ember
         waiting = [asyncio.create_task(served.client.post(
             f"/v1/encode/{SYNTH}", json=encode_body(f"w{i}a", f"w{i}b"))) for i in range(2)]
-        await wait_for(lambda: state.load_waiters[SYNTH] == 4)
+        await wait_for(lambda: state.load_waiters.items(SYNTH) == 4)
         refused = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("late"))
         error = assert_error(refused, 429, "queue_full")
         assert "4 items pending + 1 requested" in error["message"]
@@ -422,7 +422,7 @@ async def test_requests_awaiting_a_load_are_refused_at_once_past_the_queues_room
         gate.set()
         for task in waiting:
             assert (await task).status_code == 200
-        assert not state.load_waiters  # none left counted
+        assert state.load_waiters.items(SYNTH) == 0  # none left counted
         ok = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body(*"abcd"))
         assert ok.status_code == 200, ok.text
 

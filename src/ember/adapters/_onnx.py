@@ -18,6 +18,8 @@ import json
 import logging
 import os
 import re
+import shutil
+import socket
 import tempfile
 import time
 import warnings
@@ -285,16 +287,26 @@ class _DropAdvice(logging.Filter):
         return not str(record.msg).startswith("Please consider to run pre-processing")
 
 
+STAGING = ".staging-"
+# A staging folder whose owner cannot be told (another machine's, an older Ember's) is
+# swept once untouched this long: no export writes nothing for a day.
+STAGING_ABANDONED_S = 24 * 3600.0
+
+
 class _staging:
     """A temporary file beside `target`, moved into place on success: a crash or a
-    concurrent load never leaves a half-written graph where the cache looks."""
+    concurrent load never leaves a half-written graph where the cache looks. The folders
+    of exports that ended mid-way (a crash, or a server that left a load no request
+    awaited) are swept by the next export beside them."""
 
     def __init__(self, target: Path) -> None:
         self.target = target
 
     def __enter__(self) -> Path:
         self.target.parent.mkdir(parents=True, exist_ok=True)
-        self.dir = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.target.parent))
+        sweep_abandoned_staging(self.target.parent)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{STAGING}{staging_owner()}-",
+                                         dir=self.target.parent))
         return self.dir / self.target.name
 
     def __exit__(self, kind: object, *rest: object) -> None:
@@ -304,6 +316,36 @@ class _staging:
         for leftover in self.dir.iterdir():
             leftover.unlink()
         self.dir.rmdir()
+
+
+def staging_owner() -> str:
+    """This process, as its staging folders name it: host and pid."""
+    return f"{socket.gethostname().replace('-', '_')}-{os.getpid()}"
+
+
+def sweep_abandoned_staging(folder: Path) -> None:
+    """Remove the staging folders in `folder` that no export will finish: this machine's
+    whose process is gone, and any untouched for STAGING_ABANDONED_S."""
+    host = socket.gethostname().replace("-", "_")
+    for staged in folder.glob(f"{STAGING}*"):
+        owner = staged.name[len(STAGING):].split("-")
+        try:
+            mine = len(owner) >= 3 and owner[0] == host and owner[1].isdigit()
+            if (mine and not process_alive(int(owner[1]))) or (
+                    time.time() - staged.stat().st_mtime > STAGING_ABANDONED_S):
+                shutil.rmtree(staged, ignore_errors=True)
+        except OSError:  # swept by another process meanwhile
+            continue
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 # -- export ---------------------------------------------------------------------------

@@ -239,7 +239,7 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
             if task is not None and spec is not None and state.registry.ready(model_name) is None:
                 limit = int(spec.batching.get("max_queue_items",
                                               state.settings.worker.max_queue_items))
-                with state.awaiting_model(model_name, queued, limit):
+                with state.load_waiters.awaiting(model_name, queued, limit):
                     await state.registry.get(model_name)  # its load, or its worker's restart
             async with state.registry.use(model_name) as model:
                 if spec is None and fits is not None:  # a Hub model a request brought

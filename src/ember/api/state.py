@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import Counter
-from collections.abc import Awaitable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Hashable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -18,8 +17,9 @@ from fastapi import Request
 from ember.adapters.base import ModelInfo, TaskModel
 from ember.config import ModelSpec, ServerSettings
 from ember.engine import PreparedItem, RequestResult
-from ember.engine.errors import QueueFull, RequestTooLarge, WorkerFailed
+from ember.engine.errors import QueueFull, WorkerFailed
 from ember.metrics import Metrics
+from ember.registry import LoadWaiters
 
 
 class ServedModel(Protocol):
@@ -101,7 +101,7 @@ class ServerState:
     in_flight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     status_at: float = float("-inf")  # when the registry's status was last brought up to date
-    load_waiters: Counter[str] = field(default_factory=Counter)  # items awaiting a model
+    load_waiters: LoadWaiters = field(default_factory=LoadWaiters)  # items awaiting a load
     _refreshing: asyncio.Task[None] | None = None
     _reloading: asyncio.Task[None] | None = None
 
@@ -123,23 +123,6 @@ class ServerState:
     async def _reload(self, name: str) -> None:
         with contextlib.suppress(Exception):  # the load's own failure is logged there
             await self.registry.get(name)
-
-    @contextlib.contextmanager
-    def awaiting_model(self, name: str, items: int, limit: int) -> Iterator[None]:
-        """The items of a request while it awaits its model (a load): as many as the
-        model's queue takes may wait; past that a request is refused at once (429), not
-        after the load. A loaded model is entered without waiting, so nothing adds up."""
-        if items > limit:  # it would never fit: 413 now, not after the load
-            raise RequestTooLarge(items, limit)
-        if (waiting := self.load_waiters[name]) + items > limit:
-            raise QueueFull(waiting, items, limit)
-        self.load_waiters[name] += items
-        try:
-            yield
-        finally:
-            self.load_waiters[name] -= items
-            if self.load_waiters[name] <= 0:
-                del self.load_waiters[name]
 
     def enter(self) -> None:
         self.in_flight += 1

@@ -85,7 +85,7 @@ class EmberEngine:
                 # once, where Ray's multiplexer loads one at a time (under a lock), so a
                 # call would wait out another model's load there. A loaded one: no hop.
                 if self.registry.ready(model) is None:
-                    await self.registry.get(model)
+                    await self.calls.await_model(model, len(message.get("items", ())))
                 await self._resident(model)
             return {"op": "result", **(await call(message))}
         except Exception as exc:  # cancellation (the caller went away) propagates

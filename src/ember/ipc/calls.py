@@ -8,7 +8,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from ember.engine import PreparedItem, RequestResult
-from ember.registry import Registry
+from ember.registry import LoadWaiters, Registry
 
 
 class RegistryCalls:
@@ -16,6 +16,7 @@ class RegistryCalls:
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
+        self.load_waiters = LoadWaiters()  # every API process's requests, in one count
 
     async def submit(self, message: dict[str, Any]) -> dict[str, Any]:
         items = [item if isinstance(item, PreparedItem) else PreparedItem(*item)
@@ -29,9 +30,22 @@ class RegistryCalls:
     async def submit_items(self, name: str, items: Sequence[PreparedItem], params: Hashable,
                            lora: str | None) -> tuple[RequestResult, int]:
         """A request's result, and the model's queue depth after it."""
+        if self.registry.ready(name) is None:
+            await self.await_model(name, len(items))
         async with self.registry.use(name) as model:
             result = await model.submit(items, params, lora)
             return result, model.worker.pending_items
+
+    async def await_model(self, name: str, items: int) -> None:
+        """The model's load (or its worker's restart), awaited by `items` within its
+        queue's room: a reload after an eviction is bounded as a first load is at the
+        API process. A name the catalog lacks is the registry's to answer."""
+        limit = self.registry.queue_limit(name)
+        if limit is None:
+            await self.registry.get(name)
+            return
+        with self.load_waiters.awaiting(name, items, limit):
+            await self.registry.get(name)
 
     async def load(self, message: dict[str, Any]) -> dict[str, Any]:
         await self.registry.get(message["model"])
