@@ -89,6 +89,7 @@ class Models(Protocol):
 STATUS_MAX_AGE_S = 1.0  # /readyz answers from a status this recent ...
 STATUS_TIMEOUT_S = 1.0  # ... and waits this long for a fresh one ...
 BUSY_STATUS_WAIT_S = 0.25  # ... or this long, where requests are being answered meanwhile
+BUSY_ANSWER_S = 10.0  # an engine that answered a request this recently is busy, not silent
 
 
 @dataclass
@@ -156,18 +157,19 @@ class ServerState:
         """The registry's status, at most STATUS_MAX_AGE_S old: one refresh shared by every
         caller, awaited at most STATUS_TIMEOUT_S. False: the engine did not answer in time
         (a wedged engine makes /readyz a 503, not a hang). An engine that answered a
-        request within STATUS_MAX_AGE_S is busy, not silent: on Ray its status call waits
-        in the router behind the requests, so the last status stands after a short wait."""
+        request within BUSY_ANSWER_S is busy, not silent: on Ray its status call waits in
+        the router behind the requests (and a swamped ingress reads their answers late),
+        so the last status stands after a short wait."""
         loop = asyncio.get_running_loop()
         if loop.time() - self.status_at <= STATUS_MAX_AGE_S:
             return True
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = loop.create_task(self._refresh())
-        busy = self.registry.answered_within(STATUS_MAX_AGE_S)
+        busy = self.registry.answered_within(BUSY_ANSWER_S)
         done, _ = await asyncio.wait([self._refreshing],
                                      timeout=BUSY_STATUS_WAIT_S if busy else STATUS_TIMEOUT_S)
         if not done:
-            return self.registry.answered_within(STATUS_MAX_AGE_S)
+            return self.registry.answered_within(BUSY_ANSWER_S)
         failure = self._refreshing.exception()
         return failure is None or isinstance(failure, QueueFull)  # busy, not silent
 

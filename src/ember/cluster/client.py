@@ -6,6 +6,7 @@ does: front halves here, forwards on the engine replicas."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -64,12 +65,17 @@ class RayEngineClient:
             handle = handle.options(multiplexed_model_id=fields["model"])
         method = getattr(handle, op)
         for attempt in range(1, ATTEMPTS + 1):
-            response: DeploymentResponse[dict[str, Any]] = method.remote(fields)
+            response: DeploymentResponse[dict[str, Any]] | None = None
             try:
+                response = method.remote(fields)
                 reply: dict[str, Any] = await response
                 break
             except asyncio.CancelledError:
-                response.cancel()  # type: ignore[no-untyped-call]  # awaiting a response does not cancel it by itself
+                # Awaiting a response does not cancel it by itself; a cancel that meets the
+                # router's own refusal must not replace the cancellation with it (a 500).
+                with contextlib.suppress(Exception):
+                    if response is not None:
+                        response.cancel()  # type: ignore[no-untyped-call]
                 raise
             except BackPressureError:
                 # Every replica is at its cap and the router's bounded queue is full: the
@@ -85,7 +91,9 @@ class RayEngineClient:
                 if not replica_lost(exc):
                     raise
                 # An unreachable replica may still be running the call: it goes, not twice.
-                response.cancel()  # type: ignore[no-untyped-call]
+                with contextlib.suppress(Exception):
+                    if response is not None:
+                        response.cancel()  # type: ignore[no-untyped-call]
                 if attempt == ATTEMPTS:
                     raise WorkerFailed(str(fields.get("model", "engine")),
                                        ReplicaLost(f"{op}: two engine replicas died or "

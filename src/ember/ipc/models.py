@@ -173,6 +173,11 @@ class RemoteModels(CatalogLookup):
             for name, state in view["states"].items():
                 if STATE_RANK.get(state, 0) >= STATE_RANK.get(states.get(name, ""), -1):
                     states[name] = state
+        # A model an engine replica answered for just now is loaded there, whatever an
+        # older view of that replica said (the replicas are asked in no order).
+        for name, model in self._fronts.items():
+            if now - model.pending_at <= REPLICA_QUEUES_S and model.pending >= 0:
+                states[name] = "loaded"
         pending: Counter[str] = Counter()
         running: Counter[str] = Counter()
         for view in fresh:
