@@ -16,9 +16,10 @@ from ember.api.errors import as_api_error
 from ember.api.state import STATUS_TIMEOUT_S, ServerState
 from ember.cluster.client import RayEngineClient
 from ember.config import ServerSettings, load_catalog
-from ember.engine import WorkerFailed
+from ember.engine import QueueFull, WorkerFailed
 from ember.engine.errors import RequestTooLarge
 from ember.ipc.models import RemoteModel, RemoteModels
+from ember.ipc.wire import error_to_wire
 from ember.metrics import Metrics
 
 
@@ -179,3 +180,37 @@ async def test_the_pool_status_merges_what_each_replica_said(
     await asyncio.sleep(0.2)
     await models.refresh()
     assert models.state("ember/other") == "available"
+
+
+class RefusedThenHeld(StatusBehindRequests):
+    """A router whose first status call it refuses (its queue full), the later ones held."""
+
+    async def answer(self, op: str) -> dict[str, Any]:
+        if op == "status" and self.statuses == 0:
+            self.statuses += 1
+            return {"op": "error", "error": error_to_wire(QueueFull(64, 1, 64))}
+        return await super().answer(op)
+
+
+async def test_a_refresh_another_probe_replaced_is_read_as_the_probes_own() -> None:
+    """Found in a loaded Ray run: /readyz answered 500 (InvalidStateError) when, as its
+    status call ended, another probe had already started the next one, which it read."""
+    handle = RefusedThenHeld()
+    settings = ServerSettings(default_model=SYNTHETIC)
+    models = RemoteModels(load_catalog(), Runtime.from_settings(settings),
+                          RayEngineClient(handle), max_queue_items=8)  # type: ignore[arg-type]
+    state = ServerState(settings, models, Metrics())
+    try:
+        probe = asyncio.create_task(state.recent_status())
+        await asyncio.sleep(0)  # the probe has started the refresh and waits on it
+        first = state._refreshing
+        assert first is not None and not first.done()
+
+        def next_probe_starts(_: object) -> None:  # before the first probe reads its own
+            state._refreshing = asyncio.get_running_loop().create_task(state._refresh())
+
+        first.add_done_callback(next_probe_starts)
+        assert await probe is True  # refused for a full queue: busy, not silent
+    finally:
+        handle.held.set()
+        await models.close()

@@ -165,12 +165,16 @@ class ServerState:
             return True
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = loop.create_task(self._refresh())
+        # This caller's refresh: another may start the next one while this one waits.
+        refreshing = self._refreshing
         busy = self.registry.answered_within(BUSY_ANSWER_S)
-        done, _ = await asyncio.wait([self._refreshing],
+        done, _ = await asyncio.wait([refreshing],
                                      timeout=BUSY_STATUS_WAIT_S if busy else STATUS_TIMEOUT_S)
         if not done:
             return self.registry.answered_within(BUSY_ANSWER_S)
-        failure = self._refreshing.exception()
+        if refreshing.cancelled():
+            return False
+        failure = refreshing.exception()
         return failure is None or isinstance(failure, QueueFull)  # busy, not silent
 
     async def fresh_status(self) -> bool:
