@@ -101,16 +101,22 @@ class StatusBehindRequests:
         return {"op": "result"}  # load: the replica holds the model
 
 
+def ingress_state(handle: StatusBehindRequests) -> tuple[ServerState, RemoteModels]:
+    """An ingress replica's server state over `handle` (the default model synthetic), and
+    its models."""
+    settings = ServerSettings(default_model=SYNTHETIC)
+    models = RemoteModels(load_catalog(), Runtime.from_settings(settings),
+                          RayEngineClient(handle), max_queue_items=8)  # type: ignore[arg-type]
+    return ServerState(settings, models, Metrics()), models
+
+
 async def test_readyz_stays_ready_while_the_status_waits_behind_answered_requests() -> None:
     """Found in CI-like runs of the overload test: under load /readyz answered 503 "the
     engine did not answer" (30 of 100), its status call waiting in Ray's router behind the
     requests the engine was answering. An engine that answers requests is busy, not
     silent: the last status stands. One that answers nothing is still a 503."""
     handle = StatusBehindRequests()
-    settings = ServerSettings(default_model=SYNTHETIC)
-    models = RemoteModels(load_catalog(), Runtime.from_settings(settings),
-                          RayEngineClient(handle), max_queue_items=8)  # type: ignore[arg-type]
-    state = ServerState(settings, models, Metrics())
+    state, models = ingress_state(handle)
     try:
         assert await state.unready() is None  # the first status is answered
         model = await models.get(SYNTHETIC)
@@ -196,10 +202,7 @@ async def test_a_refresh_another_probe_replaced_is_read_as_the_probes_own() -> N
     """Found in a loaded Ray run: /readyz answered 500 (InvalidStateError) when, as its
     status call ended, another probe had already started the next one, which it read."""
     handle = RefusedThenHeld()
-    settings = ServerSettings(default_model=SYNTHETIC)
-    models = RemoteModels(load_catalog(), Runtime.from_settings(settings),
-                          RayEngineClient(handle), max_queue_items=8)  # type: ignore[arg-type]
-    state = ServerState(settings, models, Metrics())
+    state, models = ingress_state(handle)
     try:
         probe = asyncio.create_task(state.recent_status())
         await asyncio.sleep(0)  # the probe has started the refresh and waits on it
