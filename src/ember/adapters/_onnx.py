@@ -289,7 +289,7 @@ class _DropAdvice(logging.Filter):
 
 STAGING = ".staging-"
 # A staging folder whose owner cannot be told (another machine's, an older Ember's) is
-# swept once untouched this long: no export writes nothing for a day.
+# swept once untouched this long: no export runs for a day.
 STAGING_ABANDONED_S = 24 * 3600.0
 
 
