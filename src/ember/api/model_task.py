@@ -236,9 +236,8 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
         async def served() -> TaskOutput[T]:
             # A catalog model's load is awaited within its queue's room (an unknown name
             # is the registry's to answer: a 404, or a Hub id it looks up).
-            if task is not None and spec is not None and state.registry.ready(model_name) is None:
-                limit = int(spec.batching.get("max_queue_items",
-                                              state.settings.worker.max_queue_items))
+            if (task is not None and state.registry.ready(model_name) is None
+                    and (limit := state.registry.queue_limit(model_name)) is not None):
                 with state.load_waiters.awaiting(model_name, queued, limit):
                     await state.registry.get(model_name)  # its load, or its worker's restart
             async with state.registry.use(model_name) as model:

@@ -75,6 +75,10 @@ class Models(Protocol):
         engine is this process): a late status is then a busy engine's, not a silent one's."""
         ...
 
+    def queue_limit(self, name: str) -> int | None:
+        """The queue's size of a catalog model; None for a name the catalog lacks."""
+        ...
+
     def ready(self, name: str) -> object | None:
         """The model, if a request can use it now without awaiting a load."""
         ...

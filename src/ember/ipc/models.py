@@ -242,5 +242,10 @@ class RemoteModels(CatalogLookup):
         """The engine drains on its own; this process only lets go of its socket."""
         self.client.close()
 
+    def queue_limit(self, name: str) -> int | None:
+        """The queue's size of a catalog model; None for a name the catalog lacks."""
+        spec = self.catalog.get(name)
+        return None if spec is None else self._queue_limit(spec)
+
     def _queue_limit(self, spec: ModelSpec) -> int:
         return int(spec.batching.get("max_queue_items", self.max_queue_items))
