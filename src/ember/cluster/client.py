@@ -44,6 +44,14 @@ def replica_lost(exc: BaseException) -> bool:
         getattr(exc, "cause", None), ActorDiedError | ActorUnavailableError)
 
 
+def cancel(response: DeploymentResponse[Any] | None) -> None:
+    """Cancel a call's response, if it was made; a refusal of the router's met on the way
+    must not replace what the caller is raising (it surfaced as a 500)."""
+    if response is not None:
+        with contextlib.suppress(Exception):
+            response.cancel()  # type: ignore[no-untyped-call]
+
+
 class RayEngineClient:
     """`EngineCalls` over the engine deployment's handle.
 
@@ -71,11 +79,7 @@ class RayEngineClient:
                 reply: dict[str, Any] = await response
                 break
             except asyncio.CancelledError:
-                # Awaiting a response does not cancel it by itself; a cancel that meets the
-                # router's own refusal must not replace the cancellation with it (a 500).
-                with contextlib.suppress(Exception):
-                    if response is not None:
-                        response.cancel()  # type: ignore[no-untyped-call]
+                cancel(response)  # awaiting a response does not cancel it by itself
                 raise
             except BackPressureError:
                 # Every replica is at its cap and the router's bounded queue is full: the
@@ -90,10 +94,7 @@ class RayEngineClient:
             except Exception as exc:
                 if not replica_lost(exc):
                     raise
-                # An unreachable replica may still be running the call: it goes, not twice.
-                with contextlib.suppress(Exception):
-                    if response is not None:
-                        response.cancel()  # type: ignore[no-untyped-call]
+                cancel(response)  # an unreachable replica may still run it: not twice
                 if attempt == ATTEMPTS:
                     raise WorkerFailed(str(fields.get("model", "engine")),
                                        ReplicaLost(f"{op}: two engine replicas died or "
