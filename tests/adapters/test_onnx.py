@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -322,11 +323,23 @@ def test_a_folder_of_pickle_weights_only_points_to_allow_pickle(
     again, with pytorch_model.bin right there."""
     folder = tmp_path / "pickled"
     shutil.copytree(tiny["bi"], folder, ignore=shutil.ignore_patterns("*.safetensors"))
-    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04never unpickled")
+    marker = tmp_path / "unpickled"
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps(TouchOnUnpickle(marker)))
     with pytest.raises(ModelLoadError, match=r"its weights are a pickle \(pytorch_model.bin\); "
                        "Ember loads safetensors unless the model's YAML says "
                        "allow_pickle: true"):
         load_bi(folder, tmp_path / "cache")
+    assert not marker.exists()  # the bait ran no code: nothing unpickled it
+
+
+class TouchOnUnpickle:
+    """A pickle that, loaded, creates a file: code a pickle of weights could run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[Path]]:
+        return Path.touch, (self.marker,)
 
 
 def test_loras_run_on_torch_or_are_refused_on_onnx(tiny: dict[str, Path]) -> None:
