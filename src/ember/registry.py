@@ -343,7 +343,7 @@ class Registry(CatalogLookup):
     async def refresh(self) -> None:
         """Nothing to do: this registry's state is always current."""
 
-    def answered_within(self, seconds: float) -> bool:
+    def busy_within(self, seconds: float) -> bool:
         """Always: the engine is this process, and its status is never late."""
         return True
 

@@ -269,6 +269,7 @@ def test_overload_is_refused_with_429_not_queued_without_bound(
     latencies: list[float] = []
     retry_after: set[str] = set()
     operations: Counter[str] = Counter()
+    refusals: set[str] = set()
     # /readyz too: its status call can wait in Ray's router past its 1 s bound, where it
     # answered 503 "the engine did not answer" while the engine answered requests.
     watched = ("/v1/models", "/metrics", "/info", "/readyz")
@@ -277,8 +278,10 @@ def test_overload_is_refused_with_429_not_queued_without_bound(
         if index % 10 == 5:  # one in ten, all along the burst, whenever the queue is full
             path = watched[index // 10 % len(watched)]
             async with session.get(f"{ray_server.url}{path}") as reply:
-                await reply.read()
+                body = await reply.read()
                 operations[f"{path} {reply.status}"] += 1
+                if reply.status != 200:  # why, for the failure's message
+                    refusals.add(body.decode(errors="replace")[:200])
             return
         started = time.monotonic()
         try:
@@ -300,7 +303,7 @@ def test_overload_is_refused_with_429_not_queued_without_bound(
 
     asyncio.run(run())
     assert set(statuses) <= {"200", "429"}, statuses
-    assert set(operations) == {f"{path} 200" for path in watched}, operations
+    assert set(operations) == {f"{path} 200" for path in watched}, (operations, refusals)
     assert statuses["429"] > 0 and statuses["200"] > 0, statuses
     assert retry_after and "" not in retry_after, retry_after
     p99 = sorted(latencies)[int(0.99 * len(latencies))]

@@ -70,9 +70,10 @@ class Models(Protocol):
         """The models still being downloaded or loaded."""
         ...
 
-    def answered_within(self, seconds: float) -> bool:
-        """Whether the engine answered a request in the last `seconds` (always, where the
-        engine is this process): a late status is then a busy engine's, not a silent one's."""
+    def busy_within(self, seconds: float) -> bool:
+        """Whether the engine answered a request in the last `seconds`, or holds requests
+        sent to it within them (always, where the engine is this process): a late status is
+        then a busy engine's, not a silent one's."""
         ...
 
     def queue_limit(self, name: str) -> int | None:
@@ -93,7 +94,8 @@ class Models(Protocol):
 STATUS_MAX_AGE_S = 1.0  # /readyz answers from a status this recent ...
 STATUS_TIMEOUT_S = 1.0  # ... and waits this long for a fresh one ...
 BUSY_STATUS_WAIT_S = 0.25  # ... or this long, where requests are being answered meanwhile
-BUSY_ANSWER_S = 10.0  # an engine that answered a request this recently is busy, not silent
+BUSY_ANSWER_S = 10.0  # an engine that answered, or was sent, a request this recently is busy
+STARVED_S = 0.25  # a wait that overran its timeout by more: this process got no CPU meanwhile
 
 
 @dataclass
@@ -161,9 +163,10 @@ class ServerState:
         """The registry's status, at most STATUS_MAX_AGE_S old: one refresh shared by every
         caller, awaited at most STATUS_TIMEOUT_S. False: the engine did not answer in time
         (a wedged engine makes /readyz a 503, not a hang). An engine that answered a
-        request within BUSY_ANSWER_S is busy, not silent: on Ray its status call waits in
-        the router behind the requests (and a swamped ingress reads their answers late),
-        so the last status stands after a short wait."""
+        request within BUSY_ANSWER_S, or holds requests sent within it, is busy, not
+        silent: on Ray its status call waits in the router behind the requests, so the
+        last status stands after a short wait. So it does where this process was starved
+        of CPU during the wait: the engine's answer may be unread behind the backlog."""
         loop = asyncio.get_running_loop()
         if loop.time() - self.status_at <= STATUS_MAX_AGE_S:
             return True
@@ -171,11 +174,13 @@ class ServerState:
             self._refreshing = loop.create_task(self._refresh())
         # This caller's refresh: another may start the next one while this one waits.
         refreshing = self._refreshing
-        busy = self.registry.answered_within(BUSY_ANSWER_S)
-        done, _ = await asyncio.wait([refreshing],
-                                     timeout=BUSY_STATUS_WAIT_S if busy else STATUS_TIMEOUT_S)
+        busy = self.registry.busy_within(BUSY_ANSWER_S)
+        timeout = BUSY_STATUS_WAIT_S if busy else STATUS_TIMEOUT_S
+        waited_from = loop.time()
+        done, _ = await asyncio.wait([refreshing], timeout=timeout)
         if not done:
-            return self.registry.answered_within(BUSY_ANSWER_S)
+            starved = loop.time() - waited_from > timeout + STARVED_S
+            return starved or self.registry.busy_within(BUSY_ANSWER_S)
         if refreshing.cancelled():
             return False
         failure = refreshing.exception()

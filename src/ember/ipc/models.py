@@ -70,6 +70,8 @@ class RemoteModel:
     pending: int = 0  # the engine's queue depth at its last answer ...
     pending_at: float = float("-inf")  # ... and when that answer came (time.monotonic())
     max_queue_items: int = 0
+    awaited: int = 0  # requests sent to the engine and not yet answered ...
+    awaited_since: float = float("-inf")  # ... since this time, when there were none
 
     def check_room(self, items: int) -> None:
         """Refuse before tokenizing, without a round trip, only on a fresh figure: an old
@@ -86,6 +88,9 @@ class RemoteModel:
     async def submit(self, items: Sequence[PreparedItem], params: Hashable,
                      lora: str | None) -> RequestResult:
         sent = time.monotonic()
+        if not self.awaited:
+            self.awaited_since = sent
+        self.awaited += 1
         try:
             reply = await self.client.call(
                 "submit", model=self.spec.name, params=params, lora=lora,
@@ -93,6 +98,8 @@ class RemoteModel:
         except QueueFull as refused:  # the engine's own figure, now
             self.note_pending(refused.pending)
             raise
+        finally:
+            self.awaited -= 1
         self.note_pending(reply["pending"])
         queue_ms, inference_ms = reply["queue_ms"], reply["inference_ms"]
         if reply.get("new_engine"):  # timed from the new engine's receipt: it waited before
@@ -140,11 +147,15 @@ class RemoteModels(CatalogLookup):
     def _loads_running(self) -> list[str]:
         return [name for name, load in self._loading.items() if not load.done()]
 
-    def answered_within(self, seconds: float) -> bool:
+    def busy_within(self, seconds: float) -> bool:
         """Whether the engine answered (or refused) a request to any model in the last
-        `seconds`: each model notes when its last answer came."""
+        `seconds`, or holds requests this process has awaited for less than that: a burst's
+        first answers may still be on their way (each model notes when its last answer
+        came, and since when it has awaited one)."""
         now = time.monotonic()
-        return any(now - model.pending_at <= seconds for model in self._fronts.values())
+        return any(now - model.pending_at <= seconds
+                   or (model.awaited and now - model.awaited_since <= seconds)
+                   for model in self._fronts.values())
 
     async def refresh(self) -> None:
         status = await self.client.call("status")
