@@ -68,6 +68,7 @@ class HubStandIn:
         self._etags: dict[Path, str] = {}
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
+        self.server.block_on_close = False  # a handler sleeping for `slow` must not hold a stop
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     @property

@@ -275,7 +275,7 @@ from ember.adapters import multivector
 from ember.adapters.base import EncodeOptions, Runtime
 from ember.config import load_catalog
 spec = load_catalog(model_paths=[{repo!r}])[{repo!r}]
-adapter = multivector.load(spec, Runtime())
+adapter = multivector.load(spec, Runtime(backend="torch"))  # fetching is the subject, not export
 out = {{"adapter": spec.adapter, "layout": adapter.info.extra["colbert"]["layout"]}}
 for side, text in (("query", {query!r}), ("document", {document!r})):
     items, params = adapter.prepare([text], EncodeOptions(is_query=side == "query"))
@@ -312,7 +312,7 @@ from ember.config import load_catalog
 spec = load_catalog(model_paths=[{repo!r}])[{repo!r}]
 out = {{"adapter": spec.adapter}}
 if spec.adapter == "m3":
-    adapter = m3.load(spec, Runtime())
+    adapter = m3.load(spec, Runtime(backend="torch"))  # fetching is the subject, not export
     items, params = adapter.prepare([{text!r}], EncodeOptions(output_types=("sparse",)))
     out["sparse"] = adapter.forward(items, params)[0].sparse.indices.tolist()
 print(json.dumps(out))
@@ -328,7 +328,7 @@ from ember.config import ModelSpec, Source, hub_wanted
 spec = ModelSpec(name={repo!r}, adapter="m3", source=Source(hub={repo!r}),
                  tasks=("encode",), allow_pickle=True)
 hub.snapshot(hub.HubRef({repo!r}, None), hub_wanted(spec), download=True)
-adapter = m3.load(spec, Runtime())
+adapter = m3.load(spec, Runtime(backend="torch"))
 items, params = adapter.prepare([{text!r}], EncodeOptions(output_types=("sparse",)))
 print(json.dumps({{"sparse": adapter.forward(items, params)[0].sparse.indices.tolist()}}))
 """
@@ -348,7 +348,7 @@ def test_an_m3_model_by_hub_id_brings_its_heads_where_they_need_no_pickle(
     safe = run(standin, tmp_path / "hf", M3_BY_ID.format(repo=M3S[".safetensors"], text=text),
                extra={"EMBER_ALLOW_HUB_MODELS": "1"})
     local = m3.load(spec_for(Path(standin.notes[M3S[".safetensors"]]), "m3", ("encode",)),
-                    Runtime())
+                    Runtime(backend="torch"))
     items, params = local.prepare([text], EncodeOptions(output_types=("sparse",)))
     wanted = local.forward(items, params)[0].sparse
     assert wanted is not None and safe == {"adapter": "m3", "sparse": wanted.indices.tolist()}
@@ -645,19 +645,28 @@ print(json.dumps({{"adapter": spec.adapter, "entities": [
     assert (tmp_path / "hf" / "hub" / f"models--{TINY.replace('/', '--')}").is_dir()
 
 
-LOAD_GLINER = """
+LOAD_GLINERS = """
 import json
 from ember.adapters.base import Runtime
 from ember.adapters.gliner import load
 from ember.config import CatalogError, load_catalog
 from ember.errors import ModelLoadError
-try:
-    spec = load_catalog(model_paths=[{repo!r}])[{repo!r}]
-    load(spec, Runtime(backend="torch"))
-    print(json.dumps({{"loaded": True}}))
-except (CatalogError, ModelLoadError, FileNotFoundError) as exc:
-    print(json.dumps({{"error": str(exc)}}))
+results = {{}}
+for repo in {repos!r}:  # one process for all: each load stands alone, the import is shared
+    try:
+        spec = load_catalog(model_paths=[repo])[repo]
+        load(spec, Runtime(backend="torch"))
+        results[repo] = {{"loaded": True}}
+    except (CatalogError, ModelLoadError, FileNotFoundError) as exc:
+        results[repo] = {{"error": str(exc)}}
+print(json.dumps(results))
 """
+
+
+def load_gliners(standin: HubStandIn, home: Path, repos: list[str]) -> dict[str, dict[str, str]]:
+    """Each Hub GLiNER loaded in turn, in one process: "loaded", or the refusal's "error"."""
+    results = run(standin, home, LOAD_GLINERS.format(repos=repos))
+    return {repo: dict(result) for repo, result in results.items()}  # type: ignore[call-overload]
 
 
 def hostile_gliner(standin: HubStandIn, root: Path, repo: str, **config: object) -> None:
@@ -706,13 +715,15 @@ def test_a_gliner_whose_files_map_a_class_to_code_runs_none_of_it(
     hostile_gliner(standin, tmp_path, "evil/gliner-bloated", model_name="evil/bloated")
     hostile_gliner(standin, tmp_path, "evil/gliner-labels", labels_encoder="evil/backbone")
     hostile_gliner(standin, tmp_path, "evil/gliner-decoder", labels_decoder="evil/backbone")
-    for repo, says in (
-            ("evil/gliner-encoder-code", "gliner_config.json maps a class to code"),
-            ("evil/gliner-backbone-code", "config.json maps a class to code"),
-            ("evil/gliner-bloated", "config.json cannot be checked for code"),
-            ("evil/gliner-labels", "names other models (labels_encoder: evil/backbone)"),
-            ("evil/gliner-decoder", "names other models (labels_decoder: evil/backbone)")):
-        refused = run(standin, tmp_path / "hf", LOAD_GLINER.format(repo=repo))
+    refusals = {
+        "evil/gliner-encoder-code": "gliner_config.json maps a class to code",
+        "evil/gliner-backbone-code": "config.json maps a class to code",
+        "evil/gliner-bloated": "config.json cannot be checked for code",
+        "evil/gliner-labels": "names other models (labels_encoder: evil/backbone)",
+        "evil/gliner-decoder": "names other models (labels_decoder: evil/backbone)"}
+    results = load_gliners(standin, tmp_path / "hf", list(refusals))
+    for repo, says in refusals.items():
+        refused = results[repo]
         assert says in str(refused.get("error")), refused
         assert "trust_remote_code: true" in str(refused["error"])
     assert not marker.exists()
@@ -725,7 +736,7 @@ def test_a_gliner_from_the_hub_may_not_take_a_folder_of_the_server_as_its_backbo
     that folder of its own disk as the backbone."""
     [tiny] = standin.repos[TINY].commits.values()
     hostile_gliner(standin, tmp_path, "evil/gliner-local", model_name=str(tiny))
-    refused = run(standin, tmp_path / "hf", LOAD_GLINER.format(repo="evil/gliner-local"))
+    refused = load_gliners(standin, tmp_path / "hf", ["evil/gliner-local"])["evil/gliner-local"]
     assert "names a folder of this machine" in str(refused.get("error")), refused
 
 
