@@ -95,7 +95,7 @@ STATUS_MAX_AGE_S = 1.0  # /readyz answers from a status this recent ...
 STATUS_TIMEOUT_S = 1.0  # ... and waits this long for a fresh one ...
 BUSY_STATUS_WAIT_S = 0.25  # ... or this long, where requests are being answered meanwhile
 BUSY_ANSWER_S = 10.0  # an engine that answered, or was sent, a request this recently is busy
-STARVED_S = 0.25  # a wait that overran its timeout by more: this process got no CPU meanwhile
+STARVED_S = 0.5  # a wait that overran its timeout by more: this process got no CPU meanwhile
 
 
 @dataclass
