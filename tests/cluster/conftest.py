@@ -26,8 +26,19 @@ from tests.live_server import ServerProcess, start_server
 
 ENGINE_TITLE = "ray::ServeReplica:ember-engine:EmberEngine"
 LOADING = "test/minilm-torch"  # the real all-MiniLM-L6-v2 on torch: a load of seconds
+# 10 one-item forwards a second a replica: slower than Ray's HTTP path delivers requests
+# even on a swamped machine, so that a burst overloads the replicas whatever the host.
+OVERLOAD = "test/overload-synthetic"
 CLUSTER_YAMLS = {
     **MODEL_YAMLS,
+    "overload.yaml": f"""
+name: {OVERLOAD}
+description: synthetic test model, 100 ms per one-item forward (not a real model)
+adapter: synthetic
+tasks: [encode]
+options: {{dims: 16, overhead_ms: 100, per_token_us: 0}}
+batching: {{max_batch_items: 1}}
+""",
     "minilm-torch.yaml": f"""
 name: {LOADING}
 description: all-MiniLM-L6-v2 on the torch backend, which loads slowly (the load test)
@@ -126,19 +137,24 @@ def replicas_of(server: ServerProcess, request_ids: set[str], since: int = 0,
 def ray_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[ServerProcess]:
     """`ember serve --ray` with two engine replicas: the default model the real
-    all-MiniLM-L6-v2, the two synthetic ones preloaded (on every replica, so Ray's
+    all-MiniLM-L6-v2, the three synthetic ones preloaded (on every replica, so Ray's
     multiplexing spreads their traffic over both; a model loaded on first use stays on the
     replica that loaded it until that one is full), the API tests' limits. It must drain
     and exit 0 on SIGTERM at the end."""
     log = tmp_path_factory.mktemp("ray") / "server.log"
     server = start_ray_server(log, ["--replicas", "2", "--model-dir", str(model_dir),
                                     "--preload", SYNTH, "--preload", BUSY,
+                                    "--preload", OVERLOAD,
+                                    # room for the tests' models loaded on first use
+                                    # beside the default and these three, none evicted
+                                    "--max-loaded-models", "8",
                                     "--max-items-per-request", "64",
-                                    # 1,024 items a replica's queue, and Ray's cap of 512
-                                    # requests a replica before it: 2,700 in flight overload
-                                    # two, and Ray's router queue (64) fills
+                                    # 1,024 items a replica's queue, and Ray's cap of 128
+                                    # requests a replica before it: 2,700 in flight to
+                                    # OVERLOAD overload two, and Ray's router queue (64)
+                                    # fills, an accepted request waiting at most ~13 s
                                     "--max-queue-items", "1024",
-                                    "--max-ongoing-requests", "512"])
+                                    "--max-ongoing-requests", "128"])
     try:
         wait_replicas(server, 2, 60)
         yield server
