@@ -22,6 +22,7 @@ from ember.adapters.base import (
     usable_cores,
 )
 from ember.config import ModelSpec, ServerSettings, load_catalog, parse_spec, spec_from_directory
+from ember.engine import WorkerConfig
 from ember.errors import ModelLoadError, ModelNotFound
 from ember.ipc import models as remote_models_module
 from ember.ipc.models import RemoteModels, front_loader
@@ -476,7 +477,7 @@ async def test_a_familys_module_is_imported_off_the_event_loop(
     await registry.get("a")
     await registry.close()
     fronts = RemoteModels(catalog(synthetic("a")), Runtime(), Loaded(),  # type: ignore[arg-type]
-                          max_queue_items=8)
+                          worker=WorkerConfig(max_queue_items=8))
     await fronts.get("a")
     assert len(imported_in) == 2 and loop_thread not in imported_in
 

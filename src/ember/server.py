@@ -104,8 +104,6 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
 
 _early_signals: list[int] = []  # stop signals that came before the server could drain
-
-
 _held_handlers: dict[int, Any] = {}  # the handlers hold_stop_signals replaced
 
 

@@ -136,7 +136,7 @@ def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: 
     client = EngineClient(address)
     models = RemoteModels(load_catalog(settings.model_dirs, settings.model_paths),
                           Runtime.from_settings(settings), client,
-                          settings.worker.max_queue_items)
+                          settings.worker)
     def listening() -> None:
         serving.send(True)  # the pipe stays open: the drain's beats go on it
         log.info("API process %d (pid %d) serves", index, os.getpid())

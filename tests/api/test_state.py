@@ -9,6 +9,7 @@ from pathlib import Path
 from ember.adapters.base import Runtime
 from ember.api.state import ServerState
 from ember.config import ServerSettings, load_catalog
+from ember.engine import WorkerConfig
 from ember.ipc.client import EngineClient
 from ember.ipc.models import RemoteModels
 from ember.metrics import Metrics
@@ -27,7 +28,7 @@ options: {{dims: 8, load_ms: 600}}
 def api_process_state(settings: ServerSettings, address: str, name: str) -> ServerState:
     """What one API process of a server of several holds: its own view of the engine."""
     models = RemoteModels(load_catalog(settings.model_dirs), Runtime.from_settings(settings),
-                          EngineClient(address, name), max_queue_items=8)
+                          EngineClient(address, name), worker=WorkerConfig(max_queue_items=8))
     return ServerState(settings, models, Metrics())
 
 

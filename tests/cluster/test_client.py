@@ -16,7 +16,7 @@ from ember.api.errors import as_api_error
 from ember.api.state import STATUS_TIMEOUT_S, ServerState
 from ember.cluster.client import RayEngineClient
 from ember.config import ServerSettings, load_catalog
-from ember.engine import QueueFull, WorkerFailed
+from ember.engine import QueueFull, WorkerConfig, WorkerFailed
 from ember.engine.errors import RequestTooLarge
 from ember.ipc.models import RemoteModel, RemoteModels
 from ember.ipc.wire import error_to_wire
@@ -106,7 +106,7 @@ def ingress_state(handle: StatusBehindRequests) -> tuple[ServerState, RemoteMode
     its models."""
     settings = ServerSettings(default_model=SYNTHETIC)
     models = RemoteModels(load_catalog(), Runtime.from_settings(settings),
-                          RayEngineClient(handle), max_queue_items=8)  # type: ignore[arg-type]
+                          RayEngineClient(handle), worker=WorkerConfig(max_queue_items=8))  # type: ignore[arg-type]
     return ServerState(settings, models, Metrics()), models
 
 
@@ -227,7 +227,7 @@ async def test_the_pool_status_merges_what_each_replica_said(
         replica_view("b", {SYNTHETIC: "loaded", "ember/other": "loading"},
                      {SYNTHETIC: 4, "ember/other": 0})])
     models = RemoteModels(load_catalog(), Runtime.from_settings(ServerSettings()),
-                          RayEngineClient(handle), max_queue_items=8)  # type: ignore[arg-type]
+                          RayEngineClient(handle), worker=WorkerConfig(max_queue_items=8))  # type: ignore[arg-type]
     for _ in range(2):
         await models.refresh()
         assert models.state(SYNTHETIC) == "loaded"

@@ -516,7 +516,7 @@ async def test_a_stale_high_depth_does_not_refuse_once_the_engine_has_room(
     client, others = EngineClient(address, "api-test-depth"), EngineClient(address, "api-x")
     try:
         models = RemoteModels(load_catalog((tmp_path,), ()), Runtime(), client,
-                              max_queue_items=8)
+                              worker=WorkerConfig(max_queue_items=8))
         model = await models.get(DEEP)
         one = [PreparedItem("busy", 1, 0)]
         busy = asyncio.ensure_future(model.submit(one, PARAMS, None))

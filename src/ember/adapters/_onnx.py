@@ -320,13 +320,17 @@ class _staging:
 
 def staging_owner() -> str:
     """This process, as its staging folders name it: host and pid."""
-    return f"{socket.gethostname().replace('-', '_')}-{os.getpid()}"
+    return f"{_staging_host()}-{os.getpid()}"
+
+
+def _staging_host() -> str:
+    return socket.gethostname().replace("-", "_")  # "-" parts a staging folder's name
 
 
 def sweep_abandoned_staging(folder: Path) -> None:
     """Remove the staging folders in `folder` that no export will finish: this machine's
     whose process is gone, and any untouched for STAGING_ABANDONED_S."""
-    host = socket.gethostname().replace("-", "_")
+    host = _staging_host()
     for staged in folder.glob(f"{STAGING}*"):
         owner = staged.name[len(STAGING):].split("-")
         try:

@@ -58,7 +58,7 @@ class EmberIngress:
         settings = self.settings
         models = RemoteModels(load_catalog(settings.model_dirs, settings.model_paths),
                               Runtime.from_settings(settings), RayEngineClient(self.engine),
-                              settings.worker.max_queue_items)
+                              settings.worker)
         app = create_app(settings, models)
         # Ray's replica wrapper runs the lifespan of what we return (preload, close); the
         # wrapper passes the lifespan through untouched.

@@ -23,7 +23,7 @@ from ember.adapters.base import (
     import_family,
 )
 from ember.config import CatalogError, ModelSpec, spec_from_hub
-from ember.engine import PreparedItem, QueueFull, RequestResult, RequestTooLarge
+from ember.engine import PreparedItem, QueueFull, RequestResult, RequestTooLarge, WorkerConfig
 from ember.errors import ModelLoadError
 from ember.hub import parse_hub_id
 from ember.registry import CatalogLookup, check_room
@@ -114,7 +114,7 @@ class RemoteModels(CatalogLookup):
     catalog: Mapping[str, ModelSpec]
     runtime: Runtime
     client: EngineCalls
-    max_queue_items: int
+    worker: WorkerConfig  # the server's batching settings, a model's YAML over them
     loader: Callable[[str], FrontLoader] = front_loader
     _fronts: dict[str, RemoteModel] = field(default_factory=dict)
     _loading: dict[str, asyncio.Future[RemoteModel]] = field(default_factory=dict)
@@ -236,7 +236,7 @@ class RemoteModels(CatalogLookup):
         except Exception as exc:
             raise ModelLoadError(spec.name, f"{type(exc).__name__}: {exc}") from None
         model = RemoteModel(spec, adapter, self.client,
-                            max_queue_items=self._queue_limit(spec))
+                            max_queue_items=spec.worker_config(self.worker).max_queue_items)
         self._fronts[spec.name] = model
         heap.settle()
         return model
@@ -256,7 +256,4 @@ class RemoteModels(CatalogLookup):
     def queue_limit(self, name: str) -> int | None:
         """The queue's size of a catalog model; None for a name the catalog lacks."""
         spec = self.catalog.get(name)
-        return None if spec is None else self._queue_limit(spec)
-
-    def _queue_limit(self, spec: ModelSpec) -> int:
-        return int(spec.batching.get("max_queue_items", self.max_queue_items))
+        return None if spec is None else spec.worker_config(self.worker).max_queue_items
