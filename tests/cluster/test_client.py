@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 import pytest
@@ -68,13 +69,40 @@ def test_one_replicas_full_queue_refuses_nothing_at_the_ingress() -> None:
 SYNTHETIC = "ember/synthetic"
 
 
+class Response:
+    """What Ray's handle gives for a call, as the client uses it: `_to_object_ref` returns
+    once the router has given the call a replica (`routed` set), awaiting it the
+    replica's answer."""
+
+    def __init__(self, routed: asyncio.Event,
+                 answer: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+        self.routed, self.answer = routed, answer
+
+    async def _to_object_ref(self) -> None:
+        await self.routed.wait()
+
+    def __await__(self) -> Generator[Any, None, dict[str, Any]]:
+        return self._answered().__await__()
+
+    async def _answered(self) -> dict[str, Any]:
+        await self.routed.wait()
+        return await self.answer()
+
+    def cancel(self) -> None:
+        """Nothing runs until awaited."""
+
+
 class StatusBehindRequests:
     """A deployment handle as Ray's router behaves under overload: requests are answered,
-    while a status call, after the first, waits in the router's queue behind them."""
+    while a status call, after the first, is given a replica that does not answer it, or
+    (`queued`) waits in the router's queue for a replica with room, until `held` is set."""
 
-    def __init__(self) -> None:
+    def __init__(self, queued: bool = False) -> None:
         self.statuses = 0
+        self.queued = queued
         self.held = asyncio.Event()  # set: the held status calls go through
+        self.room = asyncio.Event()  # a replica with room, at once
+        self.room.set()
 
     def options(self, **_: Any) -> StatusBehindRequests:
         return self
@@ -83,8 +111,10 @@ class StatusBehindRequests:
         handle = self
 
         class Method:
-            def remote(self, fields: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
-                return asyncio.ensure_future(handle.answer(op))
+            def remote(self, fields: dict[str, Any]) -> Response:
+                queued = handle.queued and op == "status" and handle.statuses > 0
+                return Response(handle.held if queued else handle.room,
+                                lambda: handle.answer(op))
 
         return Method()
 
@@ -112,9 +142,9 @@ def ingress_state(handle: StatusBehindRequests) -> tuple[ServerState, RemoteMode
 
 async def test_readyz_stays_ready_while_the_status_waits_behind_answered_requests() -> None:
     """Found in CI-like runs of the overload test: under load /readyz answered 503 "the
-    engine did not answer" (30 of 100), its status call waiting in Ray's router behind the
-    requests the engine was answering. An engine that answers requests is busy, not
-    silent: the last status stands. One that answers nothing is still a 503."""
+    engine did not answer" (30 of 100), its status call waiting behind the requests the
+    engine was answering. An engine that answers requests is busy, not silent: the last
+    status stands. One that answers nothing is still a 503."""
     handle = StatusBehindRequests()
     state, models = ingress_state(handle)
     try:
@@ -188,6 +218,33 @@ async def test_readyz_stays_ready_where_the_probes_own_process_got_no_cpu() -> N
         await models.close()
 
 
+async def test_readyz_stays_ready_while_its_status_waits_for_a_replica_with_room(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found in CI (3 of 75 probes of the overload test): /readyz answered 503 "the engine
+    did not answer" from an ingress that had no request of its own out, its status call
+    waiting in Ray's router while the other ingress's requests held every replica's cap.
+    Every replica full is a busy engine: the last status stands. A status call that has
+    waited for room longer than the busy window reads as silence again (a replica whose
+    forwards hang holds its cap for good)."""
+    monkeypatch.setattr("ember.api.state.BUSY_ANSWER_S", 1.5)
+    handle = StatusBehindRequests(queued=True)
+    state, models = ingress_state(handle)
+    try:
+        assert await state.unready() is None  # the first status is answered
+        await asyncio.sleep(STATUS_TIMEOUT_S + 0.1)  # that status is old now; nothing sent
+        assert await state.unready() is None  # its refresh waits for a replica
+        started = time.monotonic()
+        assert await state.unready() is None  # the same refresh, still waiting
+        assert time.monotonic() - started < STATUS_TIMEOUT_S  # a short wait, not a timeout
+        assert handle.statuses == 1  # no status call reached a replica meanwhile
+        await asyncio.sleep(0.5)  # it has waited past the busy window
+        assert await state.unready() == (
+            "not_ready", f"the engine did not answer within {STATUS_TIMEOUT_S:g} s")
+    finally:
+        handle.held.set()
+        await models.close()
+
+
 class TwoReplicas:
     """A deployment handle whose status calls Ray's router sends to one engine replica of
     two, in turn, each with its own models and queue."""
@@ -202,12 +259,16 @@ class TwoReplicas:
     def status(self) -> TwoReplicas:
         return self
 
-    def remote(self, fields: dict[str, Any]) -> asyncio.Future[dict[str, Any]]:
+    def remote(self, fields: dict[str, Any]) -> Response:
         view = self.views[self.calls % len(self.views)]
         self.calls += 1
-        answer: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        answer.set_result({"op": "result", **view})
-        return answer
+
+        async def answer() -> dict[str, Any]:
+            return {"op": "result", **view}
+
+        room = asyncio.Event()
+        room.set()
+        return Response(room, answer)
 
 
 def replica_view(name: str, states: dict[str, str], pending: dict[str, int]

@@ -71,8 +71,9 @@ class Models(Protocol):
         ...
 
     def busy_within(self, seconds: float) -> bool:
-        """Whether the engine answered a request in the last `seconds`, or holds requests
-        sent to it within them (always, where the engine is this process): a late status is
+        """Whether the engine answered a request in the last `seconds`, holds requests sent
+        to it within them, or has kept a status call waiting for room behind other
+        requests for less (always, where the engine is this process): a late status is
         then a busy engine's, not a silent one's."""
         ...
 
@@ -163,8 +164,8 @@ class ServerState:
         """The registry's status, at most STATUS_MAX_AGE_S old: one refresh shared by every
         caller, awaited at most STATUS_TIMEOUT_S. False: the engine did not answer in time
         (a wedged engine makes /readyz a 503, not a hang). An engine that answered a
-        request within BUSY_ANSWER_S, or holds requests sent within it, is busy, not
-        silent: on Ray its status call waits in the router behind the requests, so the
+        request within BUSY_ANSWER_S, holds requests sent within it, or has kept the status
+        call waiting that long for a replica with room (on Ray), is busy, not silent: the
         last status stands after a short wait. So it does where this process was starved
         of CPU during the wait: the engine's answer may be unread behind the backlog."""
         loop = asyncio.get_running_loop()

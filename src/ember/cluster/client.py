@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
@@ -66,6 +67,13 @@ class RayEngineClient:
 
     def __init__(self, handle: DeploymentHandle[Any]) -> None:
         self.handle = handle
+        # The status calls Ray's router has not yet given a replica, by when each was made.
+        self._routing: dict[int, float] = {}
+
+    def queued_since(self) -> float | None:
+        """Since when a status call has waited in Ray's router for a replica with room,
+        every engine replica holding its cap of requests; None: none waits."""
+        return min(self._routing.values(), default=None)
 
     async def call(self, op: str, **fields: Any) -> dict[str, Any]:
         handle = self.handle
@@ -76,6 +84,8 @@ class RayEngineClient:
             response: DeploymentResponse[dict[str, Any]] | None = None
             try:
                 response = method.remote(fields)
+                if op == "status":
+                    await self._routed(response)
                 reply: dict[str, Any] = await response
                 break
             except asyncio.CancelledError:
@@ -105,6 +115,15 @@ class RayEngineClient:
         if reply["op"] == "error":
             raise error_from_wire(reply["error"])
         return reply
+
+    async def _routed(self, response: DeploymentResponse[Any]) -> None:
+        """Until Ray's router has given the call a replica (it waits while every replica
+        is at its cap), noted in `_routing` meanwhile."""
+        self._routing[id(response)] = time.monotonic()
+        try:
+            await response._to_object_ref()  # Ray's developer API: resolves on assignment
+        finally:
+            del self._routing[id(response)]
 
     def close(self) -> None:
         """Nothing to release: the handle belongs to Ray."""

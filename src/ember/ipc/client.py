@@ -230,6 +230,10 @@ class EngineClient:
         self._fail_waiting(EngineUnavailable(reason))
         self._met.set()  # a call awaiting the first engine learns it too
 
+    def queued_since(self) -> float | None:
+        """None: the engine process reads a status call at once, beside any requests."""
+        return None
+
     def close(self) -> None:
         for task in (self._reader, self._heart, *self._sends):
             if task is not None:

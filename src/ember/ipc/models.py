@@ -57,6 +57,12 @@ class EngineCalls(Protocol):
 
     async def call(self, op: str, **fields: Any) -> dict[str, Any]: ...
 
+    def queued_since(self) -> float | None:
+        """Since when (time.monotonic()) a status call has waited its turn behind
+        requests (on Ray, in the router, while every engine replica holds its cap); None:
+        none waits."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -149,10 +155,13 @@ class RemoteModels(CatalogLookup):
 
     def busy_within(self, seconds: float) -> bool:
         """Whether the engine answered (or refused) a request to any model in the last
-        `seconds`, or holds requests this process has awaited for less than that: a burst's
-        first answers may still be on their way (each model notes when its last answer
-        came, and since when it has awaited one)."""
+        `seconds`, holds requests this process has awaited for less than that (a burst's
+        first answers may still be on their way: each model notes when its last answer
+        came, and since when it has awaited one), or has kept a status call waiting for
+        room that long (every replica at its cap with other processes' requests)."""
         now = time.monotonic()
+        if (queued := self.client.queued_since()) is not None and now - queued <= seconds:
+            return True
         return any(now - model.pending_at <= seconds
                    or (model.awaited and now - model.awaited_since <= seconds)
                    for model in self._fronts.values())
