@@ -149,12 +149,12 @@ def ray_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                                     # beside the default and these three, none evicted
                                     "--max-loaded-models", "8",
                                     "--max-items-per-request", "64",
-                                    # 1,024 items a replica's queue, and Ray's cap of 128
-                                    # requests a replica before it: 2,700 in flight to
+                                    # 1,024 items a replica's queue, and Ray's cap of 64
+                                    # requests a replica before it: 1,350 in flight to
                                     # OVERLOAD overload two, and Ray's router queue (64)
                                     # fills, an accepted request waiting at most ~13 s
                                     "--max-queue-items", "1024",
-                                    "--max-ongoing-requests", "128"])
+                                    "--max-ongoing-requests", "64"])
     try:
         wait_replicas(server, 2, 60)
         yield server
