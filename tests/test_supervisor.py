@@ -29,7 +29,8 @@ import yaml
 
 from ember.adapters.synthetic import CRASH_EXIT_CODE
 from ember.config import ServerSettings
-from ember.supervisor import Supervisor
+from ember.ipc.client import peer_name
+from ember.supervisor import ApiProcess, Supervisor
 from tests.api.conftest import MODEL_YAMLS, SLOW
 from tests.live_server import (
     REPO,
@@ -617,6 +618,65 @@ def test_the_supervisor_reads_every_note_of_the_engine() -> None:
         assert supervisor.engine_notes is None
     finally:
         read.close()
+        supervisor._wake_read.close()
+        supervisor._wake_write.close()
+        shutil.rmtree(supervisor.runtime_dir, ignore_errors=True)
+
+
+class KilledAsTheDrainLooks:
+    """An API process killed during its drain, as `multiprocessing` sees it while the
+    kernel ends it: its sentinel is ready at once, but its exit is reaped only at the
+    `polls`-th look (`is_alive`, `exitcode`); until then it reads as alive."""
+
+    pid = 4_000_000  # never signalled: it has not said it serves, so the drain ends it
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+        self.sentinel, write = os.pipe()
+        os.close(write)  # ready: the process's end is closed
+
+    @property
+    def exitcode(self) -> int | None:
+        self.polls -= 1
+        return -signal.SIGKILL if self.polls <= 0 else None
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def kill(self) -> None:
+        """Already dying."""
+
+
+@pytest.mark.parametrize("polls", range(1, 9))
+def test_an_api_process_killed_in_the_drain_is_forgotten_whenever_its_exit_is_reaped(
+        polls: int) -> None:
+    """Found under a loaded host (test_what_an_api_process_killed_in_its_drain_queued_...):
+    no "is gone" in the engine's log, 10 forwards run for no one. The drain's loop saw the
+    death in its test (`is_alive`), where the look for deaths to forget, a moment before,
+    had found the exit not yet reaped. Every death that ends the drain is forgotten before
+    the engine is told to drain, and so is one that died as the drain began."""
+    supervisor = Supervisor(ServerSettings())
+    news, said = multiprocessing.Pipe(duplex=False)
+    said.close()  # it says nothing more
+    engine_end, engine_sentinel = os.pipe()  # the engine lives on: its sentinel never ready
+    told: list[dict[str, object]] = []
+    process = KilledAsTheDrainLooks(polls)
+
+    class Engine:
+        sentinel = engine_end
+
+        def is_alive(self) -> bool:
+            return True
+
+    try:
+        supervisor._tell_engine = told.append  # type: ignore[method-assign]
+        supervisor.apis = [ApiProcess(process, news, index=0)]  # type: ignore[arg-type]
+        supervisor._drain_apis(Engine())  # type: ignore[arg-type]
+        assert told == [{"op": "forget", "peer": peer_name(process.pid)}]
+    finally:
+        for fd in (process.sentinel, engine_end, engine_sentinel):
+            os.close(fd)
+        news.close()
         supervisor._wake_read.close()
         supervisor._wake_write.close()
         shutil.rmtree(supervisor.runtime_dir, ignore_errors=True)

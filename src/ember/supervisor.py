@@ -402,9 +402,14 @@ class Supervisor:
         self._order_drain()
         ordered = time.monotonic()
         forgotten: set[int] = set()
-        while draining := [api for api in self.apis if api.process.is_alive()]:
-            self._wait_drains(draining, ordered, also=[engine.sentinel])
+        while True:
+            draining = [api for api in self.apis if api.process.is_alive()]
+            # After that look, so that every death which ends the drain is forgotten first
+            # (one seen only by the loop's test was not: its queue ran for no one).
             self._forget_the_killed(forgotten)
+            if not draining:
+                break
+            self._wait_drains(draining, ordered, also=[engine.sentinel])
             if not engine.is_alive() and any(api.process.is_alive() for api in self.apis):
                 self._read_engine_notes()
                 replacement = self._replace_engine(engine)

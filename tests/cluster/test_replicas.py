@@ -204,9 +204,13 @@ def test_a_client_that_goes_away_cancels_its_call_on_the_engine_replica(
                            headers={"x-request-id": request_id})
             assert [f.result().status_code for f in busy] == [200, 200]
         deadline = time.monotonic() + 20
-        while not answered(ray_server.log_text(since), request_id, 499):  # ingress done
-            assert time.monotonic() < deadline, ray_server.log_text(since)[-4000:]
+        while not (seen := answered(text := ray_server.log_text(since), request_id, 499)):
+            if time.monotonic() > deadline:
+                break
             time.sleep(0.2)
+        if not seen:  # Ray cancelled it before the ingress's routes saw it (a busy host)
+            assert f"request_id={request_id} " not in text, text[-4000:]  # nor answered it
+            continue
         while f"{request_id} -- CALL / CANCELLED" not in (text := ray_server.log_text(since)):
             assert f"{request_id} -- CALL / OK" not in text, text[-4000:]  # it ran: not dropped
             if time.monotonic() > deadline:
@@ -215,8 +219,8 @@ def test_a_client_that_goes_away_cancels_its_call_on_the_engine_replica(
         else:
             return
         assert f"{request_id} -- CALL /" not in text, text[-4000:]  # called, never cancelled
-    pytest.fail("in 3 tries the abandoned call never reached the engine replica before "
-                "its client left")
+    pytest.fail("in 3 tries the abandoned call never reached the engine replica (or the "
+                "ingress's routes) before its client left")
 
 
 def test_a_call_whose_replica_dies_mid_forward_is_sent_once_more(

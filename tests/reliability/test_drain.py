@@ -15,16 +15,16 @@ from tests.reliability.support import SYNTH, Record, ServerPool, encode_body
 
 CLIENTS = 32
 RUNS = 10
+LOADED_WITHIN_S = 20.0  # the closed loop's first answers, before the signal
 BROKEN = (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError, httpx.ReadTimeout)
 
 
-async def closed_loop(url: str, signal_after_s: float, stop: asyncio.Event,
-                      outcomes: Counter[str]) -> None:
+async def closed_loop(url: str, stop: asyncio.Event, outcomes: Counter[str]) -> None:
     limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
     async with httpx.AsyncClient(base_url=url, timeout=10, limits=limits) as client:
 
         async def one(index: int) -> None:
-            deadline = time.monotonic() + signal_after_s + 15
+            deadline = time.monotonic() + LOADED_WITHIN_S + 15
             while time.monotonic() < deadline:
                 try:
                     response = await client.post(f"/v1/encode/{SYNTH}",
@@ -53,12 +53,18 @@ async def test_sigterm_under_a_closed_loop_breaks_no_read(servers: ServerPool, w
         outcomes: Counter[str] = Counter()
         stop = asyncio.Event()
 
-        async def terminate(server: object = server, stop: asyncio.Event = stop) -> None:
-            await asyncio.sleep(0.5)
+        async def terminate(server: object = server, stop: asyncio.Event = stop,
+                            outcomes: Counter[str] = outcomes) -> None:
+            # Once every client has had answers (a fixed 0.5 s was not enough on a loaded
+            # host: all 32 first requests met the drain), and a moment more.
+            deadline = time.monotonic() + LOADED_WITHIN_S
+            while outcomes["200"] <= CLIENTS and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
             stop.set()
             server.terminate()  # type: ignore[attr-defined]
 
-        await asyncio.gather(closed_loop(server.url, 0.5, stop, outcomes), terminate())
+        await asyncio.gather(closed_loop(server.url, stop, outcomes), terminate())
         assert server.wait(30) == 0, server.log_tail()
         assert outcomes["200"] > CLIENTS, outcomes  # it was under load when the signal came
         totals.update(outcomes)
