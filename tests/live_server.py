@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,10 +25,34 @@ T = TypeVar("T")
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port no socket holds now, below the kernel's ephemeral range: there no outgoing
+    connection, nor a bind to port 0, takes it before the server binds it (a Ray server
+    binds seconds later, while other tests open hundreds of connections). Above Ray's
+    worker ports (10002-19999) too."""
+    below = ephemeral_ports()[0]
+    if below < 21000:  # no room below it: the kernel's choice, as a last resort
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            chosen: int = sock.getsockname()[1]
+            return chosen
+    for _ in range(200):
+        port = random.randrange(20000, below)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # held: another
+            return port
+    raise AssertionError(f"no free port in 20000-{below - 1}")
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (Linux; else IANA's)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    except (OSError, ValueError):
+        return 49152, 65535
+    return int(low), int(high)
 
 
 def mode_args(args: Sequence[str]) -> tuple[str, ...]:

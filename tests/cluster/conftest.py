@@ -66,7 +66,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def start_ray_server(log: Path, args: list[str]) -> ServerProcess:
     # Every replica's log line reaches the server's log: Ray folds repeated ones by default.
     return start_server(log, ["--ray", *args], env={"RAY_DEDUP_LOGS": "0"},
-                        ready_timeout=240, attempts=1)
+                        ready_timeout=240, attempts=2)
 
 
 def stop_ray_server(server: ServerProcess) -> int | None:
