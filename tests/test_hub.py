@@ -91,11 +91,7 @@ def in_process(standin: HubStandIn, home: Path, code: str, *, offline: bool = Fa
 
 
 def run(standin: HubStandIn, home: Path, code: str, **kwargs: object) -> dict[str, object]:
-    return printed(in_process(standin, home, code, **kwargs))  # type: ignore[arg-type]
-
-
-def printed(process: subprocess.Popen[str]) -> dict[str, object]:
-    """The JSON a process of `in_process` printed last, once it exited 0."""
+    process = in_process(standin, home, code, **kwargs)  # type: ignore[arg-type]
     out, err = process.communicate(timeout=120)
     assert process.returncode == 0, err[-3000:]
     result: dict[str, object] = json.loads(out.strip().splitlines()[-1])
@@ -349,32 +345,28 @@ def test_an_m3_model_by_hub_id_brings_its_heads_where_they_need_no_pickle(
     from tests.adapters.tiny_models import spec_for
 
     text = "the cat and the dog"
-    pickled, home, hub_models = M3S[".pt"], tmp_path / "hf2", {"EMBER_ALLOW_HUB_MODELS": "1"}
-    bare = M3_BY_ID.format(repo=pickled, text=text)
-    safe_curated = M3_CURATED.format(repo=M3S[".safetensors"], text=text)
-    # Three caches, each its own sequence of processes: they run side by side.
-    safe = in_process(standin, tmp_path / "hf",
-                      M3_BY_ID.format(repo=M3S[".safetensors"], text=text), extra=hub_models)
-    first_bare = in_process(standin, home, bare, extra=hub_models)
-    safe_curated_online = in_process(standin, tmp_path / "hf4", safe_curated)
+    safe = run(standin, tmp_path / "hf", M3_BY_ID.format(repo=M3S[".safetensors"], text=text),
+               extra={"EMBER_ALLOW_HUB_MODELS": "1"})
     local = m3.load(spec_for(Path(standin.notes[M3S[".safetensors"]]), "m3", ("encode",)),
                     Runtime(backend="torch"))
     items, params = local.prepare([text], EncodeOptions(output_types=("sparse",)))
     wanted = local.forward(items, params)[0].sparse
-    assert wanted is not None
-    assert printed(safe) == {"adapter": "m3", "sparse": wanted.indices.tolist()}
-    assert printed(first_bare) == {"adapter": "transformer"}
-    # A spec allowing pickles over safetensors heads finds them in the cache, offline too.
-    assert printed(safe_curated_online) == {"sparse": wanted.indices.tolist()}
-    safe_curated_offline = in_process(standin, tmp_path / "hf4", safe_curated, offline=True)
+    assert wanted is not None and safe == {"adapter": "m3", "sparse": wanted.indices.tolist()}
+    pickled, home = M3S[".pt"], tmp_path / "hf2"
+    bare = M3_BY_ID.format(repo=pickled, text=text)
+    hub_models = {"EMBER_ALLOW_HUB_MODELS": "1"}
+    assert run(standin, home, bare, extra=hub_models) == {"adapter": "transformer"}
     assert standin.gets("sparse_linear.pt") == 0
     curated = run(standin, home, M3_CURATED.format(repo=pickled, text=text))
     assert curated["sparse"] == wanted.indices.tolist()  # the same seed's heads
     assert standin.gets("sparse_linear.pt") == standin.gets("colbert_linear.pt") == 1
     # The heads now in the shared cache change nothing for the bare id.
-    second_bare = in_process(standin, home, bare, extra=hub_models)
-    assert printed(safe_curated_offline) == {"sparse": wanted.indices.tolist()}
-    assert printed(second_bare) == {"adapter": "transformer"}
+    assert run(standin, home, bare, extra=hub_models) == {"adapter": "transformer"}
+    # A spec allowing pickles over safetensors heads finds them in the cache, offline too.
+    safe_curated = M3_CURATED.format(repo=M3S[".safetensors"], text=text)
+    for offline in (False, True):
+        assert run(standin, tmp_path / "hf4", safe_curated, offline=offline) == {
+            "sparse": wanted.indices.tolist()}
 
 
 def test_two_processes_starting_together_download_each_file_once(
