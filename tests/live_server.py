@@ -28,31 +28,26 @@ def free_port() -> int:
     """A port no socket holds now, below the kernel's ephemeral range: there no outgoing
     connection, nor a bind to port 0, takes it before the server binds it (a Ray server
     binds seconds later, while other tests open hundreds of connections). Above Ray's
-    worker ports (10002-19999) too."""
-    below = ephemeral_ports()[0]
-    if below < 21000:  # no room below it: the kernel's choice, as a last resort
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            chosen: int = sock.getsockname()[1]
-            return chosen
-    for _ in range(200):
-        port = random.randrange(20000, below)
+    worker ports (10002-19999) too; the kernel's own choice where no room is left."""
+    below = lowest_ephemeral_port()
+    candidates = [random.randrange(20000, below) for _ in range(200)] if below > 21000 else []
+    for port in [*candidates, 0]:
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue  # held: another
-            return port
-    raise AssertionError(f"no free port in 20000-{below - 1}")
+            chosen: int = sock.getsockname()[1]
+            return chosen
+    raise AssertionError("no free port")
 
 
-def ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range for ports it picks itself (Linux; else IANA's)."""
+def lowest_ephemeral_port() -> int:
+    """The lowest port the kernel picks itself (Linux; else IANA's)."""
     try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-    except (OSError, ValueError):
-        return 49152, 65535
-    return int(low), int(high)
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
 
 
 def mode_args(args: Sequence[str]) -> tuple[str, ...]:
