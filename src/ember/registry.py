@@ -56,6 +56,10 @@ class Preloadable(Protocol):
     async def get(self, name: str) -> object: ...
 
 
+class Loadable(Preloadable, Protocol):
+    def queue_limit(self, name: str) -> int | None: ...
+
+
 def estimate_bytes(spec: ModelSpec) -> int:
     """Size of the model's files on disk: roughly what loading it will add."""
     if spec.adapter == "synthetic":
@@ -216,6 +220,20 @@ class LoadWaiters:
             self._items[name] -= items
             if self._items[name] <= 0:
                 del self._items[name]
+
+
+async def get_within_room(models: Loadable, name: str, items: int,
+                          waiters: LoadWaiters) -> None:
+    """The model's load (or its worker's restart), awaited by `items` counted in `waiters`
+    within its queue's room, so that a first load or a reload after an eviction queues no
+    more than the worker would. A name the catalog lacks is `get`'s to answer (a 404, or a
+    Hub id it looks up)."""
+    limit = models.queue_limit(name)
+    if limit is None:
+        await models.get(name)
+        return
+    with waiters.awaiting(name, items, limit):
+        await models.get(name)
 
 
 class CatalogLookup:

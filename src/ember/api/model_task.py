@@ -22,6 +22,7 @@ from ember.engine import RequestTooLarge
 from ember.errors import TRUNCATE_ADVICE, InputTooLong, UnsupportedTask
 from ember.metrics import labelled
 from ember.outputs import shortened
+from ember.registry import get_within_room
 
 T = TypeVar("T")
 TaskCall = Callable[[ServedModel, TaskModel], Awaitable[TaskOutput[T]]]
@@ -234,12 +235,8 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
             check_lora(lora, tuple(spec.loras))
 
         async def served() -> TaskOutput[T]:
-            # A catalog model's load is awaited within its queue's room (an unknown name
-            # is the registry's to answer: a 404, or a Hub id it looks up).
-            if (task is not None and state.registry.ready(model_name) is None
-                    and (limit := state.registry.queue_limit(model_name)) is not None):
-                with state.load_waiters.awaiting(model_name, queued, limit):
-                    await state.registry.get(model_name)  # its load, or its worker's restart
+            if task is not None and state.registry.ready(model_name) is None:
+                await get_within_room(state.registry, model_name, queued, state.load_waiters)
             async with state.registry.use(model_name) as model:
                 if spec is None and fits is not None:  # a Hub model a request brought
                     fits(model.spec)

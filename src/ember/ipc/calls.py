@@ -8,7 +8,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from ember.engine import PreparedItem, RequestResult
-from ember.registry import LoadWaiters, Registry
+from ember.registry import LoadWaiters, Registry, get_within_room
 
 
 class RegistryCalls:
@@ -37,15 +37,9 @@ class RegistryCalls:
             return result, model.worker.pending_items
 
     async def await_model(self, name: str, items: int) -> None:
-        """The model's load (or its worker's restart), awaited by `items` within its
-        queue's room: a reload after an eviction is bounded as a first load is at the
-        API process. A name the catalog lacks is the registry's to answer."""
-        limit = self.registry.queue_limit(name)
-        if limit is None:
-            await self.registry.get(name)
-            return
-        with self.load_waiters.awaiting(name, items, limit):
-            await self.registry.get(name)
+        """The model's load, awaited within its queue's room by every API process's
+        requests in one count."""
+        await get_within_room(self.registry, name, items, self.load_waiters)
 
     async def load(self, message: dict[str, Any]) -> dict[str, Any]:
         await self.registry.get(message["model"])
