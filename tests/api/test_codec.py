@@ -42,6 +42,16 @@ def test_plain_values_decode() -> None:
     assert decode(body(value), MSGPACK) == value
 
 
+def test_json_integers_of_any_width_decode_exactly() -> None:
+    """orjson reads an integer past 64 bits as a rounded float; the decoder must not."""
+    raw = b'{"wide": 123456789012345678901234567, "low": -9223372036854775809, ' \
+          b'"top": 18446744073709551615, "x": 1.5, "t": "1234567890123456789"}'
+    decoded = decode(raw, Headers({"content-type": "application/json"}))
+    assert decoded == {"wide": 123456789012345678901234567, "low": -9223372036854775809,
+                       "top": 18446744073709551615, "x": 1.5, "t": "1234567890123456789"}
+    assert all(type(decoded[key]) is int for key in ("wide", "low", "top"))
+
+
 class Boom:
     def __reduce__(self) -> tuple[Any, tuple[str]]:
         return (exec, ("raise SystemExit('unpickled')",))

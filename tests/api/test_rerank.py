@@ -72,6 +72,21 @@ async def test_a_documents_field_that_cannot_come_back_as_json_is_refused(
     assert_error(response, 422, "invalid_request", param)
 
 
+async def test_a_documents_integers_come_back_exact_or_are_refused(shared: Served) -> None:
+    """Found by a black-box review: an integer past 64 bits in a document came back as a
+    rounded float with a 200 (the JSON reader had made it one)."""
+    sent = [{"text": "id 12345678901234567890 in a text", "low": -2**63, "high": 2**64 - 1}]
+    response = await shared.client.post("/v1/rerank", json={
+        "model": SYNTH, "query": QUERY, "documents": sent, "return_documents": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["results"][0]["document"] == sent[0]
+    for wide in (2**64, -2**63 - 1, 12345678901234567890123):
+        response = await shared.client.post("/v1/rerank", json={
+            "model": SYNTH, "query": QUERY, "return_documents": True,
+            "documents": [{"text": "x", "id": wide}]})
+        assert_error(response, 422, "invalid_request", "documents[0].id")
+
+
 async def test_top_n_above_the_count_returns_all(shared: Served) -> None:
     response = await shared.client.post("/v1/rerank", json={
         "query": QUERY, "documents": DOCS[:2], "top_n": 10})
