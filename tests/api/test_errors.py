@@ -48,6 +48,24 @@ async def test_invalid_encode_bodies(shared: Served, body: dict[str, Any], param
     assert param.split("[")[0].split(".")[0] in error["message"]
 
 
+@pytest.mark.parametrize(("route", "body", "param"), [
+    (f"/v1/encode/{SYNTH}", {"items": [{"text": "a"}], "params": {"is_query": "yes"}},
+     "params.is_query"),
+    (f"/v1/encode/{SYNTH}", {"items": [{"text": "a"}], "params": {"options": {"truncate": 0}}},
+     "params.options.truncate"),
+    ("/v1/embeddings", {"input": "a", "truncate": "false"}, "truncate"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "return_documents": 1},
+     "return_documents"),
+    ("/embed", {"inputs": "a", "normalize": "no"}, "normalize"),
+])
+async def test_a_boolean_field_takes_only_true_or_false(shared: Served, route: str,
+                                                        body: dict[str, Any], param: str) -> None:
+    """Found by a black-box review: "false", "no", 0 and 1 were read as booleans, where the
+    README promises strict bodies (and integers were strict already)."""
+    response = await shared.client.post(route, json=body)
+    assert_error(response, 422, "invalid_request", param)
+
+
 async def test_body_that_is_not_json_is_422(shared: Served) -> None:
     response = await shared.client.post(f"/v1/encode/{SYNTH}", content=b'{"items": [',
                                         headers={"content-type": "application/json"})

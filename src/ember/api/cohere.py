@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ember.adapters._images import ItemInput
 from ember.adapters.base import Encoded, EncodeOptions, ScoreOptions, TaskModel, TaskOutput
@@ -75,7 +75,7 @@ class CohereRerankRequest(Strict):
     documents: list[str]
     top_n: StrictInt | None = Field(None, ge=1)
     max_tokens_per_doc: int | None = None
-    relevant_spans: bool | None = None
+    relevant_spans: StrictBool | None = None
     priority: int | None = Field(None, description=PRIORITY_HELP)
 
 

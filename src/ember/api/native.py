@@ -13,7 +13,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 from ember.adapters.base import (
     Encoded,
@@ -70,14 +70,14 @@ class Item(Strict):
 
 class PairOptions(Strict):
     lora: str | None = Field(None, description="LoRA adapter of the model to apply")
-    truncate: bool = Field(True, description="cut inputs over the model's max length; "
+    truncate: StrictBool = Field(True, description="cut inputs over the model's max length; "
                            "false refuses them (400, code INPUT_TOO_LONG)")
 
 
 class Options(PairOptions):
-    normalize: bool | None = Field(None, description="L2-normalize dense vectors "
+    normalize: StrictBool | None = Field(None, description="L2-normalize dense vectors "
                                    "(default: the model's setting)")
-    is_query: bool | None = Field(None, description="the query side of an asymmetric "
+    is_query: StrictBool | None = Field(None, description="the query side of an asymmetric "
                                   "model (where sie-sdk sends it)")
 
 
@@ -95,7 +95,7 @@ class EncodeParams(Strict):
     dimensions: StrictInt | None = Field(None, description=f"dense vectors: {CUT_HELP}")
     instruction: str | None = Field(None, description="task instruction, for models "
                                     "configured with prompts")
-    is_query: bool | None = Field(None, description="the query side of an asymmetric "
+    is_query: StrictBool | None = Field(None, description="the query side of an asymmetric "
                                   "model; also read from options.is_query")
     options: Options = Field(default_factory=Options)
 

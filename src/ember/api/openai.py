@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
     StrictInt,
     ValidationError,
     ValidatorFunctionWrapHandler,
@@ -60,7 +61,7 @@ class EmbeddingsRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(None, description=CUT_HELP)
     user: str | None = None
-    truncate: bool = Field(True, description="Ember's own field: true cuts an input at the "
+    truncate: StrictBool = Field(True, description="Ember's own field: true cuts an input at the "
                            "model's token limit (usage counts the tokens kept); false refuses "
                            "it with a 400 naming it, as OpenAI's API does")
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ember.adapters.base import ScoreOptions
 from ember.api.codec import render
@@ -44,7 +44,7 @@ class RerankRequest(BaseModel):
     documents: list[str | Document]
     model: str | None = Field(None, description="catalog name; default: the server's model")
     top_n: StrictInt | None = Field(None, ge=1, description="return only the best n")
-    return_documents: bool = False
+    return_documents: StrictBool = False
     rank_fields: list[str] | None = Field(None, description='["text"] only: each document\'s '
                                           "text is what is ranked")
 

@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     RootModel,
+    StrictBool,
     StrictInt,
     ValidationError,
     field_validator,
@@ -77,8 +78,8 @@ class NoParameters(Strict):
 
 class EmbedRequest(NoParameters):
     inputs: str | list[str]
-    normalize: bool = True
-    truncate: bool = True
+    normalize: StrictBool = True
+    truncate: StrictBool = True
     truncation_direction: Direction | None = None
     prompt_name: str | None = Field(None, description="query, or document (passage, corpus): "
                                     "the side of an asymmetric model")
@@ -88,23 +89,23 @@ class EmbedRequest(NoParameters):
 class TeiRerankRequest(NoParameters):
     query: str
     texts: list[str]
-    truncate: bool = True
+    truncate: StrictBool = True
     truncation_direction: Direction | None = None
-    return_text: bool = False
-    raw_scores: bool = Field(False, description="a cross-encoder's logits, before its "
+    return_text: StrictBool = False
+    raw_scores: StrictBool = Field(False, description="a cross-encoder's logits, before its "
                              "activation (a similarity has none: the same scores)")
 
 
 class EmbedSparseRequest(NoParameters):
     inputs: str | list[str]
-    truncate: bool = True
+    truncate: StrictBool = True
     truncation_direction: Direction | None = None
     prompt_name: str | None = Field(None, description="query, or document (passage, corpus)")
 
 
 class TokenizeRequest(NoParameters):
     inputs: str | list[str]
-    add_special_tokens: bool = True
+    add_special_tokens: StrictBool = True
     prompt_name: str | None = Field(None, description="query, or document (passage, corpus): "
                                     "its prompt is tokenized before the text, as TEI does")
 
@@ -112,7 +113,7 @@ class TokenizeRequest(NoParameters):
 class DecodeRequest(NoParameters):
     ids: list[StrictInt] | list[list[StrictInt]] = Field(
         description="token ids of the model's vocabulary: one list, or a list of lists")
-    skip_special_tokens: bool = True
+    skip_special_tokens: StrictBool = True
 
 
 class SimilarityInputs(BaseModel):
@@ -125,7 +126,7 @@ class SimilarityInputs(BaseModel):
 class SimilarityParameters(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    truncate: bool | None = None
+    truncate: StrictBool | None = None
     truncation_direction: Direction | None = None
     prompt_name: str | None = None
 
@@ -135,7 +136,7 @@ class SimilarityRequest(Strict):
 
     inputs: SimilarityInputs
     parameters: SimilarityParameters | None = None
-    truncate: bool | None = None
+    truncate: StrictBool | None = None
     truncation_direction: Direction | None = None
     prompt_name: str | None = None
 
