@@ -127,6 +127,11 @@ async def test_models_lists_the_catalog_with_states(shared: Served) -> None:
     assert models[SYNTH]["state"] == "loaded" and models[SYNTH]["dims"] == 64
     assert models[BROKEN]["state"] in ("available", "failed")
     assert models[BROKEN]["dims"] is None  # known once loaded
+    # Found by a black-box review: `dims` is a number in OpenAI's list and SIE's map for one
+    # model; `dimensions` is the number in every shape.
+    one = (await shared.client.get(f"/v1/models/{MINILM}")).json()
+    assert minilm["dimensions"] == one["dimensions"] == 384 and one["dims"] == {"dense": 384}
+    assert all(m["dimensions"] == m["dims"] for m in data["data"])
     # A catalog entry's declared dims before its load (found by a review: `ember models
     # --url` showed none where `ember models` showed them): the model's first output's.
     sie = {m["name"]: m for m in data["models"]}

@@ -71,6 +71,7 @@ def model_entry(registry: Models, name: str) -> dict[str, Any]:
             entry["labels"] = list(info.labels)
         if info.output_dims:
             entry["output_dims"] = dict(info.output_dims)
+    entry["dimensions"] = entry["dims"]  # a number in every shape (SIE's `dims` is a map)
     entry["dispatch"] = registry.dispatch(name)  # the learned cost and windows in use
     entry["output_dtypes"] = list(DTYPES) if entry["output_types"] else []
     entry["outputs"] = entry["output_types"]
@@ -82,10 +83,10 @@ def sie_shape(entry: dict[str, Any]) -> dict[str, Any]:
     """`dims` as SIE gives it, by output type (`{"dense": 384}`); Ember's plain number
     stays as `dimensions`."""
     entry = dict(entry)
-    dims, by_type = entry["dims"], entry.pop("output_dims", None)
+    dims, by_type = entry["dimensions"], entry.pop("output_dims", None)
     if by_type is None:
         by_type = {kind: dims for kind in entry["output_types"]} if dims is not None else {}
-    return {**entry, "dims": by_type, "dimensions": dims}
+    return {**entry, "dims": by_type}
 
 
 # HEAD too, outside the API's documentation: uptime checkers often probe with it.
