@@ -120,7 +120,7 @@ async def test_cohere_rerank_refuses_the_spans_it_cannot_give(shared: Served) ->
     assert "without spans; remove it" in error["message"]
     # Each refusal gives its own field's reason (a review found "no spans" for `inputs`).
     embed = {"model": SYNTH, "texts": ["x"]}
-    for field, value, why in (("inputs", [{"content": []}], "mixed text and image inputs"),
+    for field, value, why in (("inputs", [{"content": []}], "not a content list fused"),
                               ("max_tokens", 8, "embedded whole")):
         error = assert_error(await shared.client.post("/v2/embed", json={
             **embed, field: value}), 422, "invalid_request", field)

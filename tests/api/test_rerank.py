@@ -124,6 +124,15 @@ async def test_invalid_bodies_are_422_naming_the_field(shared: Served, body: dic
         assert error["param"] == param, error
 
 
+async def test_cohere_v1s_chunking_is_refused_with_its_reason(shared: Served) -> None:
+    """Found by a black-box review: cohere.Client.rerank's max_chunks_per_doc was told
+    "unknown field", as if the client had misspelt something."""
+    response = await shared.client.post("/v1/rerank", json={
+        "query": QUERY, "documents": DOCS, "max_chunks_per_doc": 3})
+    error = assert_error(response, 422, "invalid_request", "max_chunks_per_doc")
+    assert "scored whole, not in chunks" in error["message"], error
+
+
 async def test_unknown_model_is_404(shared: Served) -> None:
     response = await shared.client.post("/v1/rerank", json={
         "model": "no/such", "query": QUERY, "documents": DOCS})

@@ -209,6 +209,27 @@ async def test_root_post_embeds_like_tei_for_clients_given_only_the_base_url(
     assert at_root.status_code == 200 and at_root.json() == at_embed.json()
 
 
+@pytest.mark.parametrize("other", [{"query": "q"}, {"texts": ["a"]}])
+async def test_a_root_body_of_two_routes_fields_says_so(shared: Served,
+                                                        other: dict[str, object]) -> None:
+    """Found by a black-box review: `{inputs, query}` at / was told "unknown field inputs:
+    remove it", where inputs is a field of /embed and the body was two routes' at once."""
+    response = await shared.client.post("/", json={"inputs": "x", **other})
+    error = assert_error(response, 422, "invalid_request", "body")
+    assert "both inputs" in error["message"] and next(iter(other)) in error["message"]
+
+
+@pytest.mark.parametrize("route", ["/embed", "/embed_sparse", "/"])
+@pytest.mark.parametrize("ids", [[101, 7592, 102], [[101, 7592, 102], [101, 102]]])
+async def test_token_ids_in_inputs_are_refused_as_token_ids(shared: Served, route: str,
+                                                            ids: list[object]) -> None:
+    """Found by a black-box review: TEI's token-id inputs were told only "expected one of
+    str, list[str]"."""
+    error = assert_error(await shared.client.post(route, json={"inputs": ids}), 422,
+                         "invalid_request", "inputs")
+    assert "token ids" in error["message"] and "--token-ids model" in error["message"]
+
+
 async def test_fields_tei_has_are_taken_when_they_can_be_honoured(shared: Served) -> None:
     dims = shared.synthetic().dims
     for body in ({"inputs": "x", "dimensions": dims}, {"inputs": "x", "prompt_name": "passage"},

@@ -367,7 +367,10 @@ def test_undecodable_body_is_a_422_naming_the_body(raw: bytes, client: httpx.Cli
     (b'{"items": [{"text": "\xff"}]}', "body: invalid JSON (not UTF-8)"),
     (b'{"items": [{"text": "x", "id": ' + b"9" * 5000 + b"}]}",
      "body: invalid JSON (a number of over 4300 digits)"),
-], ids=["not-utf8", "huge-number"])
+    # Found by a black-box review: the reason came without a place to look.
+    (b'{"items": [{"text": "x"}\n  {"text": "y"}]}',
+     "body: invalid JSON (Expecting ',' delimiter at line 2, column 3)"),
+], ids=["not-utf8", "huge-number", "where"])
 def test_an_undecodable_body_says_why(raw: bytes, says: str, client: httpx.Client) -> None:
     """Found by a black-box review: a 5,000-digit number was called "not UTF-8"."""
     response = client.post(ENC, content=raw, headers={"content-type": JSON})

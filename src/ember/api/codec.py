@@ -153,7 +153,7 @@ def may_hold_a_long_integer(raw: bytes) -> bool:
 def json_failure(exc: ValueError) -> str:
     """Why the standard reader refused a body, in the client's terms."""
     if isinstance(exc, json.JSONDecodeError):
-        return exc.msg
+        return f"{exc.msg} at line {exc.lineno}, column {exc.colno}"
     if isinstance(exc, UnicodeDecodeError):
         return "not UTF-8"
     # Python's guard against slow big-integer parsing: the only other ValueError it raises.

@@ -81,11 +81,13 @@ class CohereRerankRequest(Strict):
 
 # Why each field Ember cannot honour is refused, in the words of that field.
 UNSUPPORTED = {
-    "inputs": "mixed text and image inputs are not supported; send texts, or images with "
-              "input_type image",
+    "inputs": "Ember embeds each text or image on its own, not a content list fused into "
+              "one embedding; send texts, or images with input_type image",
     "max_tokens": "texts are embedded whole, up to the model's own token limit (truncate END "
                   "cuts there)",
     "max_tokens_per_doc": "documents are scored whole, up to the model's own token limit",
+    "max_chunks_per_doc": "documents are scored whole, not in chunks, up to the model's own "
+                          "token limit",
     "relevant_spans": "scores are for whole documents, without spans",
 }
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ember.adapters.base import ScoreOptions
 from ember.api.codec import render
+from ember.api.cohere import refuse_unsupported
 from ember.api.errors import ApiError
 from ember.api.model_task import (
     check_inputs,
@@ -47,6 +48,8 @@ class RerankRequest(BaseModel):
     return_documents: StrictBool = False
     rank_fields: list[str] | None = Field(None, description='["text"] only: each document\'s '
                                           "text is what is ranked")
+    max_chunks_per_doc: int | None = Field(None, description="Cohere v1's; refused: "
+                                           "documents are scored whole")
 
 
 def text_of(document: Document, place: str) -> str:
@@ -95,6 +98,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
         raise ApiError(422, "invalid_request", f"rank_fields {body.rank_fields} is not "
                        "supported: each document's text is ranked; put what to rank in "
                        '"text", or leave rank_fields out', "rank_fields")
+    refuse_unsupported({"max_chunks_per_doc": body.max_chunks_per_doc})
     texts = [document if isinstance(document, str) else text_of(document, f"documents[{i}]")
              for i, document in enumerate(body.documents)]
     check_inputs(request, texts, "documents")

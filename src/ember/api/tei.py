@@ -20,8 +20,10 @@ from pydantic import (
     StrictBool,
     StrictInt,
     ValidationError,
+    ValidatorFunctionWrapHandler,
     field_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from ember.adapters.base import (
     DOCUMENT_PROMPTS,
@@ -76,8 +78,34 @@ class NoParameters(Strict):
         return value
 
 
-class EmbedRequest(NoParameters):
+def is_token_ids(value: object) -> bool:
+    """A list of ints, or of lists of ints: TEI's other form of `inputs`."""
+    rows = value if isinstance(value, list) and value and isinstance(value[0], list) \
+        else [value]
+    return all(isinstance(row, list) and row and all(type(token) is int for token in row)
+               for row in rows)
+
+
+class TextInputs(NoParameters):
+    """`inputs` as text: TEI's token ids are refused by what they are."""
+
     inputs: str | list[str]
+
+    @field_validator("inputs", mode="wrap")
+    @classmethod
+    def no_token_ids(cls, value: object, handler: ValidatorFunctionWrapHandler) -> object:
+        try:
+            return handler(value)
+        except ValidationError:
+            if not is_token_ids(value):
+                raise
+        raise PydanticCustomError(
+            "token_ids", "inputs holds token ids, and TEI's routes here take text: send "
+            "strings (POST /v1/embeddings reads ids of the model's own tokenizer on a server "
+            "started with --token-ids model)", {"param": "inputs"})
+
+
+class EmbedRequest(TextInputs):
     normalize: StrictBool = True
     truncate: StrictBool = True
     truncation_direction: Direction | None = None
@@ -96,8 +124,7 @@ class TeiRerankRequest(NoParameters):
                              "activation (a similarity has none: the same scores)")
 
 
-class EmbedSparseRequest(NoParameters):
-    inputs: str | list[str]
+class EmbedSparseRequest(TextInputs):
     truncate: StrictBool = True
     truncation_direction: Direction | None = None
     prompt_name: str | None = Field(None, description="query, or document (passage, corpus)")
@@ -350,6 +377,11 @@ async def decode(body: DecodeRequest, request: Request) -> Response:
 async def root(body: AnyTeiBody, request: Request) -> Response:
     data = body.root
     kind: type[Strict] = EmbedRequest
+    if "inputs" in data and ("query" in data or "texts" in data):  # no route takes both
+        shape = "query" if "query" in data else "texts"
+        raise ApiError(422, "invalid_request", f"the body holds both inputs (an embed or a "
+                       f"similarity) and {shape} (a rerank): send one route's fields, or post "
+                       "to /embed, /similarity or /rerank", "body")
     if "query" in data or "texts" in data:
         kind = TeiRerankRequest
     elif isinstance(data.get("inputs"), dict):
