@@ -163,6 +163,22 @@ async def test_openapi_documents_every_route(shared: Served) -> None:
     assert {"/v1/encode/{model}", "/v1/score/{model}", "/v1/extract/{model}",
             "/v1/embeddings", "/v1/rerank", "/embed", "/rerank", "/v1/models", "/healthz",
             "/readyz", "/metrics"} <= paths
+    # Found by a black-box review: every refusal was documented as FastAPI's
+    # `{"detail": [...]}`, which the server never sends, and the metrics as JSON.
+    error = {"$ref": "#/components/schemas/ErrorBody"}
+    for path, methods in schema["paths"].items():
+        for method, operation in methods.items():
+            if method == "post":
+                answers = operation["responses"]
+                assert {"400", "404", "413", "415", "422", "429", "503", "504"} <= set(answers)
+                assert answers["422"]["content"]["application/json"]["schema"] == error, path
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+    assert set(schema["components"]["schemas"]["ErrorDetail"]["required"]) == {
+        "type", "message", "code"}
+    assert schema["paths"]["/readyz"]["get"]["responses"]["503"]["content"][
+        "application/json"]["schema"] == error
+    assert list(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == [
+        "text/plain"]
 
 
 def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:

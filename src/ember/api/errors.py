@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -85,6 +85,38 @@ def scrub(message: str) -> str:
 def error_code(kind: str) -> str:
     """SIE's code for an error type: the type in upper case (`queue_full` -> QUEUE_FULL)."""
     return kind.upper()
+
+
+class ErrorDetail(BaseModel):
+    type: str = Field(description="what went wrong, e.g. invalid_request, queue_full")
+    message: str = Field(description="what happened, the limit, and what to do")
+    param: str | None = Field(None, description="the request field at fault, e.g. "
+                              "items[3].text (absent when no one field is)")
+    code: str = Field(description="SIE's code: the type in upper case")
+
+
+class ErrorBody(BaseModel):
+    """Every refusal's body, on every route (OpenAI's shape, with SIE's `code`)."""
+
+    error: ErrorDetail
+
+
+# The refusals an inference route may answer, for the OpenAPI schema (docs/architecture.md).
+INFERENCE_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": why} for status, why in (
+        (400, "an input over the model's token limit with truncation off"),
+        (401, "a missing or wrong API key (a server started with --api-key)"),
+        (404, "an unknown model, or a Hub model this server may not download"),
+        (408, "a body that stopped coming"),
+        (413, "a body or a request over a limit (bytes, items, the queue's size)"),
+        (415, "a body that is neither JSON nor msgpack, or is compressed"),
+        (422, "a field missing, unknown, or out of its range: `param` names it"),
+        (429, "the model's queue is full: retry after Retry-After"),
+        (500, "the forward failed (nothing of the server's internals is shown)"),
+        (502, "the model could not be loaded or downloaded"),
+        (503, "the server is draining, or the engine is restarting"),
+        (504, "the request timed out (--request-timeout-s)"),
+    )}
 
 
 def error_body(kind: str, message: str, param: str | None = None) -> dict[str, Any]:

@@ -7,11 +7,11 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ember import __version__
-from ember.api.errors import as_api_error, error_response
+from ember.api.errors import ErrorBody, as_api_error, error_response
 from ember.api.images import IMAGE_FAMILIES
 from ember.api.state import Models, server_state
 from ember.config import FAMILY_OUTPUTS, files_here
@@ -19,6 +19,12 @@ from ember.errors import ModelNotFound
 from ember.outputs import DTYPES
 
 router = APIRouter(tags=["operations"])
+NOT_READY = {"model": ErrorBody, "description": "the default model is not loaded yet, its "
+             "engine is silent, or the server is draining"}
+NOT_IN_CATALOG = {"model": ErrorBody, "description": "no model of that name in the catalog"}
+# Any other refusal (a missing API key's 401): in place of the 422 that FastAPI documents
+# for a path parameter, which any name passes.
+REFUSED = {"model": ErrorBody, "description": "any other refusal, such as a missing API key"}
 
 
 @router.get("/healthz", summary="The process is alive")
@@ -26,8 +32,10 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="The default model is loaded and the server is not draining")
-@router.get("/health", summary="TEI's health check: /readyz by TEI's name")
+@router.get("/readyz", summary="The default model is loaded and the server is not draining",
+            responses={503: NOT_READY})
+@router.get("/health", summary="TEI's health check: /readyz by TEI's name",
+            responses={503: NOT_READY})
 async def readyz(request: Request) -> JSONResponse:
     state = server_state(request)
     if (why := await state.unready()) is not None:
@@ -105,7 +113,8 @@ async def models(request: Request) -> dict[str, Any]:
             "models": [sie_shape(e) for e in entries]}
 
 
-@router.get("/v1/models/{model:path}", summary="One model (OpenAI's model object and SIE's "
+@router.get("/v1/models/{model:path}", responses={404: NOT_IN_CATALOG, "4XX": REFUSED},
+            summary="One model (OpenAI's model object and SIE's "
             "ModelInfo in one)")
 async def model(model: str, request: Request) -> JSONResponse:
     state = server_state(request)
@@ -117,7 +126,7 @@ async def model(model: str, request: Request) -> JSONResponse:
     return JSONResponse(sie_shape(model_entry(registry, model)))
 
 
-@router.get("/metrics", summary="Prometheus metrics")
+@router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     state = server_state(request)
     # The engine writes a forward's metrics one turn after its answers (stats.defer):

@@ -26,14 +26,27 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api import codec
-from ember.api.errors import ApiError, as_api_error, error_response, validation_error
+from ember.api.errors import (
+    INFERENCE_ERRORS,
+    ApiError,
+    as_api_error,
+    error_response,
+    validation_error,
+)
 from ember.api.state import ServerState, server_state
 
 Endpoint = Callable[..., Awaitable[Response]]
 
 
 class InferenceRoute(APIRoute):
-    """A POST route whose requests the `InferenceDispatcher` serves (FastAPI documents it)."""
+    """A POST route whose requests the `InferenceDispatcher` serves (FastAPI documents it,
+    with Ember's error body for each refusal in place of FastAPI's own 422)."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], *,
+                 responses: dict[int | str, dict[str, Any]] | None = None,
+                 **options: Any) -> None:
+        super().__init__(path, endpoint, responses={**INFERENCE_ERRORS, **(responses or {})},
+                         **options)
 
 
 @dataclass(frozen=True)
