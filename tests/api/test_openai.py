@@ -181,3 +181,19 @@ async def test_jina_style_objects_are_told_what_to_send(shared: Served, value: o
     error = assert_error(response, 422, "invalid_request", where)
     assert error["message"].startswith(f"{where} is an object"), error
     assert advice in error["message"], error
+
+
+@pytest.mark.parametrize(("route", "body"), [("/v1/embeddings", {"input": "a"}),
+                                             ("/v1/rerank", {"query": "q", "documents": ["a"]})])
+async def test_a_model_left_out_is_the_default_and_a_null_or_empty_one_is_refused(
+        shared: Served, route: str, body: dict[str, object]) -> None:
+    """Found by a black-box review: the schema said `model` may be null, where a null (or
+    empty) name is refused as a client bug; the schema now says a string."""
+    omitted = await shared.client.post(route, json=body)
+    assert omitted.status_code == 200 and omitted.json()["model"] == SYNTH, omitted.text
+    for name in (None, "", " "):
+        assert_error(await shared.client.post(route, json={**body, "model": name}), 422,
+                     "invalid_request", "model")
+    schema = (await shared.client.get("/openapi.json")).json()["components"]["schemas"]
+    for request in ("EmbeddingsRequest", "RerankRequest"):
+        assert schema[request]["properties"]["model"]["type"] == "string"

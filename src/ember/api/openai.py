@@ -56,7 +56,7 @@ class EmbeddingsRequest(BaseModel):
     input: str | list[str] | TokenIds | list[TokenIds] = Field(
         description="a text, a list of texts, a list of token ids, or a list of token-id "
         "lists (ids of the model's own vocabulary)")
-    model: str | None = Field(None, description="catalog name; omitted: the server's default "
+    model: str = Field("", description="catalog name; omitted: the server's default "
                               "model")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = Field(None, description=CUT_HELP)

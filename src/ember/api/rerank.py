@@ -43,7 +43,7 @@ class RerankRequest(BaseModel):
 
     query: str
     documents: list[str | Document]
-    model: str | None = Field(None, description="catalog name; default: the server's model")
+    model: str = Field("", description="catalog name; default: the server's model")
     top_n: StrictInt | None = Field(None, ge=1, description="return only the best n")
     return_documents: StrictBool = False
     rank_fields: list[str] | None = Field(None, description='["text"] only: each document\'s '
