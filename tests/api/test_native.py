@@ -133,6 +133,21 @@ async def test_score_ranks_items_best_first(shared: Served) -> None:
     assert values == sorted(values, reverse=True)
 
 
+@pytest.mark.parametrize(("items", "param"), [
+    ([{"id": "a", "text": "x"}, {"id": "b", "text": "y"}, {"id": "a", "text": "z"}],
+     "items[2].id"),
+    ([{"text": "x"}, {"id": "0", "text": "y"}], "items[1].id"),  # the first is named "0"
+])
+async def test_score_items_of_one_id_are_refused(shared: Served, items: list[dict[str, str]],
+                                                 param: str) -> None:
+    """Found by a black-box review: two items of one id came back as two scores of that
+    id, sorted, so a client could not tell which was which."""
+    response = await shared.client.post(f"/v1/score/{SYNTH}", json={
+        "query": {"text": "q"}, "items": items})
+    error = assert_error(response, 422, "invalid_request", param)
+    assert "needs its own id" in error["message"], error
+
+
 async def test_score_on_the_synthetic_model_is_the_dot_product(shared: Served) -> None:
     docs = ["one", "two words", "three words here"]
     body = {"query": {"text": "query"}, "items": [{"text": d} for d in docs]}

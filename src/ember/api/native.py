@@ -7,7 +7,7 @@ so an option this server does not know is never silently dropped."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -24,7 +24,7 @@ from ember.adapters.base import (
     TaskOutput,
 )
 from ember.api.codec import render
-from ember.api.errors import ApiError
+from ember.api.errors import ApiError, shown
 from ember.api.images import (
     ImagePart,
     first_images,
@@ -267,11 +267,25 @@ async def encode(model: str, body: EncodeRequest, request: Request) -> Response:
 
 @router.post("/v1/score/{model:path}", summary="Score items against a query")
 async def score(model: str, body: ScoreRequest, request: Request) -> Response:
+    ids = score_ids(body.items)
     output = await score_output(model, body, request)
-    scores = [{"item_id": body.items[i].id if body.items[i].id is not None else str(i),
-               "score": output.values[i], "rank": rank}
+    scores = [{"item_id": ids[i], "score": output.values[i], "rank": rank}
               for rank, i in enumerate(ranked(output.values))]
     return render(request.headers, {"model": model, "scores": scores})
+
+
+def score_ids(items: Sequence[Item]) -> list[str]:
+    """Each item's id in a score's answer (one without an id is named by its place): the
+    answer is sorted by score, so two items of one id could not be told apart."""
+    ids = [item.id if item.id is not None else str(i) for i, item in enumerate(items)]
+    first: dict[str, int] = {}
+    for i, name in enumerate(ids):
+        if (earlier := first.setdefault(name, i)) != i:
+            raise ApiError(422, "invalid_request", f"items[{i}] has the id {shown(repr(name))} "
+                           f"of items[{earlier}] (an item without an id is named by its "
+                           "place): scores are sorted, so each item needs its own id",
+                           f"items[{i}].id")
+    return ids
 
 
 def options_names(body: ScoreRequest) -> ParamNames | None:
