@@ -687,6 +687,26 @@ async def test_a_batch_released_to_the_waiting_thread_lets_the_next_one_form_at_
     assert worker.pending_items == 0 and worker.stats.batches == 3
 
 
+async def test_a_lone_request_handed_at_once_stays_handed_when_a_query_comes_beside_a_bulk(
+        ) -> None:
+    """Found by a code review: a lone request handed to the thread (R3b) was put back when,
+    in the same turn, a small request came beside a large one of another group (R5's
+    lead): it lost its immediate dispatch, led the next forward anyway, and its group's
+    sweep restarted from the cheapest bucket."""
+    async with running(WorkerConfig(max_batch_items=64, idle_coalesce_ms=0.0)) as (
+            worker, adapter):
+        lone = worker.submit_nowait(items(5, text="lone"), "g1")
+        handed = worker._handed
+        assert handed is not None  # R3b: handed from submit, without a turn of the loop
+        bulk = worker.submit_nowait(items(*[5] * 16, text="bulk"), "g2")
+        query = worker.submit_nowait(items(5, text="query"), "g2")
+        assert worker._handed is handed and [p.item.payload for p in handed.items] == [
+            "lone0:5"]
+        await asyncio.wait_for(asyncio.gather(lone, bulk, query), 5.0)
+    assert payloads(adapter)[0] == ("lone0:5",)
+    assert sum(map(len, payloads(adapter))) == 18
+
+
 async def test_arrivals_join_a_batch_handed_to_the_thread_until_it_takes_it() -> None:
     """A lone request goes to the waiting thread at once (R3b); requests submitted in the
     same turn, before the thread could take it, join its forward while they fit."""

@@ -370,7 +370,9 @@ class ModelWorker:
         at = self.policy.release_at(view, lane.last_forward, None, now)
         if at is None or at > now:
             return False
-        batch = Batch(request.lora, params)
+        # Outside the sweep, as a led batch is: an arrival that would lead it does not put
+        # it back (it would lead again, and the sweep's cursor would restart at 0).
+        batch = Batch(request.lora, params, led=True)
         limits = lane.former.limits
         for pending in request.items:
             if not batch.fits(pending.item.cost, limits):
