@@ -100,6 +100,8 @@ def test_length_claims_beyond_the_body_are_refused_before_allocating() -> None:
 @pytest.mark.parametrize(("accept", "wanted"), [
     ("application/msgpack", True),
     ("application/x-msgpack", True),
+    ("Application/MsgPack", True),  # found by a code review: the case was matched
+    ("APPLICATION/X-MSGPACK;Q=0.9, application/json;q=0.5", True),
     ("application/msgpack, application/json", True),  # a client names msgpack on purpose
     ("application/json;q=0.9, application/msgpack", True),
     ("application/msgpack;q=0, application/json", False),  # q=0: not acceptable

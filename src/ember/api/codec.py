@@ -46,7 +46,7 @@ def _orjson_default(value: object) -> object:
 def wants_msgpack(headers: Headers) -> bool:
     """Whether the Accept header prefers msgpack to JSON (a tie goes to msgpack, which a
     client names only on purpose; `q=0` means not at all)."""
-    accept = headers.get("accept", "")
+    accept = headers.get("accept", "").lower()  # media types are case-insensitive
     if "msgpack" not in accept:
         return False
     msgpack_q = json_q = 0.0
@@ -60,7 +60,6 @@ def wants_msgpack(headers: Headers) -> bool:
                     q = float(value)
                 except ValueError:
                     q = 0.0
-        kind = kind.lower()
         if kind in MSGPACK_TYPES:
             msgpack_q = max(msgpack_q, q)
         elif kind in ("application/json", "application/*", "*/*"):
