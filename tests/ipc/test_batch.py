@@ -99,6 +99,9 @@ def test_vectors_of_one_shape_travel_as_rows_of_one_array() -> None:
     (("tokens", np.arange(3), np.array([0, 3, 3])), np.array([1, 1]), np.array([0, 1])),
     (("tokens", np.arange(3), np.array([1, 2, 3])), np.array([1, 1]), np.array([0, 1])),
     (("tokens", np.arange(3.0), np.array([0, 1, 3])), np.array([1, 1]), np.array([0, 1])),
+    # Found by a code review: unsigned offsets that fall passed (their difference wraps).
+    (("tokens", np.arange(6), np.array([0, 5, 3, 6], np.uint64)), np.array([1, 1, 1]),
+     np.array([0, 1, 2])),
     (("list", ("a",)), np.array([1, 1]), np.array([0, 1])),
     (("list", ("a", "b")), np.array([1.0, 1.0]), np.array([0, 1])),
     (("list", ("a", "b")), np.array([1, 1]), np.array([0])),

@@ -185,6 +185,12 @@ async def test_a_dead_api_process_has_its_work_forgotten(
     assert await forwards(first) == (1, 1)  # the orphans never ran
     assert not orphan.done()  # no answer is sent to a process that is gone
     orphan.cancel()
+    # Found by a code review: what the dead process sent just before it died can be read
+    # after the forget (another connection); it must not run for nobody.
+    late = submit(second, "sent before it died")
+    await asyncio.sleep(0.4)
+    assert await forwards(first) == (1, 1) and not late.done()
+    late.cancel()
     supervisor.close()
 
 
@@ -269,6 +275,16 @@ async def test_malformed_frames_to_the_engine_are_skipped(
         assert len(reply["values"]) == 1  # type: ignore[arg-type]
         assert process.is_alive()
         assert await forwards(clients[0]) == (1, 1)  # no hostile batch ran anything
+        # Found by a code review: a refused batch's calls got no answer, so their requests
+        # waited for their clients to give up. Each readable call is now told why.
+        wanted = sum(1 for fields in hostile_batches() if fields.get("calls"))
+        refused: list[tuple[int, dict[str, Any]]] = []
+        while len(refused) < wanted:
+            message = unpack(await asyncio.wait_for(rogue.recv(), 10))
+            assert message["op"] == "results" and not message["ok"], message
+            refused += message["errors"]
+        assert {call_id for call_id, _ in refused} == {900}
+        assert all(error["type"] == "MessageRefused" for _, error in refused), refused
     finally:
         rogue.close(0)
         context.term()

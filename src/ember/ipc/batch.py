@@ -177,7 +177,7 @@ def _check_column(column: Any, count: int, allow_missing: bool) -> None:
                                     and missing.shape == (count,)):
         raise ValueError("missing rows must be one boolean an item")
     flagged = missing if missing is not None else np.zeros(count, dtype=bool)
-    lengths = np.diff(offsets)
+    lengths = np.diff(offsets.astype(np.int64))  # unsigned, a fall would wrap to a rise
     if len(offsets) != count + 1 or offsets[0] != 0 or offsets[-1] != len(flat) or bool(
             np.any(lengths < 0)) or bool(np.any((lengths == 0) != flagged)):
         raise ValueError("token offsets must rise from 0 to the number of ids, one row per "

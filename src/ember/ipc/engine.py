@@ -70,6 +70,9 @@ LOAD_CHECK_S = 1.0  # a failed load is told to the supervisor within this (no ho
 
 
 PARAMS_PER_PEER = 1024  # parameter groups held per API process; the oldest go first
+# What a dead API process sent may be read after the supervisor's `forget` (another
+# connection: ZeroMQ orders nothing between the two); it is dropped for this long.
+FORGOTTEN_FOR_S = 60.0
 # (id, (queue_ms, inference_ms, forwards, pending), values) or (id, None, error)
 Reply = tuple[int, tuple[float, float, int, int] | None, Any]
 
@@ -130,6 +133,7 @@ class EngineServer(RegistryCalls):
         self._params: dict[bytes, OrderedDict[int, Hashable]] = {}  # interned, per peer
         self._replies: dict[bytes, list[Reply]] = {}  # answered this turn, not yet sent
         self._greeted: set[bytes] = set()  # peers this engine has answered a ping of
+        self._forgotten: dict[bytes, float] = {}  # dead peers, and when they were forgotten
         self._flush_due = False
         self._backlogs: dict[bytes, deque[bytes]] = {}
         self._flushers: dict[bytes, asyncio.Task[None]] = {}
@@ -153,6 +157,7 @@ class EngineServer(RegistryCalls):
     async def _read(self) -> None:
         while True:
             frames = await self._socket.recv_multipart()
+            message: Any = None
             try:
                 if len(frames) != 2:
                     raise ValueError(f"{len(frames)} frames, not peer and message")
@@ -164,8 +169,27 @@ class EngineServer(RegistryCalls):
             except Exception as exc:  # a malformed message must not end the engine
                 log.error("bad message from %r: %s: %s", frames[0][:64],
                           type(exc).__name__, exc)
+                if isinstance(message, dict):
+                    self._refuse(frames[0], message, exc)
+
+    def _refuse(self, peer: bytes, message: dict[str, Any], exc: Exception) -> None:
+        """An error to each call a refused message carried that can be read (none of them
+        started): its request fails now, not when its client gives up waiting."""
+        error = {"type": "MessageRefused", "message": "the engine refused the message "
+                 f"carrying this call ({type(exc).__name__}: {str(exc)[:200]})"}
+        if message.get("op") != "batch":
+            if type(message.get("id")) is int and message.get("op") in ("load", "status"):
+                self._send(peer, pack({"op": "error", "id": message["id"], "error": error}))
+            return
+        calls = message.get("calls")
+        for call in calls if isinstance(calls, list | tuple) else ():
+            call_id = call[0] if isinstance(call, list | tuple) and call else None
+            if type(call_id) is int and Call(peer, call_id) not in self._calls:
+                self._reply(peer, (call_id, None, error))
 
     def _handle(self, peer: bytes, message: dict[str, Any]) -> None:
+        if peer in self._forgotten:
+            return  # sent before its process died, read after: nobody waits for it
         op = message["op"]
         if op == "ping":
             self._send(peer, pack(self._pong(peer, message.get("seq"))))
@@ -186,6 +210,10 @@ class EngineServer(RegistryCalls):
             self._greeted.discard(gone)
             self._params.pop(gone, None)
             self._replies.pop(gone, None)
+            now = time.monotonic()
+            self._forgotten = {peer: at for peer, at in self._forgotten.items()
+                               if now - at < FORGOTTEN_FOR_S}
+            self._forgotten[gone] = now
             return
         if op == "batch":
             self._batch(peer, message)
