@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ember.hub import HubRef, parse_hub_id
+from ember.hub import HubRef, Wanted, cached, parse_hub_id
 from tests.hub_standin import MINILM, HubStandIn, files_of, hub_env, minilm_folder
 from tests.live_server import REPO, server_env, start_server
 
@@ -621,6 +621,43 @@ def test_hub_ids_with_and_without_a_revision() -> None:
     assert parse_hub_id("BAAI/bge-small-en-v1.5") == HubRef("BAAI/bge-small-en-v1.5")
     assert parse_hub_id("org/name@main") == HubRef("org/name", "main")
     assert str(parse_hub_id("org/name@" + "a" * 40)) == "org/name@" + "a" * 40
+
+
+SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+
+
+@pytest.mark.parametrize(("weight_map", "complete"), [
+    ({"a": SHARDS[0], "b": SHARDS[1]}, True),
+    ({"a": SHARDS[0], "b": "model-00003-of-00002.safetensors"}, False),  # cut before it
+    ({"a": SHARDS[0], "b": "../outside.safetensors"}, False),  # a name outside the folder
+    ({"a": SHARDS[0], "b": 7}, False),
+    ([SHARDS[0]], False),
+    ("nested", False),
+])
+def test_a_sharded_snapshot_is_cached_only_with_every_shard_its_index_names(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weight_map: object,
+        complete: bool) -> None:
+    """Found by a code review: a download cut between two shards left a folder that the
+    Hub's client returns as whole where it holds no listing of the snapshot (a cache
+    written by another tool or an older client), so it was never resumed and every load
+    failed. A hostile index (a shard outside the folder, a deep or odd JSON) is no proof."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    sha = "a" * 40
+    repo = tmp_path / "models--someone--sharded"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(sha)
+    folder = repo / "snapshots" / sha
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"architectures": ["BertModel"]}')
+    for shard in SHARDS:
+        (folder / shard).write_bytes(b"weights")
+    (tmp_path / "outside.safetensors").write_bytes(b"not this model's")
+    text = "[" * 100_000 if weight_map == "nested" else json.dumps({"weight_map": weight_map})
+    (folder / "model.safetensors.index.json").write_text(text)
+    found = cached(HubRef("someone/sharded"), Wanted())
+    assert (found == folder) if complete else found is None
 
 
 def test_a_gliner_from_the_hub_brings_its_backbones_tokenizer_not_its_weights(

@@ -181,9 +181,35 @@ def cached(ref: HubRef, wanted: Wanted) -> Path | None:
         configured = any((folder / name).is_file() for name in CONFIG_FILES)
         extras = all(any((folder / name).is_file() for name in group)
                      for group in wanted.extra_files)
-        if configured and extras and (not wanted.weights or has_weights(folder, pickle)):
+        if configured and extras and (not wanted.weights or (
+                has_weights(folder, pickle) and shards_here(folder, pickle))):
             return folder
     return None
+
+
+# A sharded model's weights name their shards here; a download cut between two shards
+# leaves a folder that the Hub's client takes as whole where it holds no listing of it.
+SHARD_INDEXES = {"model.safetensors.index.json": False, "pytorch_model.bin.index.json": True}
+
+
+def shards_here(folder: Path, pickle: bool) -> bool:
+    """Whether every shard the folder's weight indexes name is in it (a name outside the
+    folder, or an index that cannot be read, is not)."""
+    for name, pickled in SHARD_INDEXES.items():
+        index = folder / name
+        if (pickled and not pickle) or not index.is_file():
+            continue
+        try:
+            shards = read_model_json(index).get("weight_map")
+        except (ModelFileError, OSError):
+            return False
+        if not isinstance(shards, dict):
+            return False
+        for shard in set(shards.values()):
+            if not (isinstance(shard, str) and shard == Path(shard).name
+                    and not shard.startswith(".") and (folder / shard).is_file()):
+                return False
+    return True
 
 
 def has_weights(folder: Path, pickle: bool) -> bool:
