@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from ember.engine import Batch, BatchFormer, PendingItem, PreparedItem, WorkerConfig
 from ember.engine.batcher import cost_bucket
 
 
-@dataclass(eq=False)
 class Owner:
-    live: bool = True
+    """A request, as the batcher knows one: a key of its own."""
 
 
 def request(costs: list[int], *, owner: Owner | None = None, group: str = "p",
@@ -169,7 +166,7 @@ def test_a_request_that_fits_one_forward_is_not_split_by_the_sweep() -> None:
 def test_equal_costs_fill_a_batch_to_each_limit_skipping_dropped_items() -> None:
     former = BatchFormer(max_batch_tokens=100, max_batch_items=64, max_padding=1.05)
     pending = add(former, [13] * 20)
-    gone = Owner(live=False)
+    gone = Owner()
     dropped = add(former, [13] * 3, owner=gone, seq_start=20)
     for item in dropped:
         assert former.discard(item)

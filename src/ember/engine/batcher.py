@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Protocol, Self
+from typing import Self
 
 from ember.engine.config import LEAD_RATIO, WorkerConfig
 from ember.engine.types import PreparedItem
@@ -57,13 +57,9 @@ TABLED_COSTS = 8192  # the bucket of every cost below this is looked up, not com
 _BUCKETS = [_cost_bucket(cost) for cost in range(TABLED_COSTS)]
 
 
-class Owner(Protocol):
-    """The request an item belongs to, as far as the batcher cares."""
-
-    @property
-    def live(self) -> bool:
-        """False once the request was cancelled or has failed: drop its items."""
-        ...
+# The request an item belongs to: the batcher keys its per-request counts by it (a
+# cancelled request's items are dropped by `remove`, which the worker calls).
+Owner = Hashable
 
 
 @dataclass(eq=False, slots=True)

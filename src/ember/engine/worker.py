@@ -52,10 +52,6 @@ class _Request:
     recorded: bool = False
     on_done: Callable[[asyncio.Future[RequestResult]], None] | None = None
 
-    @property
-    def live(self) -> bool:
-        return not self.future.done()
-
     def release(self) -> None:
         """Once resolved: let go of its items and callback, which point back at it, so
         refcounting frees it at once instead of leaving a cycle to the collector."""
