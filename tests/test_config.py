@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from ember.config import (
     CatalogError,
     load_catalog,
     m3_score_weights,
+    parse_spec,
     resolve_source,
 )
 from ember.engine import WorkerConfig
@@ -107,7 +110,9 @@ HUB = "source: {hub: org/tiny}\n"
     (f"{HUB}loras: {{legal: [a, b]}}\n", "loras.legal must be text, got an array"),
     ("source: {hub: org/tiny}\ntasks: [extract]\n", "the transformer family cannot "
      "extract; its tasks are encode, score"),
-    (f"{HUB}description: [&a [x, x], [*a, *a]]\n", "description must be text, got an array"),
+    (f"{HUB}description: [[x, x], [x, x]]\n", "description must be text, got an array"),
+    # Aliases are refused whole since an operator's review (a kilobyte of them is gigabytes).
+    (f"{HUB}description: [&a [x, x], [*a, *a]]\n", "an alias (*name): write the value out"),
     (f"{HUB}batching: {{max_batch_wait_ms: .nan}}\n",
      "batching.max_batch_wait_ms must be a number >= 0, got nan"),
     (f"{HUB}batching: {{forward_fills_cores: true}}\n",
@@ -119,7 +124,7 @@ HUB = "source: {hub: org/tiny}\n"
         "bool-str", "remote-code-str", "path-and-hub", "missing-path", "missing-lora",
         "lora-without-adapter", "onnx-lora", "int8-lora", "torch-int8", "option-typo",
         "other-familys-option", "revision-number", "hub-number", "prompt-number",
-        "prompt-typo", "lora-list", "task-of-another-family", "description-alias-bomb",
+        "prompt-typo", "lora-list", "task-of-another-family", "description-array", "description-alias",
         "batching-nan", "batching-registrys-own"])
 def test_a_field_that_would_be_ignored_or_fail_every_request_is_refused_at_read(
         tmp_path: Path, body: str, message: str) -> None:
@@ -166,11 +171,28 @@ def test_m3_score_weights_are_scaled_to_sum_to_one_whatever_their_range() -> Non
             m3_score_weights(bad)
 
 
-@pytest.mark.parametrize("make", ["latin-1", "broken link", "a folder", "too large"])
+ALIAS_BOMB = "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n"
+                     for p, c in zip("abcdefghi", "bcdefghij", strict=True))
+
+
+@pytest.mark.parametrize("make", ["latin-1", "broken link", "a folder", "too large",
+                                  "alias bomb", "deep", "fifo", "device"])
 def test_a_catalog_file_that_cannot_be_read_is_one_line(tmp_path: Path, make: str) -> None:
-    """Found by a review of the start: these were tracebacks, not one line and exit 2."""
+    """Found by a review of the start: these were tracebacks, not one line and exit 2.
+    Found by an operator's review: a kilobyte of nested aliases grew to gigabytes when its
+    value was printed, deep nesting was a 3,000-line traceback, a FIFO hung the start and
+    a link to /dev/zero (size 0) filled the memory."""
     bad = tmp_path / "bad.yaml"
-    if make == "latin-1":
+    if make == "alias bomb":
+        bad.write_text("a: &a [x, x, x, x, x, x, x, x, x]\n" + ALIAS_BOMB
+                       + "name: x\nadapter: synthetic\ntasks: *j\n")
+    elif make == "deep":
+        bad.write_text("name: x\nadapter: synthetic\ntasks: " + "[" * 5000 + "]" * 5000)
+    elif make == "fifo":
+        os.mkfifo(bad)
+    elif make == "device":
+        bad.symlink_to("/dev/zero")
+    elif make == "latin-1":
         bad.write_bytes("name: caf\u00e9\nadapter: synthetic\ntasks: [encode]\n".encode("latin-1"))
     elif make == "broken link":
         bad.symlink_to(tmp_path / "gone.yaml")
@@ -183,8 +205,10 @@ def test_a_catalog_file_that_cannot_be_read_is_one_line(tmp_path: Path, make: st
         load_catalog([tmp_path])
     said = str(caught.value)
     assert said.startswith(f"{bad}: ") and "\n" not in said
-    assert {"latin-1": "not UTF-8", "broken link": "cannot be read",
-            "a folder": "cannot be read", "too large": "bytes, over the"}[make] in said
+    assert {"latin-1": "not UTF-8", "broken link": "not a regular file",
+            "a folder": "not a regular file", "too large": "over the 1,048,576 bytes",
+            "alias bomb": "an alias (*name)", "deep": "nested too deeply",
+            "fifo": "not a regular file", "device": "not a regular file"}[make] in said
 
 
 def test_a_path_gone_since_the_start_fails_its_model_not_the_catalog(tmp_path: Path) -> None:
@@ -219,7 +243,12 @@ def test_a_gliner_threshold_out_of_range_fails_its_load_naming_the_yaml_field(
         (tmp_path / "gliner.yaml").write_text(
             "name: me/gliner\nadapter: gliner\nsource: {path: model}\ntasks: [extract]\n"
             f"options: {{threshold: {threshold}}}\n")
-        spec = load_catalog([tmp_path])["me/gliner"]
+        with pytest.raises(CatalogError, match=r"options\.threshold must be a number from "
+                                               r"0 to 1"):  # at the start, since a review
+            load_catalog([tmp_path])
+        spec = parse_spec({"name": "me/gliner", "adapter": "gliner", "tasks": ["extract"],
+                           "source": {"path": "model"}}, "built", tmp_path)
+        spec = replace(spec, options={"threshold": threshold})  # a spec built in code
         with pytest.raises(ModelLoadError, match=r"options\.threshold .* between 0 and 1"):
             load_front(spec, Runtime(backend="torch"))
     (tmp_path / "gliner.yaml").write_text(
@@ -421,6 +450,59 @@ def test_each_familys_options_are_its_own(tmp_path: Path, adapter: str, task: st
     (tmp_path / "bad.yaml").write_text(f"name: me/x\nadapter: {adapter}\ntasks: [{task}]\n"
                                        f"{HUB}options: {options}\n")
     with pytest.raises(CatalogError, match=r"bad\.yaml: unknown field options\."):
+        load_catalog([tmp_path])
+
+
+@pytest.mark.parametrize(("adapter", "task", "option", "says"), [
+    ("transformer", "encode", 'dims: "384"', "options.dims must be a whole number >= 1, "
+                                             "got '384'"),
+    ("transformer", "encode", "dims: 0", "options.dims must be a whole number >= 1"),
+    ("transformer", "encode", "embeddings_side: querry", "options.embeddings_side must be "
+                                                         "one of query, document"),
+    ("gliner", "extract", 'flat_ner: "false"', "options.flat_ner must be true or false"),
+    ("gliner", "extract", "multi_label: 1", "options.multi_label must be true or false"),
+    ("gliner", "extract", "labels: person", "options.labels must be a list of texts"),
+    ("gliner", "extract", "labels: [person, 3]", "options.labels must be a list of texts"),
+    ("spacy", "extract", "ner_only: 'no'", "options.ner_only must be true or false"),
+    ("sparse", "encode", "top_k: 2.5", "options.top_k must be a whole number >= 1"),
+    ("sparse", "encode", "threshold: -1", "options.threshold must be a number >= 0"),
+    ("cross_encoder", "score", "activation: softmax", "options.activation must be one of "
+                                                      "sigmoid, none"),
+    ("multivector", "encode", "projection: ''", "options.projection must be a non-empty text"),
+    ("synthetic", "encode", "overhead_ms: fast", "options.overhead_ms must be a number >= 0"),
+    ("synthetic", "encode", "dims: {a: [1, 2]}", "got an object"),
+])
+def test_an_options_value_the_family_cannot_read_stops_the_start(
+        tmp_path: Path, adapter: str, task: str, option: str, says: str) -> None:
+    """Found by an operator's review: option values were read only at the load, so a bad
+    one left the server unready (dims "384"), or was read wrongly without a word (a
+    misspelt side served the document side, bool("false") turned flat_ner on, a label
+    string iterated by letter)."""
+    (tmp_path / "bad.yaml").write_text(f"name: me/x\nadapter: {adapter}\ntasks: [{task}]\n"
+                                       f"{HUB}options: {{{option}}}\n")
+    with pytest.raises(CatalogError, match=r"bad\.yaml: ") as caught:
+        load_catalog([tmp_path])
+    assert says in str(caught.value)
+
+
+def test_options_of_the_right_kinds_load(tmp_path: Path) -> None:
+    for adapter, task, options in [
+            ("transformer", "encode", "{dims: 384, embeddings_side: Query}"),
+            ("gliner", "extract", "{labels: [person, place], flat_ner: false, threshold: 1}"),
+            ("sparse", "encode", "{top_k: 5, threshold: 0.5}"),
+            ("cross_encoder", "score", "{activation: Sigmoid}")]:
+        (tmp_path / "ok.yaml").write_text(f"name: me/x\nadapter: {adapter}\ntasks: [{task}]\n"
+                                          f"{HUB}options: {options}\n")
+        assert load_catalog([tmp_path])["me/x"].adapter == adapter
+
+
+@pytest.mark.parametrize("name", ["''", "' me/x'", "'me/x '", '"me/\\nx"', '"me/\\tx"'])
+def test_a_model_name_that_is_not_plain_printable_text_is_refused(tmp_path: Path,
+                                                                  name: str) -> None:
+    """Found by an operator's review: an empty name, one with spaces at its ends or a line
+    break was accepted (a request could not name it; a log line could be forged)."""
+    (tmp_path / "bad.yaml").write_text(f"name: {name}\nadapter: synthetic\ntasks: [encode]\n")
+    with pytest.raises(CatalogError, match=r"must be printable text without spaces"):
         load_catalog([tmp_path])
 
 

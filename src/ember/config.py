@@ -8,7 +8,7 @@ import logging
 import math
 import re
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from ember.engine.config import SettingError, WorkerConfig
-from ember.errors import closest, json_kind
+from ember.errors import closest, described, json_kind
 from ember.hub import HubRef, Wanted, parse_hub_id
 from ember.model_files import ModelFileError, maps_to_code, read_model_json
 
@@ -56,6 +56,59 @@ FAMILY_OPTIONS: dict[str, tuple[str, ...]] = {
     "spacy": ("ner_only",),
     "synthetic": ("overhead_ms", "per_token_us", "mode", "load_ms", "fault_marker",
                   "test_crash_marker", *_ENCODING)}
+# What each option's value must be, checked at the start (a quoted "false" read by
+# bool() is True; a string of labels iterates by letter): None when the value is right,
+# else what is wrong with it.
+OptionCheck = Callable[[object], str | None]
+
+
+def _whole_at_least_1(value: object) -> str | None:
+    return None if type(value) is int and value >= 1 else "must be a whole number >= 1"
+
+
+def _number_in(low: float, high: float = math.inf) -> OptionCheck:
+    def check(value: object) -> str | None:
+        fits = type(value) in (int, float) and low <= value <= high  # type: ignore[operator]
+        return None if fits else (f"must be a number from {low:g} to {high:g}"
+                                  if high < math.inf else f"must be a number >= {low:g}")
+    return check
+
+
+def _true_or_false(value: object) -> str | None:
+    return None if isinstance(value, bool) else "must be true or false"
+
+
+def _text(value: object) -> str | None:
+    return None if isinstance(value, str) and value.strip() else "must be a non-empty text"
+
+
+def _one_of(*choices: str) -> OptionCheck:
+    def check(value: object) -> str | None:
+        return None if isinstance(value, str) and value.lower() in choices else \
+            f"must be one of {', '.join(choices)}"
+    return check
+
+
+def _texts(value: object) -> str | None:
+    return None if isinstance(value, list) and all(
+        isinstance(v, str) and v.strip() for v in value) else "must be a list of texts"
+
+
+CROSS_ENCODER_ACTIVATIONS: tuple[Literal["sigmoid", "none"], ...] = ("sigmoid", "none")
+OPTION_CHECKS: dict[str, dict[str, OptionCheck]] = {
+    family: {"dims": _whole_at_least_1, "embeddings_side": _one_of("query", "document"),
+             "top_k": _whole_at_least_1, "threshold": _number_in(0.0),
+             "projection": _text, "projection_key": _text,
+             "activation": _one_of(*CROSS_ENCODER_ACTIVATIONS),
+             "labels": _texts, "flat_ner": _true_or_false, "multi_label": _true_or_false,
+             "ner_only": _true_or_false, "overhead_ms": _number_in(0.0),
+             "per_token_us": _number_in(0.0), "load_ms": _number_in(0.0),
+             "mode": _one_of("sleep", "compute"), "fault_marker": _text,
+             "test_crash_marker": _text}
+    for family in FAMILY_OPTIONS}
+OPTION_CHECKS["gliner"]["threshold"] = _number_in(0.0, 1.0)  # a probability
+
+
 # An M3 model's two heads beside its encoder (FlagEmbedding's file names, less the suffix).
 M3_HEADS = ("sparse_linear", "colbert_linear")
 M3_WEIGHTS_EXAMPLE = "{dense: 0.4, sparse: 0.2, multivector: 0.4}"
@@ -198,6 +251,10 @@ def parse_spec(data: Mapping[str, Any], where: str, base_dir: Path | None = None
         raise CatalogError(f"{where}: expected a mapping at the top level")
     _refuse_unknown(data, SPEC_FIELDS, where)
     name = _require(data, "name", str, where)
+    # A request names it in a path or a field, and logs and metrics carry it.
+    if not name or name != name.strip() or not name.isprintable():
+        raise CatalogError(f"{where}: name {described(name)} must be printable text without "
+                           "spaces at its ends")
     adapter = _require(data, "adapter", str, where)
     if adapter not in ADAPTERS:
         raise CatalogError(f"{where}: adapter {adapter!r} is unknown; use one of "
@@ -323,11 +380,36 @@ def _check_switches_and_tables(data: Mapping[str, Any], adapter: str, where: str
                 raise CatalogError(f"{where}: {table}.{key} must be text, got "
                                    f"{json_kind(value)}")
     _refuse_unknown(data.get("options") or {}, FAMILY_OPTIONS[adapter], where, "options.")
+    for name, value in (data.get("options") or {}).items():
+        check = OPTION_CHECKS[adapter].get(name)
+        if check is not None and (problem := check(value)) is not None:
+            raise CatalogError(f"{where}: options.{name} {problem}, got {described(value)}")
     if adapter == "m3" and "score_weights" in (data.get("options") or {}):
         try:
             m3_score_weights(data["options"]["score_weights"])
         except ValueError as exc:
             raise CatalogError(f"{where}: options.score_weights {exc}") from None
+
+
+def yaml_failure(exc: yaml.YAMLError) -> str:
+    """The reader's complaint in one line, with its place (its own text quotes the file)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem:
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return f"{exc.problem}{where}"
+    return " ".join(str(exc).split())
+
+
+class ModelYamlLoader(yaml.SafeLoader):
+    """YAML's safe subset without aliases (`*name`): a kilobyte of nested aliases expands
+    into gigabytes wherever the value is copied or printed."""
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "an alias (*name): write the value out, a model's YAML takes none",
+                self.peek_event().start_mark)  # type: ignore[no-untyped-call]
+        return super().compose_node(parent, index)
 
 
 def load_spec_file(path: Path, check_paths: bool = False) -> ModelSpec:
@@ -337,12 +419,18 @@ def load_spec_file(path: Path, check_paths: bool = False) -> ModelSpec:
     process that reads the catalog: a folder gone since the start fails its model's load
     (502), not a new engine's start."""
     try:
-        if (size := path.stat().st_size) > MAX_CATALOG_FILE_BYTES:
-            raise CatalogError(f"{path}: {size:,} bytes, over the {MAX_CATALOG_FILE_BYTES:,} "
-                               "a model's YAML may have")
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if not path.is_file():  # a FIFO would hang the start, /dev/zero fill the memory
+            raise CatalogError(f"{path}: not a regular file")
+        with path.open("rb") as file:  # its size as read: a device or /proc file says 0
+            raw = file.read(MAX_CATALOG_FILE_BYTES + 1)
+        if len(raw) > MAX_CATALOG_FILE_BYTES:
+            raise CatalogError(f"{path}: over the {MAX_CATALOG_FILE_BYTES:,} bytes a model's "
+                               "YAML may have")
+        data = yaml.load(raw.decode("utf-8"), Loader=ModelYamlLoader)  # a SafeLoader
     except yaml.YAMLError as exc:
-        raise CatalogError(f"{path}: not valid YAML ({exc})") from None
+        raise CatalogError(f"{path}: not valid YAML ({yaml_failure(exc)})") from None
+    except RecursionError:
+        raise CatalogError(f"{path}: not valid YAML (nested too deeply)") from None
     except UnicodeDecodeError:
         raise CatalogError(f"{path}: not UTF-8 text; save it as UTF-8") from None
     except OSError as exc:  # a broken link, a folder named *.yaml, no permission

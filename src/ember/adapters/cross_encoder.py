@@ -32,13 +32,13 @@ from ember.adapters.base import (
     Task,
     TaskOutput,
 )
-from ember.config import ModelSpec, resolve_source
+from ember.config import CROSS_ENCODER_ACTIVATIONS, ModelSpec, resolve_source
 from ember.engine.types import PreparedItem
 from ember.errors import ModelLoadError, UnsupportedTask
 from ember.model_files import read_model_file
 
 Activation = Literal["sigmoid", "none"]
-ACTIVATIONS: tuple[Activation, ...] = ("sigmoid", "none")
+ACTIVATIONS: tuple[Activation, ...] = CROSS_ENCODER_ACTIVATIONS
 TASKS: tuple[Task, ...] = ("score",)
 # The torch classes sentence-transformers names in a folder's config, as Ember runs them.
 SAVED_ACTIVATIONS: dict[str, Activation] = {
