@@ -124,8 +124,8 @@ HUB = "source: {hub: org/tiny}\n"
         "bool-str", "remote-code-str", "path-and-hub", "missing-path", "missing-lora",
         "lora-without-adapter", "onnx-lora", "int8-lora", "torch-int8", "option-typo",
         "other-familys-option", "revision-number", "hub-number", "prompt-number",
-        "prompt-typo", "lora-list", "task-of-another-family", "description-array", "description-alias",
-        "batching-nan", "batching-registrys-own"])
+        "prompt-typo", "lora-list", "task-of-another-family", "description-array",
+        "description-alias", "batching-nan", "batching-registrys-own"])
 def test_a_field_that_would_be_ignored_or_fail_every_request_is_refused_at_read(
         tmp_path: Path, body: str, message: str) -> None:
     (tmp_path / "bad.yaml").write_text(f"name: me/x\nadapter: transformer\ntasks: [encode]\n"
