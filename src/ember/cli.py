@@ -279,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
          "(scheme://host[:port]) call the server, or * for any; preflights pass without "
          "the API key (repeatable; the variable takes a comma-separated list)",
          action=AppendOverEnv)
+    flag("allowed-host", str, None, "a name the Host header may give (as clients reach the "
+         "server: api.example.com), or * for any; default: any, but only loopback names "
+         "when bound to loopback, which keeps web pages from driving it by DNS rebinding "
+         "(repeatable; the variable takes a comma-separated list)", action=AppendOverEnv)
     flag("forwarded-allow-ips", str, None, "proxies (comma-separated addresses or "
          "networks, * for any) whose X-Forwarded-For and X-Forwarded-Proto are believed: "
          "the access log then names the client behind the proxy (default: believe none)")
@@ -366,6 +370,7 @@ def settings_from(args: argparse.Namespace) -> ServerSettings:
         request_timeout_s=args.request_timeout_s, max_loaded_models=args.max_loaded_models,
         memory_budget_mb=args.memory_budget_mb, api_key=args.api_key,
         cors_origins=_list(args.cors_allow_origin, ","),
+        allowed_hosts=_list(args.allowed_host, ","),
         forwarded_allow_ips=args.forwarded_allow_ips, token_ids=args.token_ids,
         log_level=args.log_level.lower(), log_format=args.log_format.lower(),
         ray=ray_settings_from(args) if args.ray else None,

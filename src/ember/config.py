@@ -904,6 +904,21 @@ def browser_origin(origin: str) -> str:
     return f"{parts.scheme.lower()}://{host}{kept}"
 
 
+# A Host header's name (a DNS name, an IPv4 address, or an IPv6 one in brackets).
+HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]")
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address reaches this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     """Everything `ember serve` is configured with (flags and EMBER_* variables)."""
@@ -933,6 +948,7 @@ class ServerSettings:
     memory_budget_mb: int | None = None
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call (CORS); "*": any
+    allowed_hosts: tuple[str, ...] = ()  # Host header names answered; (): `answered_hosts`
     forwarded_allow_ips: str | None = None  # proxies whose X-Forwarded-For is believed
     token_ids: str = "refuse"  # refuse | model: how /v1/embeddings reads token-id input
     log_level: str = "info"
@@ -983,6 +999,11 @@ class ServerSettings:
             if sent != origin:  # it could never match: say what a browser sends
                 raise ValueError(f"--cors-allow-origin {origin!r} is never what a browser "
                                  f"sends; give {sent!r}")
+        for name in self.allowed_hosts:
+            if name != "*" and not HOST_NAME.fullmatch(name):
+                raise ValueError(f"--allowed-host {name!r} is not a host name: give it as a "
+                                 "Host header names it, without a scheme, port or path "
+                                 "(api.example.com, 10.0.0.5, [::1]), or * for any")
         kept = dict.fromkeys((self.default_model, *self.preload))
         if len(kept) > self.max_loaded_models:  # the first preloads would be evicted at once
             raise ValueError(f"--preload and the default model name {len(kept)} models, and "
@@ -993,3 +1014,16 @@ class ServerSettings:
             if threads is not None and threads < 1:
                 raise ValueError(f"{flag} must be 1 or more (leave it out for the default), "
                                  f"got {threads}")
+
+    @property
+    def answered_hosts(self) -> frozenset[str] | None:
+        """The names a request's Host header may give (None: any). Without --allowed-host,
+        a server bound to loopback answers to loopback names only: a web page that points
+        its own DNS name at 127.0.0.1 (DNS rebinding) is then refused, not served."""
+        if self.allowed_hosts:
+            return None if "*" in self.allowed_hosts else frozenset(
+                name.lower() for name in self.allowed_hosts)
+        if not is_loopback(self.host):
+            return None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return LOOPBACK_NAMES | {host.lower()}

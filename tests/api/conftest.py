@@ -179,7 +179,7 @@ async def serving(settings: ServerSettings, *, wait: bool = True,
             for name in dict.fromkeys([settings.default_model, *settings.preload]):
                 await registry.get(name)
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://ember",
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost",
                                      headers=headers, timeout=60) as client:
             yield Served(app, registry, client, settings)
 

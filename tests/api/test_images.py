@@ -330,7 +330,7 @@ async def test_cohere_sdk_embeds_images(app: Served, clip_dir: tuple[Path, Path]
     _, want = reference(clip_dir[0], ["x"], IMAGES[:1])
     transport = httpx.ASGITransport(app=app.app)
     async with httpx.AsyncClient(transport=transport, timeout=60) as http:
-        client = cohere.AsyncClientV2(api_key="unused", base_url="http://ember",
+        client = cohere.AsyncClientV2(api_key="unused", base_url="http://localhost",
                                       httpx_client=http)
         response = await client.embed(model=CLIP, input_type="image",
                                       embedding_types=["float"],

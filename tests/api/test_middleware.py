@@ -18,6 +18,7 @@ import openai
 import pytest
 import pytest_asyncio
 
+from ember.config import ServerSettings
 from ember.engine import WorkerConfig
 from tests.api.conftest import (
     BUSY,
@@ -253,7 +254,7 @@ async def test_the_right_key_is_served(keyed: Served, header: str) -> None:
 async def test_the_openai_sdk_sends_the_key(keyed: Served) -> None:
     def sdk(key: str) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(
-            base_url="http://ember/v1", api_key=key, max_retries=0,
+            base_url="http://localhost/v1", api_key=key, max_retries=0,
             http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=keyed.app)))
 
     good, bad = sdk("s3cret-key"), sdk("nope")
@@ -447,3 +448,39 @@ async def test_other_origins_get_no_cors_grant(apps: AppFactory) -> None:
                                           headers={"origin": PAGE})
         assert answer.status_code == 200
         assert "access-control-allow-origin" not in answer.headers
+
+
+@pytest.mark.parametrize(("changes", "host", "answered"), [
+    ({}, "evil.example", False),  # a page whose DNS name now points at 127.0.0.1
+    ({}, "evil.example:8080", False),
+    ({}, "localhost:8080", True),
+    ({}, "127.0.0.1", True),
+    ({}, "[::1]:8080", True),
+    ({}, "LOCALHOST", True),
+    ({"host": "0.0.0.0"}, "evil.example", True),  # reached by any name: the operator's call
+    ({"host": "127.0.0.2"}, "127.0.0.2:80", True),
+    ({"allowed_hosts": ("api.example.com",)}, "api.example.com", True),
+    ({"allowed_hosts": ("api.example.com",)}, "localhost", False),
+    ({"allowed_hosts": ("*",)}, "evil.example", True),
+])
+async def test_a_loopback_server_answers_only_to_loopback_names_unless_told(
+        apps: AppFactory, changes: dict[str, Any], host: str, answered: bool) -> None:
+    """Found by an operator's review: the Host header was not looked at, so a web page that
+    rebinds its own DNS name to 127.0.0.1 could drive a server on the user's machine
+    (same-origin to the browser, no preflight, no key by default). The health routes too:
+    a page must not learn what runs there."""
+    async with apps.serve(**changes) as served:
+        for path in ("/v1/models", "/healthz"):
+            response = await served.client.get(path, headers={"host": host})
+            if answered:
+                assert response.status_code == 200, (path, response.text)
+            else:
+                error = assert_error(response, 400, "invalid_request", "Host")
+                assert "--allowed-host" in error["message"] and "localhost" in error["message"]
+
+
+@pytest.mark.parametrize("name", ["http://api.example.com", "api.example.com:8080", "a b",
+                                  "api.example.com/x", ""])
+def test_an_allowed_host_that_is_not_a_host_name_is_refused_at_start(name: str) -> None:
+    with pytest.raises(ValueError, match="--allowed-host"):
+        ServerSettings(allowed_hosts=(name,))

@@ -20,7 +20,7 @@ from tests.api.conftest import MINILM, SYNTH, Served, assert_error, encode_body,
 async def sdk(shared: Served) -> AsyncIterator[openai.AsyncOpenAI]:
     """The real SDK, its HTTP client on the app's ASGI transport."""
     http = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=shared.app))
-    client = openai.AsyncOpenAI(base_url="http://ember/v1", api_key="unused", max_retries=0,
+    client = openai.AsyncOpenAI(base_url="http://localhost/v1", api_key="unused", max_retries=0,
                                 http_client=http)
     yield client
     await client.close()

@@ -98,3 +98,14 @@ def test_a_hub_id_or_a_folder_in_a_config_file_is_served_as_the_flags_serve_it(
     assert settings.default_model == "org/new-encoder"
     assert settings.preload == ("local/my-encoder",)
     assert {str(path) for path in settings.model_paths} == {"org/new-encoder", str(folder)}
+
+
+def test_a_config_file_answers_any_host_unless_its_args_name_them() -> None:
+    """Its proxy's address is the file's http_options, which the settings never see: the
+    loopback-only default of `ember serve` would refuse every request a KubeRay Service
+    sends (Host: ember-serve-svc)."""
+    from ember.cluster.app import settings_from_args
+
+    assert settings_from_args({}).answered_hosts is None
+    named = settings_from_args({"allowed_hosts": ["ember.example.com"]})
+    assert named.answered_hosts == frozenset({"ember.example.com"})

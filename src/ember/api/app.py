@@ -19,6 +19,7 @@ from ember.api.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     DrainMiddleware,
+    HostMiddleware,
     RequestContextMiddleware,
 )
 from ember.api.routing import InferenceDispatcher
@@ -36,7 +37,8 @@ CORS_RESPONSE_HEADERS = ["x-request-id", "x-sie-request-id", "x-queue-time-ms",
 
 class EmberAPI(FastAPI):
     """FastAPI with Ember's layers outside its own middleware stack. A request meets:
-    headers and accounting, CORS (if asked for), the API key, the drain, the body limit;
+    headers and accounting, the Host check, CORS (if asked for), the API key, the drain,
+    the body limit;
     then the inference routes are served at once (`InferenceDispatcher`) and the rest go
     through FastAPI."""
 
@@ -60,7 +62,7 @@ class EmberAPI(FastAPI):
             app = CORSMiddleware(app, allow_origins=list(origins), allow_methods=["GET", "POST"],
                                  allow_headers=["*"],
                                  expose_headers=CORS_RESPONSE_HEADERS, max_age=600)
-        return RequestContextMiddleware(app, lambda: state)
+        return RequestContextMiddleware(HostMiddleware(app, lambda: state), lambda: state)
 
 
 def create_app(settings: ServerSettings, registry: Models) -> EmberAPI:

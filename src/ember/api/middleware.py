@@ -1,6 +1,6 @@
 """Cross-cutting HTTP concerns, one small ASGI middleware each (outermost first):
-request context, API key, draining, body size (`api/app.py` puts Starlette's CORS, when
-asked for, between the first two)."""
+request context, Host, API key, draining, body size (`api/app.py` puts Starlette's CORS,
+when asked for, between the Host and the API key)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ember.api.errors import CLIENT_CLOSED_REQUEST, BodyTooLarge, error_response
+from ember.api.errors import CLIENT_CLOSED_REQUEST, BodyTooLarge, error_response, shown
 from ember.api.state import ServerState
 from ember.logs import REQUEST_ID, access_log, handling
 from ember.metrics import labelled
@@ -164,6 +164,31 @@ class DrainMiddleware(HttpMiddleware):
                               "instance", headers={"Retry-After": "5"})
             return
         await self.app(scope, receive, send)
+
+
+class HostMiddleware(HttpMiddleware):
+    """400 for a Host header this server does not answer to (`answered_hosts`): a page
+    that rebinds its own DNS name to a loopback server sends its own name."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        answered = self.state().settings.answered_hosts
+        sent = _header(scope, b"host")
+        if answered is not None and sent and host_name(sent) not in answered:
+            await self.refuse("invalid_host", scope, receive, send, 400, "invalid_request",
+                              f"the Host header names {shown(sent)!r}, which this server "
+                              f"does not answer to (it answers to {', '.join(sorted(answered))}"
+                              "): start it with --allowed-host for the name clients use",
+                              "Host")
+            return
+        await self.app(scope, receive, send)
+
+
+def host_name(header: str) -> str:
+    """A Host header's name, without its port (`[::1]:8080` -> `[::1]`)."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[:header.find("]") + 1] if "]" in header else header
+    return header.partition(":")[0]
 
 
 class ApiKeyMiddleware(HttpMiddleware):

@@ -130,6 +130,9 @@ def settings_from_args(args: dict[str, Any]) -> ServerSettings:
             values[name] = tuple(Path(p) for p in values[name])
     if "preload" in values:
         values["preload"] = tuple(values["preload"])
+    # The proxy's address is the file's http_options, which these settings never see: any
+    # Host is answered unless `allowed_hosts` says which (docs/scaling.md).
+    values["allowed_hosts"] = tuple(values.get("allowed_hosts") or ("*",))
     if values.get("cache_dir") is not None:
         values["cache_dir"] = Path(values["cache_dir"])
     values["worker"] = WorkerConfig(**values.get("worker", {}))
