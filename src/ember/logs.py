@@ -196,10 +196,12 @@ def _relay(read_end: int, out: IO[str]) -> None:
 
 def access_log(method: str, path: str, route: str, model: str, status: int, items: int,
                queue_ms: float, inference_ms: float, total_ms: float,
-               request_id: str, client: tuple[str, int] | None) -> None:
-    """One line per request at info (warning for a server fault): refusals included.
-    `client` is the ASGI scope's peer (behind a proxy of --forwarded-allow-ips, the one in
-    its X-Forwarded-For), None where the server does not know it."""
+               request_id: str, client: tuple[str, int] | None,
+               error: str | None = None, param: str | None = None) -> None:
+    """One line per request at info (warning for a server fault): refusals included, with
+    their error type and field. `client` is the ASGI scope's peer (behind a proxy of
+    --forwarded-allow-ips, the one in its X-Forwarded-For), None where the server does not
+    know it."""
     level = logging.WARNING if status >= 500 and not (
         status == 503 and path in PROBES) else logging.INFO
     if not access.isEnabledFor(level):
@@ -208,12 +210,16 @@ def access_log(method: str, path: str, route: str, model: str, status: int, item
               "status": status, "items": items, "queue_ms": round(queue_ms, 2),
               "inference_ms": round(inference_ms, 2), "total_ms": round(total_ms, 2),
               "request_id": request_id, "client": peer(client)}
+    refused = ""
+    if error is not None:
+        fields.update(error=error, param=param)
+        refused = f" error={token(error)}" + (f" param={token(param)}" if param else "")
     # The path and model are the client's, percent-decoded: a space must not start a
     # field of the client's making (a newline is the formatter's to escape, as in any line).
     access.log(level, "%s %s %d model=%s items=%d queue_ms=%.1f inference_ms=%.1f "
-               "total_ms=%.1f request_id=%s client=%s", method, token(path), status,
+               "total_ms=%.1f request_id=%s client=%s%s", method, token(path), status,
                token(model or "-"), items, queue_ms, inference_ms, total_ms, request_id,
-               fields["client"], extra={"fields": fields})
+               fields["client"], refused, extra={"fields": fields})
 
 
 def peer(address: tuple[str, int | None] | None) -> str:

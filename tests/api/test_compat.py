@@ -255,6 +255,10 @@ async def test_one_access_line_per_request(shared: Served,
     assert ok["request_id"] == "line-1" and ok["route"] == "/v1/encode/{model:path}"
     assert ok["queue_ms"] >= 0 and ok["inference_ms"] > 0
     assert missing["status"] == 404 and missing["request_id"] == "line-2"
+    # Found by an operator's review: every refusal looked alike in the log.
+    assert missing["error"] == "model_not_found" and missing["param"] == "model"
+    assert lines[1].getMessage().endswith(" error=model_not_found param=model")
+    assert "error" not in ok
     assert "POST /v1/encode/" in lines[0].getMessage() and "line-1" in lines[0].getMessage()
     # Which client sent it: httpx's ASGI transport calls itself 127.0.0.1:123.
     assert ok["client"] == "127.0.0.1:123"

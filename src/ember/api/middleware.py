@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api.errors import CLIENT_CLOSED_REQUEST, BodyTooLarge, error_response, shown
@@ -82,6 +83,8 @@ class RequestContextMiddleware(HttpMiddleware):
                 if server.draining:
                     headers.append((b"connection", b"close"))
                 message = {**message, "headers": headers}
+            elif status is not None and status >= 400 and "error" not in state:
+                state["error"] = refusal(message.get("body", b""))  # for the access log
             await send(message)
 
         server.enter()
@@ -110,7 +113,21 @@ class RequestContextMiddleware(HttpMiddleware):
         queue_ms, inference_ms = state.get("timing", (0.0, 0.0))
         access_log(scope["method"], scope["path"], route, model, status,
                    state.get("items", 0), queue_ms, inference_ms, seconds * 1e3,
-                   state["request_id"], scope.get("client"))
+                   state["request_id"], scope.get("client"), *state.get("error", ()))
+
+
+def refusal(body: bytes) -> tuple[str | None, str | None]:
+    """An error body's type and field (`{"error": {"type", "param"}}`), or Nones for a
+    body of another shape."""
+    try:
+        error = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None, None
+    if not isinstance(error, dict):
+        return None, None
+    kind, param = error.get("type"), error.get("param")
+    return (kind if isinstance(kind, str) else None,
+            param if isinstance(param, str) else None)
 
 
 # A client's request id is echoed in two headers and every log line of its request.
