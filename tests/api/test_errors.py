@@ -418,6 +418,22 @@ async def test_the_timeout_covers_a_requests_wait_for_its_models_load(
         assert ok.status_code == 200, ok.text
 
 
+async def test_a_wait_for_the_models_load_counts_as_queue_time(apps: AppFactory) -> None:
+    """Found by an operator's review: a first request that waited 4 s for its model's load
+    said X-Queue-Time-Ms 0.14, so nothing told where its time went."""
+    gate = threading.Event()
+    async with apps.serve(wait=False, loader=gated_loader(gate)) as served:
+        first = asyncio.ensure_future(
+            served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("a")))
+        await asyncio.sleep(0.3)  # the load is held by the gate meanwhile
+        gate.set()
+        response = await first
+        assert response.status_code == 200, response.text
+        assert float(response.headers["x-queue-time-ms"]) >= 250
+        again = await served.client.post(f"/v1/encode/{SYNTH}", json=encode_body("a"))
+        assert float(again.headers["x-queue-time-ms"]) < 250  # loaded: no such wait
+
+
 async def test_requests_awaiting_a_load_are_refused_at_once_past_the_queues_room(
         apps: AppFactory) -> None:
     """Found by a review: requests that came during a model's load all waited for it, with

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import TypeVar
@@ -234,10 +235,15 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
         if spec is not None and lora is not None:
             check_lora(lora, tuple(spec.loras))
 
+        loading_ms = 0.0  # what the request waited for its model's load, a queue wait too
+
         async def served() -> TaskOutput[T]:
+            nonlocal loading_ms
+            began = time.perf_counter()
             if task is not None and state.registry.ready(model_name) is None:
                 await get_within_room(state.registry, model_name, queued, state.load_waiters)
             async with state.registry.use(model_name) as model:
+                loading_ms = (time.perf_counter() - began) * 1e3
                 if spec is None and fits is not None:  # a Hub model a request brought
                     fits(model.spec)
                 if task is not None:  # (a task of none runs no forward: no queue to fill)
@@ -247,7 +253,7 @@ async def run_task(request: Request, model_name: str, task: str | None, call: Ta
         # The timeout and the client's leaving cover a load the request waits for too (it
         # goes on for the next requests: the registry shields it from its waiters).
         output = await until_disconnect(request, served(), state.settings.request_timeout_s)
-        request.state.timing = (output.queue_ms, output.inference_ms)
+        request.state.timing = (output.queue_ms + loading_ms, output.inference_ms)
         labelled(state.metrics.input_tokens, request.state.route, model_name).observe(
             output.tokens)
         return output
