@@ -163,7 +163,8 @@ def as_api_error(exc: Exception) -> ApiError:
         return exc
     if isinstance(exc, ClientGone):
         return ApiError(CLIENT_CLOSED_REQUEST, "client_closed_request",
-                        "the client disconnected; its queued work was dropped")
+                        "the client disconnected; what of its work was still queued was "
+                        "dropped")
     if isinstance(exc, ClientDisconnect):  # before its body was whole: nothing ran
         return ApiError(CLIENT_CLOSED_REQUEST, "client_closed_request",
                         "the client disconnected before its request body was read")
@@ -197,8 +198,8 @@ def as_api_error(exc: Exception) -> ApiError:
     if isinstance(exc, TimeoutError):  # here, or in the engine process
         of = f" of {exc.seconds:g} s" if isinstance(exc, RequestTimeout) else ""
         return ApiError(504, "timeout", f"the request did not finish within the server's "
-                        f"request timeout{of} (--request-timeout-s); its queued work was "
-                        "dropped")
+                        f"request timeout{of} (--request-timeout-s); what of it was still "
+                        "queued was dropped")
     # A fault from the engine process is already named by its original type.
     what = str(exc) if isinstance(exc, RemoteFault) else f"{type(exc).__name__}: {exc}"
     log.error("inference failed: %s", what)
