@@ -526,3 +526,25 @@ def test_a_model_dir_may_start_with_a_tilde(tmp_path: Path,
     (tmp_path / "file").write_text("")
     with pytest.raises(CatalogError, match="is a file"):
         load_catalog([tmp_path / "file"])
+
+
+def test_the_starts_read_says_what_each_folder_gave_and_replaced(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Found by an operator's review: a YAML that replaced a catalog entry, or a file the
+    read skipped for its name's case, went without a word."""
+    (tmp_path / "mine.yaml").write_text("name: sentence-transformers/all-MiniLM-L6-v2\n"
+                                        "adapter: synthetic\ntasks: [encode]\n")
+    (tmp_path / "other.YAML").write_text("name: me/x\nadapter: synthetic\ntasks: [encode]\n")
+    with caplog.at_level("INFO", logger="ember.config"):
+        catalog = load_catalog([tmp_path], check_paths=True)
+    said = [record.getMessage() for record in caplog.records]
+    assert catalog["sentence-transformers/all-MiniLM-L6-v2"].adapter == "synthetic"
+    assert any(line.startswith(f"{tmp_path / 'mine.yaml'} replaces the model "
+                               "sentence-transformers/all-MiniLM-L6-v2 of ")
+               for line in said), said
+    assert f"model directory {tmp_path}: 1 model file" in said
+    assert f"{tmp_path / 'other.YAML'} is not read: model files end in .yaml or .yml" in said
+    assert "me/x" not in catalog
+    caplog.clear()
+    load_catalog([tmp_path])  # every later read (each process's) says nothing
+    assert not caplog.records

@@ -527,17 +527,24 @@ def load_catalog(extra_dirs: Iterable[Path] = (), model_paths: Iterable[Path | s
     catalog has keeps its curated settings; another is read from its files, which this
     downloads when they are not in the cache."""
     catalog: dict[str, ModelSpec] = {}
+    read_from: dict[str, Path] = {}
     for folder in (BUILTIN_CATALOG, *(Path(d).expanduser() for d in extra_dirs)):
         if not folder.is_dir():
             raise CatalogError(f"model directory {folder} "
                                f"{'is a file' if folder.exists() else 'does not exist'}")
         from_here: dict[str, Path] = {}  # a later folder may replace a model; one folder not
-        for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
+        paths = sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])
+        for path in paths:
             spec = load_spec_file(path, check_paths)
             if (first := from_here.setdefault(spec.name, path)) != path:
                 raise CatalogError(f"{first} and {path} both name the model {spec.name!r}; "
                                    "keep one")
-            catalog[spec.name] = spec
+            if check_paths and spec.name in read_from:  # said once, at the start's read
+                log.info("%s replaces the model %s of %s", path, spec.name,
+                         read_from[spec.name])
+            catalog[spec.name], read_from[spec.name] = spec, path
+        if check_paths and folder != BUILTIN_CATALOG:
+            say_what_was_read(folder, paths)
     model_paths = list(model_paths)
     named_by: dict[str, Path | str] = {}  # a catalog name -> the --model that gave it
     for named in model_paths:  # the Hub ids first, before anything downloads
@@ -549,6 +556,17 @@ def load_catalog(extra_dirs: Iterable[Path] = (), model_paths: Iterable[Path | s
         _named_once(spec.name, named, named_by)
         catalog[spec.name] = spec
     return catalog
+
+
+def say_what_was_read(folder: Path, paths: list[Path]) -> None:
+    """A line for a --model-dir's files, and a warning for a file it skips by its name's
+    case (`*.YAML`: the names are matched exactly)."""
+    log.info("model directory %s: %d model file%s", folder, len(paths),
+             "" if len(paths) == 1 else "s")
+    for skipped in sorted(set(folder.glob("*.[yY][aA][mM][lL]"))
+                          | set(folder.glob("*.[yY][mM][lL]"))):
+        if skipped not in paths:
+            log.warning("%s is not read: model files end in .yaml or .yml", skipped)
 
 
 def _named_once(name: str, named: Path | str, named_by: dict[str, Path | str]) -> None:
