@@ -13,7 +13,7 @@ from collections import Counter as Tally
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -129,6 +129,9 @@ class Metrics:
         self.multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
         if not self.multiprocess:
             self.registry.register(self._live())
+            # The process's memory, CPU and open files (one process: the server's own;
+            # with several, one API process's figures would pass for the server's).
+            ProcessCollector(registry=self.registry)
         reg = self.registry
         self.requests = Counter("ember_requests", "HTTP requests by route, model and status, "
                                 "refusals included", ["route", "model", "status"],

@@ -310,7 +310,11 @@ def test_metric_names_are_prometheus_safe() -> None:
     text = Metrics().registry
     names = [m.name for m in text.collect()]
     assert all(re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", n) for n in names)
-    assert all(n.startswith("ember_") for n in names)
+    # Ember's own, and the process's standard ones (found by an operator's review: an
+    # operator had to read memory and open files from /proc).
+    assert all(n.startswith(("ember_", "process_")) for n in names)
+    assert {"process_resident_memory_bytes", "process_open_fds",
+            "process_cpu_seconds"} <= set(names)
 
 
 async def test_models_say_whether_a_hub_models_files_are_here(
