@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextvars import ContextVar, Token
 from typing import IO, Any
 
@@ -50,6 +52,12 @@ def request_id_now() -> str | None:
     except RuntimeError:  # a thread without a loop
         return None
     return value[1] if task is value[0] else None
+
+
+def outside_requests(write: Callable[..., None], *args: object) -> None:
+    """A line about the process, never a request's: a signal's handler runs inside
+    whichever request's task the signal met, and would name that request."""
+    contextvars.Context().run(write, *args)
 
 
 class RequestIdFilter(logging.Filter):

@@ -26,6 +26,7 @@ from ember.ipc.lifeline import (
     repeated_hangup,
     takes_hangup,
 )
+from ember.logs import outside_requests
 
 log = logging.getLogger("ember")
 
@@ -200,12 +201,15 @@ class DrainingServer(uvicorn.Server):
         if repeated_hangup(sig, self.state.draining):
             return
         if self.state.draining:
-            log.warning("second signal: exiting now")
+            outside_requests(log.warning, "second signal: exiting now, %d request%s "
+                             "unanswered", self.state.in_flight,
+                             "" if self.state.in_flight == 1 else "s")
             os._exit(1)
         self.state.begin_drain()
         why = "the supervisor's order" if self.managed else signal.Signals(sig).name
         count = self.state.in_flight
-        log.info("%s: draining, %d request%s in flight", why, count, "" if count == 1 else "s")
+        outside_requests(log.info, "%s: draining, %d request%s in flight", why, count,
+                         "" if count == 1 else "s")
         if self._loop is None:
             self.should_exit = True
         else:
