@@ -459,6 +459,9 @@ def test_each_familys_options_are_its_own(tmp_path: Path, adapter: str, task: st
     ("transformer", "encode", "dims: 0", "options.dims must be a whole number >= 1"),
     ("transformer", "encode", "embeddings_side: querry", "options.embeddings_side must be "
                                                          "one of query, document"),
+    ("transformer", "encode", "embeddings_side: Query", "options.embeddings_side must be "
+                                                        "one of query, document"),
+    ("sparse", "encode", "threshold: .inf", "options.threshold must be a number >= 0"),
     ("gliner", "extract", 'flat_ner: "false"', "options.flat_ner must be true or false"),
     ("gliner", "extract", "multi_label: 1", "options.multi_label must be true or false"),
     ("gliner", "extract", "labels: person", "options.labels must be a list of texts"),
@@ -487,7 +490,7 @@ def test_an_options_value_the_family_cannot_read_stops_the_start(
 
 def test_options_of_the_right_kinds_load(tmp_path: Path) -> None:
     for adapter, task, options in [
-            ("transformer", "encode", "{dims: 384, embeddings_side: Query}"),
+            ("transformer", "encode", "{dims: 384, embeddings_side: query}"),
             ("gliner", "extract", "{labels: [person, place], flat_ner: false, threshold: 1}"),
             ("sparse", "encode", "{top_k: 5, threshold: 0.5}"),
             ("cross_encoder", "score", "{activation: Sigmoid}")]:

@@ -68,7 +68,8 @@ def _whole_at_least_1(value: object) -> str | None:
 
 def _number_in(low: float, high: float = math.inf) -> OptionCheck:
     def check(value: object) -> str | None:
-        fits = type(value) in (int, float) and low <= value <= high  # type: ignore[operator]
+        fits = (type(value) in (int, float) and math.isfinite(value)  # type: ignore[arg-type]
+                and low <= value <= high)  # type: ignore[operator]
         return None if fits else (f"must be a number from {low:g} to {high:g}"
                                   if high < math.inf else f"must be a number >= {low:g}")
     return check
@@ -82,10 +83,10 @@ def _text(value: object) -> str | None:
     return None if isinstance(value, str) and value.strip() else "must be a non-empty text"
 
 
-def _one_of(*choices: str) -> OptionCheck:
+def _one_of(*choices: str, any_case: bool = False) -> OptionCheck:
     def check(value: object) -> str | None:
-        return None if isinstance(value, str) and value.lower() in choices else \
-            f"must be one of {', '.join(choices)}"
+        read = value.lower() if any_case and isinstance(value, str) else value
+        return None if read in choices else f"must be one of {', '.join(choices)}"
     return check
 
 
@@ -99,7 +100,7 @@ OPTION_CHECKS: dict[str, dict[str, OptionCheck]] = {
     family: {"dims": _whole_at_least_1, "embeddings_side": _one_of("query", "document"),
              "top_k": _whole_at_least_1, "threshold": _number_in(0.0),
              "projection": _text, "projection_key": _text,
-             "activation": _one_of(*CROSS_ENCODER_ACTIVATIONS),
+             "activation": _one_of(*CROSS_ENCODER_ACTIVATIONS, any_case=True),
              "labels": _texts, "flat_ner": _true_or_false, "multi_label": _true_or_false,
              "ner_only": _true_or_false, "overhead_ms": _number_in(0.0),
              "per_token_us": _number_in(0.0), "load_ms": _number_in(0.0),

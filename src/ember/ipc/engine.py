@@ -188,7 +188,8 @@ class EngineServer(RegistryCalls):
                 self._reply(peer, (call_id, None, error))
 
     def _handle(self, peer: bytes, message: dict[str, Any]) -> None:
-        if peer in self._forgotten:
+        forgotten = self._forgotten.get(peer)
+        if forgotten is not None and time.monotonic() - forgotten < FORGOTTEN_FOR_S:
             return  # sent before its process died, read after: nobody waits for it
         op = message["op"]
         if op == "ping":
