@@ -568,12 +568,14 @@ def test_an_engine_killed_after_it_loaded_and_served_is_replaced_every_time(
     if failed_preload:
         catalog = tmp_path / "catalog"
         catalog.mkdir()
+        # A Hub model missing from an offline cache: its load fails at once.
         (catalog / "unloadable.yaml").write_text(yaml.safe_dump({
-            "name": UNLOADABLE, "adapter": "synthetic", "tasks": ["encode"],
-            "description": "synthetic TEST model that fails to load (not a real model)",
-            "options": {"dims": "not a number"}}))
+            "name": UNLOADABLE, "adapter": "transformer", "tasks": ["encode"],
+            "description": "TEST model that fails to load (not a real model)",
+            "source": {"hub": "someone/not-in-this-cache"}}))
         args += ["--model-dir", str(catalog), "--preload", UNLOADABLE]
-    server = start_server(tmp_path / "server.log", args)
+    server = start_server(tmp_path / "server.log", args, env={
+        "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")})
     try:
         [engine] = children_titled(server, "ember: engine")
         kills = 3  # the old guard stopped the server at the 3rd

@@ -258,7 +258,7 @@ def test_a_client_that_leaves_mid_upload_is_a_499_not_a_server_fault(
     before = (metric(live_server, gone), metric(live_server, fault),
               metric(live_server, reason))
     with socket.create_connection(("127.0.0.1", live_server.port)) as raw:
-        raw.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        raw.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                     "Content-Length: 100\r\nX-Request-Id: left-mid-upload\r\n\r\n"
                     '{"items": ['.encode())
         time.sleep(0.2)
@@ -443,7 +443,7 @@ options: {{dims: 4096}}
         client = socket.socket()
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # it reads no more
         client.connect(("127.0.0.1", server.port))
-        client.sendall(f"POST /v1/encode/{WIDE} HTTP/1.1\r\nHost: ember\r\n"
+        client.sendall(f"POST /v1/encode/{WIDE} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                        f"Content-Type: application/json\r\nContent-Length: {len(body)}"
                        "\r\n\r\n".encode() + body)
         assert client.recv(12) == b"HTTP/1.1 200"  # its answer (~25 MB) has begun
@@ -513,7 +513,7 @@ def test_a_stop_signal_as_the_port_opens_drains_and_answers_what_was_sent(
                 assert time.monotonic() < deadline and process.poll() is None
                 time.sleep(0.005)
         body = json.dumps(encode_body("sent as the port opened")).encode()
-        client.sendall(f"POST /v1/encode/{SYNTH} HTTP/1.1\r\nHost: ember\r\n"
+        client.sendall(f"POST /v1/encode/{SYNTH} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                        f"Content-Type: application/json\r\nContent-Length: {len(body)}"
                        "\r\n\r\n".encode() + body)
         process.send_signal(stop)
