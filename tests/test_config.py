@@ -176,7 +176,7 @@ ALIAS_BOMB = "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n"
 
 
 @pytest.mark.parametrize("make", ["latin-1", "broken link", "a folder", "too large",
-                                  "alias bomb", "deep", "fifo", "device"])
+                                  "alias bomb", "deep", "fifo", "device", "huge number"])
 def test_a_catalog_file_that_cannot_be_read_is_one_line(tmp_path: Path, make: str) -> None:
     """Found by a review of the start: these were tracebacks, not one line and exit 2.
     Found by an operator's review: a kilobyte of nested aliases grew to gigabytes when its
@@ -188,6 +188,9 @@ def test_a_catalog_file_that_cannot_be_read_is_one_line(tmp_path: Path, make: st
                        + "name: x\nadapter: synthetic\ntasks: *j\n")
     elif make == "deep":
         bad.write_text("name: x\nadapter: synthetic\ntasks: " + "[" * 5000 + "]" * 5000)
+    elif make == "huge number":
+        bad.write_text("name: x\nadapter: sparse\ntasks: [encode]\nsource: {hub: o/m}\n"
+                       "options: {top_k: 1" + "0" * 5000 + "}\n")
     elif make == "fifo":
         os.mkfifo(bad)
     elif make == "device":
@@ -208,7 +211,8 @@ def test_a_catalog_file_that_cannot_be_read_is_one_line(tmp_path: Path, make: st
     assert {"latin-1": "not UTF-8", "broken link": "not a regular file",
             "a folder": "not a regular file", "too large": "over the 1,048,576 bytes",
             "alias bomb": "an alias (*name)", "deep": "nested too deeply",
-            "fifo": "not a regular file", "device": "not a regular file"}[make] in said
+            "fifo": "not a regular file", "device": "not a regular file",
+            "huge number": "not valid YAML (Exceeds the limit"}[make] in said
 
 
 def test_a_path_gone_since_the_start_fails_its_model_not_the_catalog(tmp_path: Path) -> None:
@@ -474,6 +478,8 @@ def test_each_familys_options_are_its_own(tmp_path: Path, adapter: str, task: st
     ("multivector", "encode", "projection: ''", "options.projection must be a non-empty text"),
     ("synthetic", "encode", "overhead_ms: fast", "options.overhead_ms must be a number >= 0"),
     ("synthetic", "encode", "dims: {a: [1, 2]}", "got an object"),
+    # Found by a review of the checks: past float's range the check itself raised.
+    ("sparse", "encode", "threshold: 1" + "0" * 400, "options.threshold must be a number"),
 ])
 def test_an_options_value_the_family_cannot_read_stops_the_start(
         tmp_path: Path, adapter: str, task: str, option: str, says: str) -> None:
@@ -491,6 +497,8 @@ def test_an_options_value_the_family_cannot_read_stops_the_start(
 def test_options_of_the_right_kinds_load(tmp_path: Path) -> None:
     for adapter, task, options in [
             ("transformer", "encode", "{dims: 384, embeddings_side: query}"),
+            ("transformer", "encode", "{dims: null, embeddings_side: passage}"),
+            ("sparse", "encode", "{top_k: null}"),
             ("gliner", "extract", "{labels: [person, place], flat_ner: false, threshold: 1}"),
             ("sparse", "encode", "{top_k: 5, threshold: 0.5}"),
             ("cross_encoder", "score", "{activation: Sigmoid}")]:

@@ -10,6 +10,7 @@ import re
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, cast
 from urllib.parse import urlsplit
@@ -68,7 +69,7 @@ def _whole_at_least_1(value: object) -> str | None:
 
 def _number_in(low: float, high: float = math.inf) -> OptionCheck:
     def check(value: object) -> str | None:
-        fits = (type(value) in (int, float) and math.isfinite(value)  # type: ignore[arg-type]
+        fits = (type(value) in (int, float) and _finite(value)  # type: ignore[arg-type]
                 and low <= value <= high)  # type: ignore[operator]
         return None if fits else (f"must be a number from {low:g} to {high:g}"
                                   if high < math.inf else f"must be a number >= {low:g}")
@@ -97,7 +98,7 @@ def _texts(value: object) -> str | None:
 
 CROSS_ENCODER_ACTIVATIONS: tuple[Literal["sigmoid", "none"], ...] = ("sigmoid", "none")
 OPTION_CHECKS: dict[str, dict[str, OptionCheck]] = {
-    family: {"dims": _whole_at_least_1, "embeddings_side": _one_of("query", "document"),
+    family: {"dims": _whole_at_least_1, "embeddings_side": _one_of(*PROMPT_NAMES),
              "top_k": _whole_at_least_1, "threshold": _number_in(0.0),
              "projection": _text, "projection_key": _text,
              "activation": _one_of(*CROSS_ENCODER_ACTIVATIONS, any_case=True),
@@ -383,7 +384,8 @@ def _check_switches_and_tables(data: Mapping[str, Any], adapter: str, where: str
     _refuse_unknown(data.get("options") or {}, FAMILY_OPTIONS[adapter], where, "options.")
     for name, value in (data.get("options") or {}).items():
         check = OPTION_CHECKS[adapter].get(name)
-        if check is not None and (problem := check(value)) is not None:
+        # None: the family's default (no pruning for top_k, the model's own dims).
+        if check is not None and value is not None and (problem := check(value)) is not None:
             raise CatalogError(f"{where}: options.{name} {problem}, got {described(value)}")
     if adapter == "m3" and "score_weights" in (data.get("options") or {}):
         try:
@@ -434,6 +436,10 @@ def load_spec_file(path: Path, check_paths: bool = False) -> ModelSpec:
         raise CatalogError(f"{path}: not valid YAML (nested too deeply)") from None
     except UnicodeDecodeError:
         raise CatalogError(f"{path}: not UTF-8 text; save it as UTF-8") from None
+    except CatalogError:
+        raise
+    except ValueError as exc:  # an integer of over 4,300 digits (Python's guard)
+        raise CatalogError(f"{path}: not valid YAML ({exc})") from None
     except OSError as exc:  # a broken link, a folder named *.yaml, no permission
         raise CatalogError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     spec = parse_spec(data, str(path), path.parent)
@@ -924,7 +930,7 @@ def browser_origin(origin: str) -> str:
 
 
 # A Host header's name (a DNS name, an IPv4 address, or an IPv6 one in brackets).
-HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]")
+HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?|\[[0-9A-Fa-f:.]+\]")
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 
 
@@ -1034,15 +1040,14 @@ class ServerSettings:
                 raise ValueError(f"{flag} must be 1 or more (leave it out for the default), "
                                  f"got {threads}")
 
-    @property
+    @cached_property
     def answered_hosts(self) -> frozenset[str] | None:
-        """The names a request's Host header may give (None: any). Without --allowed-host,
-        a server bound to loopback answers to loopback names only: a web page that points
-        its own DNS name at 127.0.0.1 (DNS rebinding) is then refused, not served."""
-        if self.allowed_hosts:
-            return None if "*" in self.allowed_hosts else frozenset(
-                name.lower() for name in self.allowed_hosts)
-        if not is_loopback(self.host):
+        """The names a request's Host header may give (None: any). Bound to loopback, or
+        given --allowed-host, the server answers to the loopback names, its bind address
+        and the names given: a web page that points its own DNS name at 127.0.0.1 (DNS
+        rebinding) is then refused, not served, while a local health check still is."""
+        if "*" in self.allowed_hosts or not (self.allowed_hosts or is_loopback(self.host)):
             return None
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return LOOPBACK_NAMES | {host.lower()}
+        bind = f"[{self.host}]" if ":" in self.host else self.host
+        return LOOPBACK_NAMES | {name.lower().rstrip(".")
+                                 for name in (bind, *self.allowed_hosts)}

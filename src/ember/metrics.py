@@ -121,7 +121,10 @@ class Metrics:
     PROMETHEUS_MULTIPROC_DIR set before the import), each process writes its own figures
     and a scrape adds them up; the queue depths come live from the engine."""
 
-    def __init__(self) -> None:
+    def __init__(self, process: bool = False) -> None:
+        """`process`: the standard process_* series too (memory, CPU, open files), where
+        this process is the whole server (not an API process or a Ray ingress replica,
+        whose own figures would pass for the server's)."""
         self.registry = CollectorRegistry()
         self.pending: PendingSource = dict
         self.running: PendingSource = dict
@@ -129,8 +132,7 @@ class Metrics:
         self.multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
         if not self.multiprocess:
             self.registry.register(self._live())
-            # The process's memory, CPU and open files (one process: the server's own;
-            # with several, one API process's figures would pass for the server's).
+        if process and not self.multiprocess:
             ProcessCollector(registry=self.registry)
         reg = self.registry
         self.requests = Counter("ember_requests", "HTTP requests by route, model and status, "

@@ -307,7 +307,7 @@ async def test_metrics_count_evictions(apps: AppFactory) -> None:
 def test_metric_names_are_prometheus_safe() -> None:
     from ember.metrics import Metrics
 
-    text = Metrics().registry
+    text = Metrics(process=True).registry
     names = [m.name for m in text.collect()]
     assert all(re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", n) for n in names)
     # Ember's own, and the process's standard ones (found by an operator's review: an
@@ -315,6 +315,8 @@ def test_metric_names_are_prometheus_safe() -> None:
     assert all(n.startswith(("ember_", "process_")) for n in names)
     assert {"process_resident_memory_bytes", "process_open_fds",
             "process_cpu_seconds"} <= set(names)
+    # An API process or a Ray ingress replica is not the server: its own would mislead.
+    assert not [m.name for m in Metrics().registry.collect() if m.name.startswith("process_")]
 
 
 async def test_models_say_whether_a_hub_models_files_are_here(

@@ -107,5 +107,6 @@ def test_a_config_file_answers_any_host_unless_its_args_name_them() -> None:
     from ember.cluster.app import settings_from_args
 
     assert settings_from_args({}).answered_hosts is None
-    named = settings_from_args({"allowed_hosts": ["ember.example.com"]})
-    assert named.answered_hosts == frozenset({"ember.example.com"})
+    for given in (["ember.example.com"], "ember.example.com"):  # a list, or one name
+        named = settings_from_args({"allowed_hosts": given}).answered_hosts
+        assert named is not None and "ember.example.com" in named and "e" not in named

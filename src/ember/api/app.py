@@ -69,7 +69,7 @@ def create_app(settings: ServerSettings, registry: Models) -> EmberAPI:
     """An app serving `registry` (a local `Registry`, or the engine process's models in an
     API process of several); the default model and the preload list load at startup in
     the background, so /healthz answers while they load and /readyz says when done."""
-    metrics = Metrics()
+    metrics = Metrics(process=isinstance(registry, Registry))  # the whole server is here
     state = ServerState(settings, registry, metrics)
     if isinstance(registry, Registry):
         metrics.attach(registry)

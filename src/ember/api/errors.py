@@ -104,7 +104,8 @@ class ErrorBody(BaseModel):
 # The refusals an inference route may answer, for the OpenAPI schema (docs/architecture.md).
 INFERENCE_ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorBody, "description": why} for status, why in (
-        (400, "an input over the model's token limit with truncation off"),
+        (400, "an input over the model's token limit with truncation off, or a Host "
+              "header the server does not answer to (--allowed-host)"),
         (401, "a missing or wrong API key (a server started with --api-key)"),
         (404, "an unknown model, or a Hub model this server may not download"),
         (408, "a body that stopped coming"),

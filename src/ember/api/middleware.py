@@ -191,11 +191,11 @@ class HostMiddleware(HttpMiddleware):
         answered = self.state().settings.answered_hosts
         sent = _header(scope, b"host")
         if answered is not None and sent and host_name(sent) not in answered:
+            # Which names it answers to is not said: after a rebinding the page reads this.
             await self.refuse("invalid_host", scope, receive, send, 400, "invalid_request",
                               f"the Host header names {shown(sent)!r}, which this server "
-                              f"does not answer to (it answers to {', '.join(sorted(answered))}"
-                              "): start it with --allowed-host for the name clients use",
-                              "Host")
+                              "does not answer to: start it with --allowed-host for the name "
+                              "clients use", "Host")
             return
         await self.app(scope, receive, send)
 
@@ -205,7 +205,7 @@ def host_name(header: str) -> str:
     header = header.strip().lower()
     if header.startswith("["):
         return header[:header.find("]") + 1] if "]" in header else header
-    return header.partition(":")[0]
+    return header.partition(":")[0].rstrip(".")  # `localhost.` is `localhost`
 
 
 class ApiKeyMiddleware(HttpMiddleware):

@@ -132,7 +132,8 @@ def settings_from_args(args: dict[str, Any]) -> ServerSettings:
         values["preload"] = tuple(values["preload"])
     # The proxy's address is the file's http_options, which these settings never see: any
     # Host is answered unless `allowed_hosts` says which (docs/scaling.md).
-    values["allowed_hosts"] = tuple(values.get("allowed_hosts") or ("*",))
+    hosts = values.get("allowed_hosts") or ["*"]
+    values["allowed_hosts"] = (hosts,) if isinstance(hosts, str) else tuple(hosts)
     if values.get("cache_dir") is not None:
         values["cache_dir"] = Path(values["cache_dir"])
     values["worker"] = WorkerConfig(**values.get("worker", {}))

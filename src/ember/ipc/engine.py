@@ -170,7 +170,11 @@ class EngineServer(RegistryCalls):
                 log.error("bad message from %r: %s: %s", frames[0][:64],
                           type(exc).__name__, exc)
                 if isinstance(message, dict):
-                    self._refuse(frames[0], message, exc)
+                    try:  # the only reader: what goes wrong answering must not end it
+                        self._refuse(frames[0], message, exc)
+                    except Exception as failure:
+                        log.error("could not answer the bad message: %s: %s",
+                                  type(failure).__name__, failure)
 
     def _refuse(self, peer: bytes, message: dict[str, Any], exc: Exception) -> None:
         """An error to each call a refused message carried that can be read (none of them
