@@ -113,6 +113,9 @@ HUB = "source: {hub: org/tiny}\n"
     (f"{HUB}description: [[x, x], [x, x]]\n", "description must be text, got an array"),
     # Aliases are refused whole since an operator's review (a kilobyte of them is gigabytes).
     (f"{HUB}description: [&a [x, x], [*a, *a]]\n", "an alias (*name): write the value out"),
+    # Found by a review: a key given twice took its last value without a word.
+    (f"{HUB}options: {{dims: 8}}\noptions: {{dims: 9}}\n",
+     "the key 'options' appears twice at line 6, column 1"),
     (f"{HUB}batching: {{max_batch_wait_ms: .nan}}\n",
      "batching.max_batch_wait_ms must be a number >= 0, got nan"),
     (f"{HUB}batching: {{forward_fills_cores: true}}\n",
@@ -125,11 +128,11 @@ HUB = "source: {hub: org/tiny}\n"
         "lora-without-adapter", "onnx-lora", "int8-lora", "torch-int8", "option-typo",
         "other-familys-option", "revision-number", "hub-number", "prompt-number",
         "prompt-typo", "lora-list", "task-of-another-family", "description-array",
-        "description-alias", "batching-nan", "batching-registrys-own"])
+        "description-alias", "twice", "batching-nan", "batching-registrys-own"])
 def test_a_field_that_would_be_ignored_or_fail_every_request_is_refused_at_read(
         tmp_path: Path, body: str, message: str) -> None:
-    (tmp_path / "bad.yaml").write_text(f"name: me/x\nadapter: transformer\ntasks: [encode]\n"
-                                       f"{body}")
+    tasks = "" if body.startswith("tasks:") or "\ntasks:" in body else "tasks: [encode]\n"
+    (tmp_path / "bad.yaml").write_text(f"name: me/x\nadapter: transformer\n{tasks}{body}")
     with pytest.raises(CatalogError) as caught:
         load_catalog([tmp_path], check_paths=True)  # as the server's start reads it
     said = str(caught.value)

@@ -414,6 +414,18 @@ class ModelYamlLoader(yaml.SafeLoader):
                 self.peek_event().start_mark)  # type: ignore[no-untyped-call]
         return super().compose_node(parent, index)
 
+    def construct_mapping(self, node: yaml.MappingNode,
+                          deep: bool = False) -> dict[Any, Any]:
+        # YAML takes a repeated key's last value without a word: `name` twice is a mistake.
+        seen: set[tuple[str, str]] = set()
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.value != "<<":
+                if (key.tag, key.value) in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key.value!r} appears twice", key.start_mark)
+                seen.add((key.tag, key.value))
+        return super().construct_mapping(node, deep)
+
 
 def load_spec_file(path: Path, check_paths: bool = False) -> ModelSpec:
     """One YAML file's entry; with `check_paths` (the server's start), a `source.path`
