@@ -179,7 +179,8 @@ ALIAS_BOMB = "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n"
 
 
 @pytest.mark.parametrize("make", ["latin-1", "broken link", "a folder", "too large",
-                                  "alias bomb", "deep", "fifo", "device", "huge number"])
+                                  "alias bomb", "deep", "fifo", "device", "huge number",
+                                  "python tag"])
 def test_a_catalog_file_that_cannot_be_read_is_one_line(tmp_path: Path, make: str) -> None:
     """Found by a review of the start: these were tracebacks, not one line and exit 2.
     Found by an operator's review: a kilobyte of nested aliases grew to gigabytes when its
@@ -191,6 +192,9 @@ def test_a_catalog_file_that_cannot_be_read_is_one_line(tmp_path: Path, make: st
                        + "name: x\nadapter: synthetic\ntasks: *j\n")
     elif make == "deep":
         bad.write_text("name: x\nadapter: synthetic\ntasks: " + "[" * 5000 + "]" * 5000)
+    elif make == "python tag":  # YAML's way to run code as it loads
+        bad.write_text("name: !!python/object/apply:os.system ['touch "
+                       f"{tmp_path / 'ran'}']\nadapter: synthetic\ntasks: [encode]\n")
     elif make == "huge number":
         bad.write_text("name: x\nadapter: sparse\ntasks: [encode]\nsource: {hub: o/m}\n"
                        "options: {top_k: 1" + "0" * 5000 + "}\n")
@@ -215,7 +219,9 @@ def test_a_catalog_file_that_cannot_be_read_is_one_line(tmp_path: Path, make: st
             "a folder": "not a regular file", "too large": "over the 1,048,576 bytes",
             "alias bomb": "an alias (*name)", "deep": "nested too deeply",
             "fifo": "not a regular file", "device": "not a regular file",
-            "huge number": "not valid YAML (Exceeds the limit"}[make] in said
+            "huge number": "not valid YAML (Exceeds the limit",
+            "python tag": "not valid YAML (could not determine a constructor"}[make] in said
+    assert not (tmp_path / "ran").exists()
 
 
 def test_a_path_gone_since_the_start_fails_its_model_not_the_catalog(tmp_path: Path) -> None:

@@ -630,6 +630,8 @@ SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
     ({"a": SHARDS[0], "b": SHARDS[1]}, True),
     ({"a": SHARDS[0], "b": "model-00003-of-00002.safetensors"}, False),  # cut before it
     ({"a": SHARDS[0], "b": "../outside.safetensors"}, False),  # a name outside the folder
+    ({"a": SHARDS[0], "b": "OUTSIDE"}, False),  # the same, by an absolute path (below)
+    ("oversize", False),  # every shard here, the index over the size a JSON file may have
     ({"a": SHARDS[0], "b": 7}, False),
     ([SHARDS[0]], False),
     ("nested", False),
@@ -654,7 +656,13 @@ def test_a_sharded_snapshot_is_cached_only_with_every_shard_its_index_names(
     for shard in SHARDS:
         (folder / shard).write_bytes(b"weights")
     (tmp_path / "outside.safetensors").write_bytes(b"not this model's")
-    text = "[" * 100_000 if weight_map == "nested" else json.dumps({"weight_map": weight_map})
+    if isinstance(weight_map, dict) and weight_map.get("b") == "OUTSIDE":
+        weight_map = {**weight_map, "b": str(tmp_path / "outside.safetensors")}
+    index: object = {"weight_map": weight_map}
+    if weight_map == "oversize":
+        monkeypatch.setattr("ember.model_files.MAX_MODEL_JSON_BYTES", 200)
+        index = {"weight_map": {"a": SHARDS[0], "b": SHARDS[1]}, "metadata": "x" * 200}
+    text = "[" * 100_000 if weight_map == "nested" else json.dumps(index)
     (folder / "model.safetensors.index.json").write_text(text)
     found = cached(HubRef("someone/sharded"), Wanted())
     assert (found == folder) if complete else found is None

@@ -369,8 +369,8 @@ def _check_switches_and_tables(data: Mapping[str, Any], adapter: str, where: str
     the family's own."""
     for flag in ("normalize", "trust_remote_code", "allow_pickle"):
         # bool("false") is True: a quoted word must not turn a safety switch on.
-        if data.get(flag) is not None and not isinstance(data[flag], bool):
-            raise CatalogError(f"{where}: {flag} must be true or false, got {data[flag]!r}")
+        if data.get(flag) is not None and (problem := _true_or_false(data[flag])):
+            raise CatalogError(f"{where}: {flag} {problem}, got {described(data[flag])}")
     for table in ("options", "prompts"):
         if not isinstance(data.get(table) or {}, Mapping):
             raise CatalogError(f"{where}: {table!r} must be a mapping")

@@ -24,7 +24,7 @@ from ember.adapters.base import (
     TaskOutput,
 )
 from ember.api.codec import render
-from ember.api.errors import ApiError, shown
+from ember.api.errors import ApiError
 from ember.api.images import (
     ImagePart,
     first_images,
@@ -48,7 +48,7 @@ from ember.api.model_task import (
 from ember.api.routing import InferenceRoute
 from ember.api.state import ServedModel
 from ember.config import FAMILY_OPTIONS, ModelSpec
-from ember.errors import InvalidInput
+from ember.errors import InvalidInput, described
 from ember.outputs import PACKED_BITS, quantize, quantize_sparse
 
 router = APIRouter(tags=["native"], route_class=InferenceRoute)
@@ -281,7 +281,7 @@ def score_ids(items: Sequence[Item]) -> list[str]:
     first: dict[str, int] = {}
     for i, name in enumerate(ids):
         if (earlier := first.setdefault(name, i)) != i:
-            raise ApiError(422, "invalid_request", f"items[{i}] has the id {shown(repr(name))} "
+            raise ApiError(422, "invalid_request", f"items[{i}] has the id {described(name)} "
                            f"of items[{earlier}] (an item without an id is named by its "
                            "place): scores are sorted, so each item needs its own id",
                            f"items[{i}].id")
