@@ -64,6 +64,11 @@ class HubStandIn:
         self.slow: dict[str, float] = {}
         # Repositories whose files answer this status (a Hub failing mid-download).
         self.failing: dict[str, int] = {}
+        # Repositories whose main branch moves to this commit once it has been listed
+        # (an owner pushing while a download runs).
+        self.moves: dict[str, str] = {}
+        # Repositories whose listing answers this as its commit (a hostile Hub).
+        self.shas: dict[str, str] = {}
         self._lock = threading.Lock()
         self._etags: dict[Path, str] = {}
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -171,8 +176,10 @@ class HubStandIn:
                 siblings = [{"rfilename": name, "size": (folder / name).stat().st_size}
                             for name in files_of(folder)]
                 siblings += [{"rfilename": name, "size": 10} for name in hub.listed.get(repo, [])]
-                self._json({"id": repo, "modelId": repo, "sha": sha, "private": False,
-                            "siblings": siblings})
+                self._json({"id": repo, "modelId": repo, "sha": hub.shas.get(repo, sha),
+                            "private": False, "siblings": siblings})
+                if repo in hub.moves and revision == "main":
+                    hub.repos[repo].refs["main"] = hub.moves.pop(repo)
 
             def _tree(self, repo: str, revision: str) -> None:
                 found = self._commit(repo, revision)

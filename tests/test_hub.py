@@ -223,6 +223,45 @@ def test_a_revision_pin_is_honoured(standin: HubStandIn, tmp_path: Path) -> None
     assert spec["revision"] == old and spec["hub"] == MINILM and spec["pooling"] == "mean"
 
 
+def test_a_branch_that_moves_during_a_download_brings_the_commit_that_was_judged(
+        standin: HubStandIn, tmp_path: Path) -> None:
+    """Found by a review: the download was judged (its size, its files) at the listing's
+    commit, then fetched at the branch, whose head an owner could move in between, with
+    other files past --max-download-gb. It is fetched at the commit listed, and the
+    branch's name is kept in the cache for the offline start."""
+    import shutil
+
+    repo = "someone/moving-encoder"
+    judged = standin.add(repo, Path(str(run(standin, tmp_path / "tiny", snapshot(TINY))["folder"])))
+    pushed = tmp_path / "pushed"
+    shutil.copytree(Path(str(run(standin, tmp_path / "tiny", snapshot(TINY))["folder"])), pushed)
+    (pushed / "pushed-later.json").write_text(json.dumps({"pad": "x" * 100_000}))
+    standin.moves[repo] = standin.add(repo, pushed, branch=None, salt="pushed")
+    fetched = Path(str(run(standin, tmp_path / "hf", snapshot(repo))["folder"]))
+    assert fetched.name == judged
+    assert not (fetched / "pushed-later.json").exists()
+    assert standin.gets("pushed-later.json") == 0
+    offline = run(standin, tmp_path / "hf", snapshot(repo), offline=True)
+    assert Path(str(offline["folder"])) == fetched
+    assert (fetched.parent.parent / "refs" / "main").read_text() == judged
+
+
+@pytest.mark.parametrize("sha", ["../../../../escaped", "0" * 39, "main", "A" * 40])
+def test_a_listing_whose_commit_is_no_commit_id_is_refused(
+        standin: HubStandIn, tmp_path: Path, sha: str) -> None:
+    """The listing's commit names a folder in the cache: a hostile Hub's path is refused
+    before anything is fetched."""
+    before = len(standin.requests)
+    standin.shas[TINY] = sha
+    try:
+        refused = run(standin, tmp_path / "hf", snapshot(TINY))
+    finally:
+        del standin.shas[TINY]
+    assert "as its commit, not a commit id; refused" in str(refused["error"]), refused
+    assert not [p for m, p, _ in standin.requests[before:] if "/resolve/" in p]
+    assert not list(tmp_path.rglob("escaped"))
+
+
 def test_a_pickle_only_repository_is_refused_unless_allowed(
         standin: HubStandIn, tmp_path: Path) -> None:
     refused = run(standin, tmp_path / "hf", snapshot(PICKLED))
@@ -612,7 +651,9 @@ def test_every_api_process_lists_a_hub_model_that_another_one_had_loaded(
                                   "org/ti--ny", "../etc/passwd", "/abs/path", "org/../name",
                                   "org/name/x",
                                   "org name/x", "~/models/x", "./org/name", "org/",
-                                  "org/na$me", "o" * 200 + "/x", "org/name@rev with space"])
+                                  "org/na$me", "o" * 200 + "/x", "org/name@rev with space",
+                                  "org/name@/etc/passwd", "org/name@a//b", "org/name@main/",
+                                  "org/name@"])
 def test_what_is_not_a_hub_id_is_never_fetched(text: str) -> None:
     assert parse_hub_id(text) is None
 
@@ -620,6 +661,7 @@ def test_what_is_not_a_hub_id_is_never_fetched(text: str) -> None:
 def test_hub_ids_with_and_without_a_revision() -> None:
     assert parse_hub_id("BAAI/bge-small-en-v1.5") == HubRef("BAAI/bge-small-en-v1.5")
     assert parse_hub_id("org/name@main") == HubRef("org/name", "main")
+    assert parse_hub_id("org/name@refs/pr/1") == HubRef("org/name", "refs/pr/1")
     assert str(parse_hub_id("org/name@" + "a" * 40)) == "org/name@" + "a" * 40
 
 

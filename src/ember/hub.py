@@ -26,13 +26,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ember.errors import described
 from ember.model_files import ModelFileError, read_model_json
 
 log = logging.getLogger("ember.hub")
 
 # org/name, optionally @revision (a branch, a tag or a commit sha); as the Hub spells ids.
+# A revision is path-like (`refs/pr/1`), never absolute nor with an empty segment: the
+# cache keeps it as a file under the repository's `refs/`.
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95})"
-                    r"(?:@(?P<revision>[\w.\-/]{1,200}))?")
+                    r"(?:@(?P<revision>[\w.-]{1,100}(?:/[\w.-]{1,100}){0,4}))?")
+COMMIT_SHA = re.compile(r"[0-9a-f]{40}")
 ALLOW_ENV = "EMBER_ALLOW_HUB_MODELS"  # "0": this process may not download (set by serve)
 LIMIT_ENV = "EMBER_MAX_DOWNLOAD_GB"  # the largest download a request may start
 PROGRESS_EVERY_S = 2.0  # at most one byte-count line per download this often
@@ -302,6 +306,9 @@ def _download(ref: HubRef, wanted: Wanted, limit: int | None) -> Path:
                        f"read, over the {MAX_FILES} Ember fetches; refused, nothing "
                        "downloaded")
     sha = str(info.sha)
+    if not COMMIT_SHA.fullmatch(sha):  # it names a folder in the cache
+        raise HubError(f"model {ref}: the Hub answered {described(sha)} as its commit, not a "
+                       "commit id; refused, nothing downloaded")
     missing = [f for f in files
                if not isinstance(try_to_load_from_cache(ref.repo, f, revision=sha), str)]
     total = sum(sizes[f] for f in missing)
@@ -314,16 +321,33 @@ def _download(ref: HubRef, wanted: Wanted, limit: int | None) -> Path:
     for name in missing:
         log.info("%s: downloading %s (%s)", ref, name, human_bytes(sizes[name]))
     try:
-        folder = snapshot_download(ref.repo, revision=ref.revision,
+        # At the commit listed and judged: a branch moved meanwhile would bring other files.
+        folder = snapshot_download(ref.repo, revision=sha,
                                    allow_patterns=[glob.escape(name) for name in files],
                                    tqdm_class=progress_class(str(ref)))
     except ValueError as exc:  # the client's own checks of what the Hub answered
         raise HubError(f"model {ref}: {str(exc).splitlines()[0]}") from None
     except Exception as exc:  # a file the Hub failed, or the network: the others are kept
         raise hub_failure(ref, exc, "downloading its files") from None
+    remember_revision(Path(folder), ref.revision or "main", sha)
     log.info("%s: downloaded %s in %.1f s", ref, human_bytes(total),
              time.monotonic() - started)
     return Path(folder)
+
+
+def remember_revision(folder: Path, revision: str, sha: str) -> None:
+    """Point the cache's `revision` at `sha`, as the Hub's client does when it downloads
+    by a branch or tag, so that a later offline lookup by that name finds this snapshot."""
+    if revision == sha:
+        return
+    refs = folder.parent.parent / "refs"
+    ref_file = refs / revision
+    if not ref_file.resolve().is_relative_to(refs.resolve()):
+        raise HubError(f"revision {revision!r} names a place outside the cache; refused")
+    ref_file.parent.mkdir(parents=True, exist_ok=True)
+    written = ref_file.with_name(f".{ref_file.name}.{os.getpid()}.tmp")
+    written.write_text(sha)
+    written.replace(ref_file)  # whole or not at all: another process may read it now
 
 
 def hub_failure(ref: HubRef, exc: Exception, doing: str) -> HubError:
