@@ -384,3 +384,17 @@ def test_staging_folders_no_export_will_finish_are_swept_by_the_next(tmp_path: P
     assert (tmp_path / "model.onnx").read_bytes() == b"graph"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["model.onnx", alive.name, elsewhere.name])  # its own staging folder went too
+
+
+def test_onnx_runtime_writes_nothing_under_the_home_folder(tmp_path: Path) -> None:
+    """Found by an operator's review: importing ONNX Runtime wrote a device id and a
+    telemetry database under ~/.cache/Microsoft, whatever --cache-dir said (and a
+    read-only home would refuse it). Ember turns that off unless the operator says."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("ORT_DISABLE_TELEMETRY", "XDG_CACHE_HOME")}
+    env.update(HOME=str(home), PYTHONPATH=str(Path(_onnx.__file__).parents[2]))
+    code = "import ember.adapters._onnx, ember.adapters.gliner"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    assert [p for p in home.rglob("*") if p.is_file()] == []
