@@ -120,6 +120,31 @@ def test_once_one_api_process_says_ready_every_one_does(tmp_path: Path) -> None:
     assert all(status == 200 for status, _ in later), later
 
 
+
+def test_a_stop_while_the_default_model_loads_logs_no_error(tmp_path: Path) -> None:
+    """Found by an operator's review: a clean stop of `--workers 2` during the default
+    model's load logged an ERROR from each API process ("could not preload ...: the model
+    worker is shutting down"); the stop is the operator's order, not a fault."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "slow-load.yaml").write_text(yaml.safe_dump({
+        "name": SLOW_LOAD, "adapter": "synthetic", "tasks": ["encode"],
+        "options": {"dims": 8, "load_ms": 60000}}))
+    server = start_server(tmp_path / "server.log", ["--default-model", SLOW_LOAD,
+                                                    "--model-dir", str(models),
+                                                    "--workers", "2"], until="listening")
+    try:
+        deadline = time.monotonic() + 60
+        while server.log_text().count(") serves") < 2:  # each API process waits on the load
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.05)
+    finally:
+        code = server.stop()
+    log = server.log_text()
+    assert code == 0, log[-3000:]
+    assert log.count(f"preload of {SLOW_LOAD} given up: the server is stopping") == 2, log[-3000:]
+    assert " ERROR " not in log, log[-3000:]
+
 def test_a_dead_api_process_is_replaced_and_service_goes_on(
         two_api_processes: ServerProcess) -> None:
     server = two_api_processes

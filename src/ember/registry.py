@@ -35,6 +35,7 @@ from ember.engine import (
     QueueFull,
     RequestResult,
     RequestTooLarge,
+    ShuttingDown,
     WorkerConfig,
 )
 from ember.errors import ModelLoadError, ModelNotFound
@@ -585,5 +586,8 @@ async def preload_models(models: Preloadable, names: Sequence[str],
             starting(name)
         try:
             await models.get(name)
+        except ShuttingDown:  # a stop during the load: the operator's order, not a fault
+            log.info("preload of %s given up: the server is stopping", name)
+            return
         except Exception as exc:
             log.error("could not preload %s: %s", name, exc)
