@@ -62,15 +62,18 @@ def test_text_logs_have_no_progress_bars() -> None:
     assert result.stdout.split() == ["True", "False"]
 
 
-@pytest.mark.parametrize(("path", "status", "level"), [
-    ("/readyz", 503, logging.INFO), ("/health", 503, logging.INFO),
-    ("/readyz", 500, logging.WARNING), ("/v1/encode/x", 503, logging.WARNING),
-    ("/v1/encode/x", 200, logging.INFO)])
-def test_a_probes_503_while_loading_is_not_a_warning(caplog: pytest.LogCaptureFixture,
-                                                      path: str, status: int,
-                                                      level: int) -> None:
+@pytest.mark.parametrize(("path", "status", "draining", "level"), [
+    ("/readyz", 503, False, logging.INFO), ("/health", 503, False, logging.INFO),
+    ("/readyz", 500, False, logging.WARNING), ("/v1/encode/x", 503, False, logging.WARNING),
+    ("/v1/encode/x", 200, False, logging.INFO),
+    # An operator's review: a drain wrote each refusal of new work as a warning.
+    ("/v1/encode/x", 503, True, logging.INFO), ("/v1/encode/x", 500, True, logging.WARNING)])
+def test_a_probes_503_while_loading_or_a_drains_is_not_a_warning(
+        caplog: pytest.LogCaptureFixture, path: str, status: int, draining: bool,
+        level: int) -> None:
     with caplog.at_level(logging.INFO, logger="ember.access"):
-        access_log("GET", path, path, "", status, 0, 0.0, 0.0, 1.0, "r1", None)
+        access_log("GET", path, path, "", status, 0, 0.0, 0.0, 1.0, "r1", None,
+                   draining=draining)
     assert [r.levelno for r in caplog.records] == [level]
 
 

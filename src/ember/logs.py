@@ -205,13 +205,14 @@ def _relay(read_end: int, out: IO[str]) -> None:
 def access_log(method: str, path: str, route: str, model: str, status: int, items: int,
                queue_ms: float, inference_ms: float, total_ms: float,
                request_id: str, client: tuple[str, int] | None,
-               error: str | None = None, param: str | None = None) -> None:
+               error: str | None = None, param: str | None = None,
+               draining: bool = False) -> None:
     """One line per request at info (warning for a server fault): refusals included, with
     their error type and field. `client` is the ASGI scope's peer (behind a proxy of
     --forwarded-allow-ips, the one in its X-Forwarded-For), None where the server does not
-    know it."""
+    know it. A 503 while `draining` is the operator's stop at work, not a fault."""
     level = logging.WARNING if status >= 500 and not (
-        status == 503 and path in PROBES) else logging.INFO
+        status == 503 and (draining or path in PROBES)) else logging.INFO
     if not access.isEnabledFor(level):
         return
     fields = {"method": method, "path": path, "route": route, "model": model or None,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -333,9 +334,13 @@ async def test_queue_full_is_429_with_retry_after(apps: AppFactory) -> None:
     ("/v1/rerank", {"query": "q", "documents": ["x"]}),
 ])
 async def test_draining_refuses_new_work_with_503(synthetic_app: Served, route: str,
-                                                  body: dict[str, Any]) -> None:
+                                                  body: dict[str, Any],
+                                                  caplog: pytest.LogCaptureFixture) -> None:
     synthetic_app.state.draining = True
-    response = await synthetic_app.client.post(route, json=body)
+    with caplog.at_level(logging.INFO, logger="ember.access"):
+        response = await synthetic_app.client.post(route, json=body)
+    # The operator's stop at work, not a fault: the access line is no warning.
+    assert [r.levelname for r in caplog.records if r.name == "ember.access"] == ["INFO"]
     error = assert_error(response, 503, "unavailable")
     assert "draining" in error["message"]
     assert int(response.headers["retry-after"]) >= 1

@@ -111,9 +111,11 @@ class RequestContextMiddleware(HttpMiddleware):
         labelled(metrics.requests, route, model, str(status)).inc()
         labelled(metrics.request_seconds, route).observe(seconds)
         queue_ms, inference_ms = state.get("timing", (0.0, 0.0))
+        error, param = state.get("error", (None, None))
         access_log(scope["method"], scope["path"], route, model, status,
                    state.get("items", 0), queue_ms, inference_ms, seconds * 1e3,
-                   state["request_id"], scope.get("client"), *state.get("error", ()))
+                   state["request_id"], scope.get("client"), error, param,
+                   draining=self.state().draining)
 
 
 def refusal(body: bytes) -> tuple[str | None, str | None]:
