@@ -4,6 +4,7 @@ prompt, ColBERT's markers): both sides stand or fall together."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Hashable, Sequence
 
 import pytest
@@ -36,3 +37,29 @@ async def test_when_one_side_fails_the_other_sides_items_are_dropped() -> None:
     assert worker.stats.dropped_items > 32  # most documents never reached a forward
     assert worker.stats.items < 1 + 32
     await worker.stop()
+
+
+async def test_a_two_sided_scores_timings_count_each_forward_once() -> None:
+    """Found by a metrics review: a long query's forward, which the documents waited on,
+    was counted as their queue time and as the query's inference time, so the headers'
+    queue + inference came to 1.9x the request's whole time."""
+    from ember.adapters.base import combine
+
+    adapter = SyntheticAdapter(dims=8, cost=CostModel(overhead_ms=2.0, per_token_us=50.0))
+    worker = ModelWorker(adapter, WorkerConfig(max_batch_items=8), name="timings")
+    await worker.start()
+
+    async def submit(items: Sequence[PreparedItem], params: Hashable,
+                     lora: str | None) -> RequestResult:
+        return await (await worker.submit(items, params, lora=lora))
+
+    items = [PreparedItem("a long query", 2000, 0),  # a 100 ms forward
+             *(PreparedItem(f"doc {i}", 2, i + 1) for i in range(4))]
+    started = time.perf_counter()
+    results, _ = await submit_sides(submit, items, ("query",), ("document",), None)
+    elapsed_ms = (time.perf_counter() - started) * 1e3
+    await worker.stop()
+    queue_ms, inference_ms = combine(results)
+    assert results[1].queue_ms >= 90  # the documents did wait on the query's forward
+    assert queue_ms + inference_ms <= elapsed_ms + 1, (queue_ms, inference_ms, elapsed_ms)
+    assert inference_ms >= 90 and queue_ms < 50, (queue_ms, inference_ms)

@@ -143,9 +143,13 @@ class ModelInfo:
 
 
 def combine(results: Sequence[RequestResult]) -> tuple[float, float]:
-    """Queue and inference time of a task made of several submits that ran concurrently."""
-    return (max((r.queue_ms for r in results), default=0.0),
-            max((r.inference_ms for r in results), default=0.0))
+    """Queue and inference time of a task made of several submits made together: queued
+    until its first forward began, in inference until its last one ended (the largest of
+    each, taken apart, counted a forward twice where one submit waited on another's)."""
+    if not results:
+        return 0.0, 0.0
+    queued = min(r.queue_ms for r in results)
+    return queued, max(r.queue_ms + r.inference_ms for r in results) - queued
 
 
 class TaskModel(Protocol):
