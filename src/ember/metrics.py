@@ -253,7 +253,9 @@ class Metrics:
 
         def on_requests(records: Sequence[RequestRecord]) -> None:
             observe_all(queue, [r.queue_ms / 1e3 for r in records])
-            observe_all(inference, [r.inference_ms / 1e3 for r in records])
+            # A request that left before any forward took its items had no inference.
+            observe_all(inference, [r.inference_ms / 1e3 for r in records
+                                    if r.inference_ms or not r.cancelled])
 
         gap_seconds = {c: self.idle_gap_seconds.labels(name, c) for c in GAP_CAUSES}
         gap_count = {c: self.idle_gap_count.labels(name, c) for c in GAP_CAUSES}

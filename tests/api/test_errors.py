@@ -403,7 +403,12 @@ async def test_request_timeout_is_504_and_drops_the_queued_work(apps: AppFactory
         assert ok.status_code == 200, ok.text
         assert worker.stats.items == 1  # the timed-out items never reached a forward
         assert worker.stats.dropped_items == 2
-        assert 'ember_rejections_total{reason="timeout"} 1.0' in await served.metrics()
+        metrics = await served.metrics()
+        assert 'ember_rejections_total{reason="timeout"} 1.0' in metrics
+        # The timed-out wait is in the queue histogram (a review found it missing); its
+        # request had no inference.
+        assert f'ember_queue_duration_seconds_count{{model="{SYNTH}"}} 2.0' in metrics
+        assert f'ember_inference_duration_seconds_count{{model="{SYNTH}"}} 1.0' in metrics
 
 
 async def test_the_timeout_covers_a_requests_wait_for_its_models_load(

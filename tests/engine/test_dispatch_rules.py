@@ -26,6 +26,7 @@ from tests.engine.helpers import (
     items,
     payloads,
     running,
+    wait_for,
 )
 
 WINDOW_ON = WorkerConfig(idle_coalesce_ms=200.0, max_batch_wait_ms=400.0)
@@ -445,6 +446,36 @@ async def test_r10_queue_and_inference_times_are_recorded() -> None:
         assert result.forwards == 1
         assert worker.stats.queue_ms[-1] == result.queue_ms
         assert worker.stats.batch_sizes == [2]
+
+
+async def test_r10_a_wait_that_ends_before_any_forward_is_recorded_too() -> None:
+    """Found by a metrics review: a request that timed out (or whose client left) in the
+    queue was never recorded, so the queue histogram lacked the overload's tail."""
+    async with running(WINDOW_ON) as (worker, _):
+        worker.pause()
+        gone = await worker.submit(items(2, text="gone"), "p")
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        await asyncio.sleep(0)  # its done-callback runs on the loop
+        record = worker.stats.recent_requests[-1]
+        assert record.cancelled and not record.failed and record.inference_ms == 0
+        assert record.queue_ms >= 40.0
+        worker.resume()
+        kept = await (await worker.submit(items(1, text="kept"), "p"))
+    assert len(worker.stats.recent_requests) == 2  # once each
+    assert worker.stats.queue_ms[-1] == kept.queue_ms
+
+
+async def test_r10_a_request_cancelled_in_its_forward_is_recorded_when_it_ends() -> None:
+    async with running(WINDOW_ON, overhead_ms=60.0) as (worker, _):
+        gone = await worker.submit(items(1, text="gone"), "p")  # idle: dispatched at once
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        await asyncio.sleep(0)
+        assert not worker.stats.recent_requests  # the forward holds it: not yet
+        await wait_for(lambda: bool(worker.stats.recent_requests))
+        [record] = worker.stats.recent_requests
+        assert record.cancelled and record.inference_ms >= 50.0
 
 
 async def test_r10_queue_time_ends_when_the_device_frees_not_when_the_batch_is_formed(

@@ -584,10 +584,19 @@ class ModelWorker:
         self._requests.discard(request)
         lane = self._lanes.get(request.lora)
         if lane is not None and (future.cancelled() or future.exception()):
-            self._drop_pending(request, lane)  # a result means every item already ran
+            # A result means every item already ran.
+            in_forwards = request.remaining - self._drop_pending(request, lane)
+            if not (request.recorded or in_forwards):
+                # Its wait counts too (a timeout's is the queue's tail); one that a forward
+                # holds is recorded when that forward ends, with its inference.
+                finished: list[RequestRecord] = []
+                self._finish(request, None if future.cancelled() else future.exception(),
+                             finished)
+                self.stats.record_requests(finished)
         request.release()
 
-    def _drop_pending(self, request: _Request, lane: _Lane) -> None:
+    def _drop_pending(self, request: _Request, lane: _Lane) -> int:
+        """Drop the items of `request` that no forward took yet; return how many."""
         dropped = 0
         if lane.former.holds(request):
             for pending in request.items:
@@ -604,6 +613,7 @@ class ModelWorker:
         if dropped:
             self.stats.record_dropped(dropped)
             self._wake.set()
+        return dropped
 
     def _fail(self, exc: BaseException) -> None:
         """The loop failed: every accepted request ends with an error, none is lost,
