@@ -144,6 +144,8 @@ def test_a_stop_while_the_default_model_loads_logs_no_error(tmp_path: Path) -> N
     assert code == 0, log[-3000:]
     assert log.count(f"preload of {SLOW_LOAD} given up: the server is stopping") == 2, log[-3000:]
     assert " ERROR " not in log, log[-3000:]
+    # The supervisor's own last word (a metrics review found none after the engine's).
+    assert "ember.supervisor: Ember stopped: drained in" in log.splitlines()[-1], log[-3000:]
 
 def test_a_dead_api_process_is_replaced_and_service_goes_on(
         two_api_processes: ServerProcess) -> None:

@@ -140,7 +140,7 @@ class Metrics:
                                 registry=reg)
         self.request_seconds = Histogram("ember_request_duration_seconds", "End-to-end "
                                          "request duration, from the first byte read to "
-                                         "the response's start", ["route"],
+                                         "the response's last byte sent", ["route"],
                                          buckets=SECONDS_BUCKETS, registry=reg)
         self.input_tokens = Histogram("ember_request_input_tokens", "Input tokens (after "
                                       "truncation) per request; _sum counts them all",
@@ -179,7 +179,10 @@ class Metrics:
         self.idle_gap_count = Counter("ember_device_idle_gaps", "Idle gaps (of at "
                                       "least 0.1 ms) before a forward, by cause",
                                       ["model", "cause"], registry=reg)
-        self.rejections = Counter("ember_rejections", "Requests refused, by reason",
+        self.rejections = Counter("ember_rejections", "Requests the server turned "
+                                  "away or its client left before the answer (a key, a "
+                                  "Host, a size, a full queue, a drain, a timeout), by "
+                                  "reason; invalid input is counted by status only",
                                   ["reason"], registry=reg)
         self.loads = Counter("ember_model_loads", "Model loads", ["model"], registry=reg)
         self.load_seconds = Histogram("ember_model_load_duration_seconds", "Time to load a "

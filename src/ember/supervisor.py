@@ -365,13 +365,17 @@ class Supervisor:
             engine = replacement
         log.info("draining %d API processes, then the engine", len(self.apis))
         sock.close()  # no process will be started again; the last API process closes it
+        drain_started = time.monotonic()
         codes, engine = self._drain_apis(engine)
         codes.append(self._stop_engine(engine))
         names = [api.process.name for api in self.apis] + [engine.name]
         for name, code in zip(names, codes, strict=True):
             if code != 0:  # the server's own exit code says only that one failed
                 log.error("%s ended its drain with %s", name, exit_reason(code))
-        return 0 if all(code == 0 for code in codes) else 1
+        clean = all(code == 0 for code in codes)
+        if clean:  # the operator's last line: every process has ended
+            log.info("Ember stopped: drained in %.2f s", time.monotonic() - drain_started)
+        return 0 if clean else 1
 
     def _replace(self, api: ApiProcess, sock: socket.socket) -> bool:
         pid, code = api.process.pid, api.process.exitcode
