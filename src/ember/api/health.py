@@ -14,7 +14,7 @@ from ember import __version__
 from ember.api.errors import ErrorBody, as_api_error, error_response
 from ember.api.images import IMAGE_FAMILIES
 from ember.api.state import Models, server_state
-from ember.config import FAMILY_OUTPUTS, files_here
+from ember.config import FAMILY_OUTPUTS, ModelSpec, files_here
 from ember.errors import ModelNotFound
 from ember.outputs import DTYPES
 
@@ -50,10 +50,18 @@ def inputs(family: str) -> list[str]:
     return ["text", "image"] if family in IMAGE_FAMILIES else ["text"]
 
 
-def model_entry(registry: Models, name: str) -> dict[str, Any]:
+def cached(specs: list[ModelSpec]) -> dict[str, bool | None]:
+    """Whether each model's files are on this machine (None: a model without files). It
+    reads the disk (the Hub's cache, 1-2 ms for the catalog): call it off the loop."""
+    return {spec.name: None if spec.adapter == "synthetic" else files_here(spec) is not None
+            for spec in specs}
+
+
+def model_entry(registry: Models, name: str, here: bool | None) -> dict[str, Any]:
     """One model in both dialects at once: OpenAI's model object (`id`, `object`,
     `created`, `owned_by`), SIE's ModelInfo (`name`, `loaded`, `state`, `inputs`,
-    `outputs`, `dims` by output type, `max_sequence_length`) and Ember's own fields."""
+    `outputs`, `dims` by output type, `max_sequence_length`) and Ember's own fields;
+    `here` as `cached` found it."""
     spec = registry.catalog[name]
     state = registry.state(name)
     entry: dict[str, Any] = {
@@ -64,7 +72,7 @@ def model_entry(registry: Models, name: str) -> dict[str, Any]:
         "output_types": list(FAMILY_OUTPUTS.get(spec.adapter, ())),
         # Whether its files are on this machine (None: a model without files): one that is
         # not loads only where this server may download it.
-        "cached": None if spec.adapter == "synthetic" else files_here(spec) is not None,
+        "cached": here,
     }
     info = registry.info(name)
     declared = spec.options.get("dims")  # what a catalog entry says before the model loads
@@ -108,7 +116,9 @@ async def models(request: Request) -> dict[str, Any]:
     state = server_state(request)
     registry = state.registry
     await state.fresh_status()  # a silent engine: its last known states, within 1 s
-    entries = [model_entry(registry, name) for name in registry.names]
+    names = list(registry.names)
+    here = await asyncio.to_thread(cached, [registry.catalog[name] for name in names])
+    entries = [model_entry(registry, name, here[name]) for name in names]
     return {"object": "list", "data": entries,
             "models": [sie_shape(e) for e in entries]}
 
@@ -123,7 +133,8 @@ async def model(model: str, request: Request) -> JSONResponse:
     if model not in registry.catalog:
         error = as_api_error(ModelNotFound(model, registry.names))
         return error_response(error.status, error.kind, error.message, error.param)
-    return JSONResponse(sie_shape(model_entry(registry, model)))
+    here = await asyncio.to_thread(cached, [registry.catalog[model]])
+    return JSONResponse(sie_shape(model_entry(registry, model, here[model])))
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
