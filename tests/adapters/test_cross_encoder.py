@@ -116,7 +116,8 @@ def test_truncate_false_refuses_long_pairs(reranker: CrossEncoderAdapter) -> Non
     with pytest.raises(InvalidInput, match="exceeds max_seq_length 64") as caught:
         reranker.prepare(QUERY, ["paris", LONG], truncate=False)
     assert caught.value.param == "items[1].text"
-    with pytest.raises(InvalidInput) as caught:
+    with pytest.raises(InvalidInput, match=r"\(the query alone, with the pair's special "
+                       r"tokens: no document fits beside it\) exceeds") as caught:
         reranker.prepare(LONG, ["paris"], truncate=False)
     assert caught.value.param == "query.text"
 

@@ -128,9 +128,10 @@ def first_outside_rows(rows: Sequence[Sequence[int]],
     return None
 
 
-def over_limit(count: int, limit: int, param: str) -> InputTooLong:
-    return InputTooLong(f"{count} tokens exceeds max_seq_length {limit}; shorten the text "
-                        f"or {TRUNCATE_ADVICE}", param)
+def over_limit(count: int, limit: int, param: str, what: str = "") -> InputTooLong:
+    """`what` says which part of a longer sequence (a pair's query) the count is of."""
+    return InputTooLong(f"{count} tokens{what} exceeds max_seq_length {limit}; shorten the "
+                        f"text or {TRUNCATE_ADVICE}", param)
 
 
 class TextTokenizer:

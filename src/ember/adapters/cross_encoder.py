@@ -121,7 +121,9 @@ class CrossEncoderAdapter(common.TorchModel):
         limit = self.max_seq_length
         query_tokens = self.tokens.count(query)
         if not truncate and query_tokens + self.specials > limit:
-            raise over_limit(query_tokens + self.specials, limit, "query.text")
+            raise over_limit(query_tokens + self.specials, limit, "query.text",
+                             " (the query alone, with the pair's special tokens: no document "
+                             "fits beside it)")
         encodings = self.tokens.encode_pairs(query, docs, truncate)
         for i, encoding in enumerate(encodings):
             if len(encoding) > limit:
