@@ -7,6 +7,7 @@ runs the API and reliability suites against it)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import multiprocessing
@@ -18,7 +19,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,7 +32,7 @@ import yaml
 from ember.adapters.synthetic import CRASH_EXIT_CODE
 from ember.config import ServerSettings
 from ember.ipc.client import peer_name
-from ember.supervisor import ApiProcess, Supervisor
+from ember.supervisor import ApiProcess, Supervisor, count_drainers, drained_last
 from tests.api.conftest import MODEL_YAMLS, SLOW
 from tests.live_server import (
     REPO,
@@ -146,6 +148,101 @@ def test_a_stop_while_the_default_model_loads_logs_no_error(tmp_path: Path) -> N
     assert " ERROR " not in log, log[-3000:]
     # The supervisor's own last word (a metrics review found none after the engine's).
     assert "ember.supervisor: Ember stopped: drained in" in log.splitlines()[-1], log[-3000:]
+
+
+def clients_through_a_stop(url: str, clients: int, seconds: float, stop: Callable[[], None],
+                           stop_after_s: float) -> Counter[str]:
+    """`clients` keep-alive clients sending small encodes for `seconds` (each reconnects
+    after a drain's `Connection: close`), `stop` called after `stop_after_s`: the outcome
+    of each request, a status or the transport error's kind."""
+    outcomes: Counter[str] = Counter()
+
+    async def client() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as session:
+            while time.monotonic() < ends:
+                try:
+                    response = await session.post(f"/v1/encode/{SYNTH}",
+                                                  json={"items": [{"text": "a b c"}]})
+                    outcomes[str(response.status_code)] += 1
+                except httpx.TransportError as exc:
+                    outcomes[type(exc).__name__] += 1
+                    await asyncio.sleep(0.05)
+
+    async def all_clients() -> None:
+        stopping = asyncio.get_running_loop().call_later(stop_after_s, stop)
+        await asyncio.gather(*(client() for _ in range(clients)))
+        stopping.cancel()
+
+    ends = time.monotonic() + seconds
+    asyncio.run(all_clients())
+    return outcomes
+
+
+def test_a_request_sent_while_a_sibling_still_drains_is_answered_not_reset(
+        tmp_path: Path) -> None:
+    """Found by a fault-injection review: with one API process held in its drain by a
+    large request, the other, done first, cut the shared port's queue to one; the
+    connections the kernel then held back had their requests sent, and were reset when
+    the port closed (4-14 a run, where one process had none). Only the last to drain cuts
+    it now: what comes during the drain gets a 503, or a refused connection once the port
+    has closed (nothing sent), never a reset after sending."""
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "slow-forward.yaml").write_text(yaml.safe_dump({
+        "name": "test/slow-forward", "adapter": "synthetic", "tasks": ["encode"],
+        "options": {"dims": 8, "overhead_ms": 200, "per_token_us": 0},
+        "batching": {"max_batch_items": 4}}))
+    server = start_server(tmp_path / "server.log", ["--default-model", SYNTH, "--model-dir",
+                                                    str(models), "--workers", "2"])
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            large = pool.submit(httpx.post, f"{server.url}/v1/encode/test/slow-forward",
+                                json={"items": [{"text": f"t {i}"} for i in range(64)]},
+                                timeout=60)  # 16 forwards of 200 ms: about 3.2 s
+            time.sleep(0.3)
+            outcomes = clients_through_a_stop(server.url, 16, 5.0, server.terminate, 1.0)
+            assert large.result().status_code == 200
+        assert server.process.wait(30) == 0, server.log_tail()
+    finally:
+        server.stop()
+    # One connection the kernel completes between the last accept and the close is reset
+    # whatever the server does (see the test of a process still starting above).
+    sent_then_cut = sum(count for kind, count in outcomes.items()
+                        if kind in ("ReadError", "RemoteProtocolError", "WriteError"))
+    assert sent_then_cut <= 1, (outcomes, server.log_tail())
+    assert outcomes["503"] > 0 and outcomes["200"] > 0, outcomes
+
+
+def test_a_stop_before_any_api_process_serves_answers_what_the_port_queued(
+        tmp_path: Path) -> None:
+    """Found by a fault-injection review: a stop while no API process served yet ended
+    them all, and the requests the kernel had queued on the port were reset (one process
+    answered them). Each is ordered to drain now, and does once it serves."""
+    server = start_server(tmp_path / "server.log", ["--default-model", SYNTH,
+                                                    "--workers", "2"], until="listening")
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            sent = [pool.submit(encode, server.url, f"queued {i}") for i in range(3)]
+            time.sleep(0.3)
+            assert " serves" not in server.log_text(), "an API process served: too late"
+            server.terminate()
+            answers = [future.result().status_code for future in sent]
+        assert server.process.wait(60) == 0, server.log_tail()
+    finally:
+        server.stop()
+    assert set(answers) <= {200, 503} and 503 in answers, answers
+
+
+def test_the_last_api_process_to_drain_is_told_so_and_an_unreadable_count_cuts(
+        tmp_path: Path) -> None:
+    count = tmp_path / "draining"
+    count_drainers(count, 3)
+    assert [drained_last(count) for _ in range(3)] == [False, False, True]
+    # Where the count cannot be read, each cuts the queue as a lone process does.
+    assert drained_last(tmp_path / "missing")
+    for garbage in (b"", b"x" * 10_000, b"\xff\xfe", b"9" * 5000):
+        count.write_bytes(garbage)
+        assert drained_last(count), garbage
 
 def test_a_dead_api_process_is_replaced_and_service_goes_on(
         two_api_processes: ServerProcess) -> None:
@@ -657,7 +754,7 @@ class KilledAsTheDrainLooks:
     kernel ends it: its sentinel is ready at once, but its exit is reaped only at the
     `polls`-th look (`is_alive`, `exitcode`); until then it reads as alive."""
 
-    pid = 4_000_000  # never signalled: it has not said it serves, so the drain ends it
+    pid = 4_000_000  # no process: the drain's order (none serves, so it is ordered) finds none
 
     def __init__(self, polls: int) -> None:
         self.polls = polls

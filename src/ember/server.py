@@ -11,6 +11,7 @@ import signal
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -132,25 +133,45 @@ def _hold(sig: int, frame: FrameType | None) -> None:
     _early_signals.append(sig)
 
 
+def hold_drain_order() -> None:
+    """For an API process of several, until it serves: the supervisor's drain order is
+    kept, and acted on once it serves, so that it answers 503 what the kernel queued on
+    the shared port (leaving would have reset those connections)."""
+    signal.signal(DRAIN_ORDER, _keep_order)
+
+
+def _keep_order(sig: int, frame: FrameType | None) -> None:
+    if not _early_signals:  # the supervisor orders once
+        _early_signals.append(sig)
+
+
+@dataclass(frozen=True)
+class Supervised:
+    """How an API process of several (`ember.supervisor`) keeps its supervisor informed."""
+
+    on_serving: Callable[[], None]  # once it listens
+    on_engine_gone: Callable[[], None]  # ENGINE_GONE_ORDER: no engine will answer again
+    on_draining: Callable[[], None]  # every DRAIN_BEAT_S of a drain: it is alive
+    # Whether no other API process is still draining: the last one cuts the shared
+    # port's queue; one before it would shrink the queue its siblings still accept from.
+    last_to_drain: Callable[[], bool]
+
+
 class DrainingServer(uvicorn.Server):
     """The first signal (SIGTERM, SIGINT or SIGHUP) drains: /readyz and new requests answer
     503, accepted requests finish, the workers drain, then the process exits 0. A second
     signal exits at once.
 
-    An API process of several (`managed`) drains on its supervisor's order alone
+    An API process of several (`supervised`) drains on its supervisor's order alone
     (DRAIN_ORDER) and ignores the stop signals, which reach every process of a group at
-    once (`ember.ipc.lifeline`); `on_serving` is called once it listens."""
+    once (`ember.ipc.lifeline`)."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, managed: bool = False,
-                 on_serving: Callable[[], None] | None = None,
-                 on_engine_gone: Callable[[], None] | None = None,
-                 on_draining: Callable[[], None] | None = None) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState,
+                 supervised: Supervised | None = None) -> None:
         super().__init__(config)
         self.state = state
-        self.managed = managed
-        self.on_serving = on_serving
-        self.on_engine_gone = on_engine_gone
-        self.on_draining = on_draining  # called every DRAIN_BEAT_S of a drain: it is alive
+        self.supervised = supervised
+        self.managed = supervised is not None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -166,14 +187,14 @@ class DrainingServer(uvicorn.Server):
                 signal.signal(signal.SIGHUP, self.handle_exit)
         if self.should_exit:
             return
-        if self.on_serving is not None:
-            self.on_serving()
-        if not self.managed:  # a supervisor says it for all
+        if self.supervised is not None:
+            self.supervised.on_serving()
+        else:  # a supervisor says it for all
             settings = self.state.settings
             log.info("Ember listening on http://%s:%d (default model %s; /docs for the API)",
                      settings.host, self.bound_port(), settings.default_model)
-            if _early_signals:  # held since the port was bound: drained now
-                self.handle_exit(_early_signals[0], None)
+        if _early_signals:  # held since the port was bound (or the process began): now
+            self.handle_exit(_early_signals[0], None)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await super().shutdown(sockets)
@@ -188,9 +209,9 @@ class DrainingServer(uvicorn.Server):
         return self.state.settings.port
 
     def handle_engine_gone(self, sig: int, frame: FrameType | None) -> None:
-        if self.on_engine_gone is not None and self._loop is not None:
+        if self.supervised is not None and self._loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed: it has drained
-                self._loop.call_soon_threadsafe(self.on_engine_gone)
+                self._loop.call_soon_threadsafe(self.supervised.on_engine_gone)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.managed and (sig != DRAIN_ORDER or self.state.draining):
@@ -218,8 +239,9 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        if self.on_draining is not None:
-            self._beat = asyncio.create_task(self._beat_while_draining(self.on_draining))
+        if self.supervised is not None:
+            self._beat = asyncio.create_task(
+                self._beat_while_draining(self.supervised.on_draining))
         await self.state.wait_idle()
         # Closing a listening socket resets the connections still queued on it, and every
         # answer in a drain says `Connection: close`, so its clients reconnect: first the
@@ -228,9 +250,13 @@ class DrainingServer(uvicorn.Server):
         # several API processes the socket is shared: the others, still draining, accept
         # through that queue of one too (a connection may wait for its retry, a second or
         # more, where it would get a 503 at once); a reset after a request was sent is
-        # worse, since the client cannot know whether it was served.
-        self._queue_no_more()
-        await asyncio.sleep(QUEUE_SETTLE_S)
+        # worse, since the client cannot know whether it was served. With several, only
+        # the last to drain cuts it: the others would leave their siblings, still
+        # draining, a queue of one for seconds, and the connections the kernel held back
+        # meanwhile would be reset when the port closes.
+        if self.supervised is None or self.supervised.last_to_drain():
+            self._queue_no_more()
+            await asyncio.sleep(QUEUE_SETTLE_S)
         # Stop accepting before exiting, then answer (503) what was accepted meanwhile: with
         # several API processes on one socket, one that exits straight away would reset
         # connections it had just accepted while the others still drain.
@@ -288,10 +314,8 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_http(settings: ServerSettings, registry: Models,
-             sockets: list[socket.socket] | None = None, managed: bool = False,
-             on_serving: Callable[[], None] | None = None,
-             on_engine_gone: Callable[[], None] | None = None,
-             on_draining: Callable[[], None] | None = None) -> None:
+             sockets: list[socket.socket] | None = None,
+             supervised: Supervised | None = None) -> None:
     """Serve the HTTP API for `registry` until a signal has drained it: on the address of
     the settings, or on `sockets` bound by a supervisor (shared by several processes)."""
     from ember.api.app import create_app
@@ -305,6 +329,5 @@ def run_http(settings: ServerSettings, registry: Models,
                             forwarded_allow_ips=settings.forwarded_allow_ips,
                             timeout_graceful_shutdown=None,
                             timeout_keep_alive=KEEP_ALIVE_S)
-    DrainingServer(config, app.state.ember, managed, on_serving, on_engine_gone,
-                   on_draining).run(sockets=sockets)
+    DrainingServer(config, app.state.ember, supervised).run(sockets=sockets)
     release_stop_signals()

@@ -75,6 +75,9 @@ ENGINE_DRAIN_S = 10.0
 # An API process that says nothing this long in its drain (it says it is alive every
 # second: ember.server.DRAIN_BEAT_S) is stopped or wedged, and is ended.
 API_DRAIN_SILENCE_S = 10.0
+# An API process ordered to drain before it served (none did) drains once it serves; one
+# that has not within this long is ended.
+API_START_S = 60.0
 
 
 OWNER_FILE = "supervisor.pid"  # in a runtime folder, locked while its supervisor lives
@@ -108,28 +111,20 @@ def sweep_stale_runtime_dirs() -> None:
 
 
 def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: int,
-            serving: Connection) -> None:
+            serving: Connection, drain_count: str) -> None:
     """An API process's main: the HTTP routes on the shared socket, the models remote;
-    `serving` is told once it listens."""
+    `serving` is told once it listens; `drain_count` holds how many still drain."""
     from ember.adapters.base import Runtime
     from ember.config import load_catalog
     from ember.ipc.client import EngineClient
     from ember.ipc.models import RemoteModels
-    from ember.server import run_http
+    from ember.server import Supervised, hold_drain_order, run_http
 
     supervisor = multiprocessing.parent_process()
     if supervisor is not None and supervisor.pid is not None:
         die_with_parent(supervisor.pid)
-
-    def leave(*_: object) -> None:
-        """Until it listens, a drain has nothing to finish: it leaves at once. Its copy of
-        the shared socket goes first, or the connections the kernel queued on it meanwhile
-        would wait for a process that never accepts, and be reset when it ends."""
-        sock.close()
-        os._exit(0)
-
     ignore_stop_signals()
-    signal.signal(DRAIN_ORDER, leave)
+    hold_drain_order()  # the supervisor orders one only where none of them serves yet
     take_drain_orders()
     name_process(f"api {index}")
     configure_logging(settings)
@@ -148,8 +143,31 @@ def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: 
     def engine_gone() -> None:
         client.engine_gone(ENGINE_GONE)
 
-    run_http(settings, models, sockets=[sock], managed=True, on_serving=listening,
-             on_engine_gone=engine_gone, on_draining=draining)
+    run_http(settings, models, sockets=[sock],
+             supervised=Supervised(listening, engine_gone, draining,
+                                   lambda: drained_last(Path(drain_count))))
+
+
+def count_drainers(path: Path, count: int) -> None:
+    """Before the drain orders: how many API processes will drain (`drained_last`)."""
+    written = path.with_name(path.name + ".tmp")
+    written.write_text(str(count))
+    written.replace(path)
+
+
+def drained_last(path: Path) -> bool:
+    """One API process fewer drains; whether it was the last. True where the count cannot
+    be read: it then cuts the shared port's queue as a lone process would."""
+    try:
+        with path.open("r+") as count:
+            fcntl.flock(count, fcntl.LOCK_EX)  # released as it closes
+            left = int(count.read() or 0) - 1
+            count.seek(0)
+            count.truncate()
+            count.write(str(left))
+    except (OSError, ValueError):
+        return True
+    return left <= 0
 
 
 @dataclass
@@ -195,6 +213,7 @@ class Supervisor:
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="ember-"))  # private: mode 0700
         self._owner = claim(self.runtime_dir)  # held, locked, for this process's life
         self.address = f"ipc://{self.runtime_dir / 'engine.sock'}"
+        self.drain_count = self.runtime_dir / "draining"  # API processes still draining
         self.apis: list[ApiProcess] = []
         self.signals = 0
         self.failed_starts = 0  # API processes in a row that died before they served
@@ -329,7 +348,8 @@ class Supervisor:
         index = next(self._api_index) if index is None else index
         serving, says = self.context.Pipe(duplex=False)  # not an Event: no resource tracker
         process = self.context.Process(target=run_api, name=f"ember-api-{index}",
-                                       args=(self.settings, sock, self.address, index, says))
+                                       args=(self.settings, sock, self.address, index, says,
+                                             str(self.drain_count)))
         with held_for_child():
             process.start()
         says.close()
@@ -445,7 +465,15 @@ class Supervisor:
     def _end_if_wedged(self, api: ApiProcess, ordered: float) -> None:
         """End an API process that said nothing for API_DRAIN_SILENCE_S of its drain (a
         stopped or wedged one would hold the exit for good); what it holds is lost."""
-        if not api.process.is_alive() or not api.has_served():  # has_served reads its news
+        if not api.process.is_alive():
+            return
+        if not api.has_served():  # has_served reads its news; ordered while none served
+            if time.monotonic() - ordered > API_START_S:
+                log.error("API process %d (pid %s) did not serve within %.0f s of the drain "
+                          "order; killing it: connections queued on the port are reset",
+                          api.index, api.process.pid, API_START_S)
+                api.process.kill()
+                api.process.join()
             return
         if time.monotonic() - max(api.heard, ordered) > API_DRAIN_SILENCE_S:
             log.error("API process %d (pid %s) gave no sign of life for %.0f s of its drain "
@@ -480,15 +508,19 @@ class Supervisor:
 
     def _order_drain(self) -> None:
         """DRAIN_ORDER to every API process that serves: it finishes what it accepted. One
-        still starting has nothing to finish and is ended now: it may not act on a signal
-        for a while (its imports, a stop), and its copy of the shared socket would keep
-        the connections the kernel queues on it, once the others close theirs, waiting
-        for a process that never accepts, to be reset when it ends."""
-        for api in self.apis:
-            if not api.process.is_alive() or api.process.pid is None:
-                continue
-            if api.has_served():
-                os.kill(api.process.pid, DRAIN_ORDER)
+        still starting has nothing to finish and is ended now, where another serves: the
+        connections the kernel queued on the shared port are that one's to answer. Where
+        none serves yet, each is ordered and drains once it serves (answering those 503,
+        which ending them all would reset); `_end_if_wedged` ends one that never does."""
+        alive = [api for api in self.apis
+                 if api.process.is_alive() and api.process.pid is not None]
+        ordered = [api for api in alive if api.has_served()] or alive
+        count_drainers(self.drain_count, len(ordered))
+        for api in alive:
+            assert api.process.pid is not None
+            if api in ordered:
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                    os.kill(api.process.pid, DRAIN_ORDER)
             else:
                 api.process.kill()
                 api.ended_unserved = True
