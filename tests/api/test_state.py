@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -55,4 +58,33 @@ async def test_a_not_loaded_read_earlier_is_read_again_before_saying_not_ready(
     finally:
         for state in (first, second):
             await state.registry.close()
+        stop(engine)
+
+
+async def test_a_status_read_that_fails_after_its_callers_gave_up_is_not_logged(
+        tmp_path: Path) -> None:
+    """Found by a fault-injection review: with the engine stopped (SIGSTOP), each API
+    process logged "Task exception was never retrieved" with a traceback once the status
+    read that /readyz had stopped waiting for failed."""
+    address, engine = start_engine(tmp_path, MODEL)
+    settings = ServerSettings(default_model=SLOW_LOAD, model_dirs=(tmp_path,))
+    state = api_process_state(settings, address, "api-0")
+    loop = asyncio.get_running_loop()
+    logged: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: logged.append(context))
+    assert engine.pid is not None
+    try:
+        assert await state.fresh_status()
+        os.kill(engine.pid, signal.SIGSTOP)
+        state.status_at = float("-inf")
+        assert not await state.recent_status()  # it gave up; the read goes on alone
+        state.registry.client.engine_gone("the engine is gone")  # type: ignore[attr-defined]
+        await asyncio.sleep(0.05)
+        state._refreshing = None  # the failed read is dropped, as the next one replaces it
+        gc.collect()
+        assert logged == []
+    finally:
+        loop.set_exception_handler(None)
+        os.kill(engine.pid, signal.SIGCONT)
+        await state.registry.close()
         stop(engine)

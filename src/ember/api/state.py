@@ -173,6 +173,8 @@ class ServerState:
             return True
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = loop.create_task(self._refresh())
+            # Its callers may all have stopped waiting: its failure is no one's to log.
+            self._refreshing.add_done_callback(_read_outcome)
         # This caller's refresh: another may start the next one while this one waits.
         refreshing = self._refreshing
         busy = self.registry.busy_within(BUSY_ANSWER_S)
@@ -207,6 +209,11 @@ class ServerState:
         """Until every accepted HTTP request has had its response."""
         if self.in_flight:
             await self.idle.wait()
+
+
+def _read_outcome(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def server_state(request: Request) -> ServerState:
