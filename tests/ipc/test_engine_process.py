@@ -795,3 +795,34 @@ async def test_the_supervisor_is_told_each_load_that_ended_and_when_start_loads_
         await registry.close()
         notes_read.close()
         notes_write.close()
+
+
+async def test_a_call_cancelled_before_it_starts_leaves_no_coroutine_unawaited(
+        capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Found by a fault-injection review: after a stopped engine went on (SIGCONT), the
+    status calls its API processes had cancelled meanwhile were dropped before they
+    started, and each left "coroutine 'RegistryCalls.status' was never awaited"."""
+    address, process = start_engine(tmp_path)  # after capfd: its stderr is read here
+    context = zmq.asyncio.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(address)
+    assert process.pid is not None
+    try:
+        os.kill(process.pid, signal.SIGSTOP)  # it reads each cancel in its call's turn
+        for call_id in range(50):
+            await raw.send(pack({"op": "status", "id": call_id}))
+            await raw.send(pack({"op": "cancel", "id": call_id}))
+        await raw.send(pack({"op": "status", "id": 999}))
+        await asyncio.sleep(0.2)
+        os.kill(process.pid, signal.SIGCONT)
+        while True:  # every call before it has been read
+            message = unpack(await asyncio.wait_for(raw.recv(), 10))
+            if message.get("id") == 999:
+                break
+        await asyncio.sleep(0.3)  # what the cancelled calls left is written by now
+        stop(process)
+    finally:
+        raw.close(0)
+        context.term()
+    assert "never awaited" not in capfd.readouterr().err

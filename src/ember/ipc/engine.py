@@ -38,7 +38,7 @@ import signal
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable, Coroutine, Hashable
+from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from functools import partial
 from multiprocessing import parent_process
 from multiprocessing.connection import Connection
@@ -228,7 +228,7 @@ class EngineServer(RegistryCalls):
         if call in self._calls:
             return  # a copy its sender sent again, after it lost sight of this engine
         work = {"load": self.load, "status": self.status}[op]
-        self._start(call, self._answer(call, work(message)))
+        self._start(call, self._answer(call, work, message))
 
     def _pong(self, peer: bytes, seq: Any) -> dict[str, Any]:
         """The answer to a ping, echoing its number. The first to a peer also names the
@@ -349,9 +349,13 @@ class EngineServer(RegistryCalls):
         for peer, replies in gathered.items():
             self._send(peer, pack_results(replies))
 
-    async def _answer(self, call: Call, work: Any) -> None:
+    async def _answer(self, call: Call,
+                      work: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
+                      message: dict[str, Any]) -> None:
+        # `work` is called here, not by the caller: a call cancelled before it starts
+        # would leave its coroutine never awaited.
         try:
-            reply = {"op": "result", "id": call.id, **(await work)}
+            reply = {"op": "result", "id": call.id, **(await work(message))}
         except asyncio.CancelledError:
             return  # the caller is gone or asked to drop it: nobody waits for an answer
         except Exception as exc:
