@@ -116,3 +116,31 @@ def test_msgpack_answers_follow_the_accept_headers_weights(accept: str, wanted: 
     from ember.api.codec import wants_msgpack
 
     assert wants_msgpack(Headers({"accept": accept})) is wanted
+
+
+def test_a_long_key_over_a_long_list_costs_no_copy_per_element() -> None:
+    """Found by a security review: a 1 MB JSON body (a 1 MB key over 2,000 list elements,
+    and a 19-digit run, which sends it to the standard reader and the surrogate walk) made
+    the walk spell the key into each element's path: 2.3 GB, where a 16 MB body would
+    have ended the process. Paths are spelt only for the value named."""
+    import tracemalloc
+
+    from ember.api.rerank import not_json
+
+    key = "k" * 1_000_000
+    zeros = ",".join(["0"] * 2000)
+    raw = ('{"pad": "0000000000000000000", "' + key + '": [' + zeros
+           + '], "bad": ["ok", "\\ud800"]}').encode()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ApiError) as refusal:
+            decode(raw, Headers({"content-type": "application/json"}))
+        _, decoding_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        assert not_json({key: [0] * 2000, "x": [float("nan")]}, "documents[0].meta") \
+            == "documents[0].meta.x[0]"
+        _, walking_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert refusal.value.param == "bad[1]"
+    assert decoding_peak < 50e6 and walking_peak < 20e6, (decoding_peak, walking_peak)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -159,24 +160,47 @@ def json_failure(exc: ValueError) -> str:
     return f"a number of over {sys.get_int_max_str_digits()} digits"
 
 
+# Where a value sits in a body, as a chain back to the body: (parent's link, its key or
+# index). Spelt out (`spelt`) only for the value a message names: spelling each path as
+# the walk went cost a copy of every key per element (a 1 MB key over 2,000 list
+# elements asked for gigabytes).
+Link = tuple["Link", str | int] | None
+
+
+def json_values(value: Any) -> Iterator[tuple[Any, Link]]:
+    """Every value of a decoded body, in document order, with its link. A stack, not
+    recursion: the body may nest as deep as the reader allows."""
+    pending: list[tuple[Any, Link]] = [(value, None)]
+    while pending:
+        item, link = pending.pop()
+        yield item, link
+        if isinstance(item, dict):
+            pending.extend((child, (link, key)) for key, child in reversed(item.items()))
+        elif isinstance(item, list):
+            pending.extend((item[i], (link, i)) for i in range(len(item) - 1, -1, -1))
+
+
+def spelt(link: Link, within: str = "") -> str:
+    """A link as a path (`items[0].id`), after `within` (the place of the value walked)."""
+    steps: list[str | int] = []
+    while link is not None:
+        link, step = link
+        steps.append(step)
+    path = within
+    for step in reversed(steps):
+        path += f"[{step}]" if isinstance(step, int) else f".{step}" if path else str(step)
+    return path
+
+
 def lone_surrogate(value: Any) -> str | None:
     """The path (`items[0].id`) of the first text or key holding a lone UTF-16 surrogate,
     which JSON can escape (`\\ud800`) but UTF-8 cannot carry; None when there is none."""
-    pending: list[tuple[Any, str]] = [(value, "")]
-    while pending:  # a stack, not recursion: the body may nest as deep as the reader allows
-        item, path = pending.pop()
+    for item, link in json_values(value):
         if isinstance(item, str):
             if not _is_unicode(item):
-                return path
-        elif isinstance(item, dict):
-            for key, child in reversed(item.items()):
-                named = f"{path}.{key}" if path else str(key)
-                if not _is_unicode(str(key)):
-                    return path or "body"
-                pending.append((child, named))
-        elif isinstance(item, list):
-            pending.extend((child, f"{path}[{i}]") for i, child in reversed(list(
-                enumerate(item))))
+                return spelt(link)
+        elif isinstance(item, dict) and not all(_is_unicode(str(key)) for key in item):
+            return spelt(link) or "body"
     return None
 
 

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from ember.adapters.base import ScoreOptions
-from ember.api.codec import render
+from ember.api.codec import json_values, render, spelt
 from ember.api.cohere import refuse_unsupported
 from ember.api.errors import ApiError
 from ember.api.model_task import (
@@ -61,33 +61,27 @@ def text_of(document: Document, place: str) -> str:
     if document.text is None:
         raise ApiError(422, "invalid_request", "a document object needs its text", f"{place}.text")
     for name, value in (document.model_extra or {}).items():
-        if (where := not_json(value)) is not None:
+        if (where := not_json(value, f"{place}.{name}")) is not None:
             raise ApiError(422, "invalid_request", "a document's fields come back with it, "
                            "so each must be a JSON value (text, a finite number of at most 64 "
-                           "bits, true, false, null, a list or a map of them)",
-                           f"{place}.{name}{where}")
+                           "bits, true, false, null, a list or a map of them)", where)
     return document.text
 
 
-def not_json(value: object) -> str | None:
-    """Where in `value` something is that JSON cannot carry back as it was sent (`[2].x`),
-    or None. Iterative: the body's reader bounds the nesting, not Python's stack."""
-    stack: list[tuple[str, object]] = [("", value)]
-    while stack:
-        where, part = stack.pop()
+def not_json(value: object, place: str) -> str | None:
+    """Where in `value` (at `place`) something is that JSON cannot carry back as it was
+    sent (`{place}[2].x`), or None."""
+    for part, link in json_values(value):
         if isinstance(part, dict):
             if not all(isinstance(key, str) for key in part):
-                return where
-            stack.extend((f"{where}.{key}", item) for key, item in part.items())
-        elif isinstance(part, list):
-            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(part))
-        elif isinstance(part, bool) or part is None or isinstance(part, str):
+                return spelt(link, place)
+        elif isinstance(part, list | str | bool) or part is None:
             continue
         elif isinstance(part, int):
             if not -2**63 <= part < 2**64:
-                return where
+                return spelt(link, place)
         elif not (isinstance(part, float) and math.isfinite(part)):
-            return where
+            return spelt(link, place)
     return None
 
 
