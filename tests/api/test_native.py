@@ -75,6 +75,18 @@ async def test_an_instruction_for_a_model_without_prompts_is_422(shared: Served)
     assert MINILM in error["message"]
 
 
+@pytest.mark.parametrize("size", [2001, 1_000_000])
+async def test_an_instruction_past_its_limit_is_422_before_any_text_is_read(
+        shared: Served, size: int) -> None:
+    """Found by a security review: the instruction had no limit, and is put before every
+    text: a 1 MB one over 100 texts cost a minute of tokenizing and 6 GB."""
+    response = await shared.client.post(f"/v1/encode/{MINILM}", json=encode_body(
+        *["x"] * 100, instruction="y" * size))
+    error = assert_error(response, 422, "invalid_request", "params.instruction")
+    assert f"an instruction of {size:,} characters is over the limit of 2,000" \
+        in error["message"]
+
+
 async def test_encode_truncates_long_text_by_default(shared: Served) -> None:
     long_text = "word " * 2000
     response = await shared.client.post(f"/v1/encode/{MINILM}", json=encode_body(long_text))
