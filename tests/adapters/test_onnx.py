@@ -398,3 +398,49 @@ def test_onnx_runtime_writes_nothing_under_the_home_folder(tmp_path: Path) -> No
     code = "import ember.adapters._onnx, ember.adapters.gliner"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
     assert [p for p in home.rglob("*") if p.is_file()] == []
+
+
+def test_a_staging_folder_swapped_for_a_link_empties_nothing_it_points_at(
+        tmp_path: Path) -> None:
+    """Found by a security review: the staging folder's leftovers were unlinked by name,
+    so a user who could write in the cache swapped the folder for a link to another
+    folder during an export, and the server emptied that folder."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "important.txt").write_text("kept")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with pytest.raises(RuntimeError, match="the export failed"):
+        with _onnx._staging(cache / "model.onnx") as staged:
+            staged.write_bytes(b"graph")
+            moved = staged.parent.rename(tmp_path / "moved")
+            staged.parent.symlink_to(victim, target_is_directory=True)
+            raise RuntimeError("the export failed")  # as the swap makes it fail
+    assert (victim / "important.txt").read_text() == "kept"
+    assert (moved / "model.onnx").read_bytes() == b"graph"
+    assert not (cache / "model.onnx").exists()
+
+
+@pytest.mark.parametrize("opened", ["cache", "onnx", "entry"])
+def test_a_cache_folder_other_users_may_write_in_is_refused(
+        tmp_path: Path, tiny: dict[str, Path], opened: str) -> None:
+    """Found by a security review: a graph found in the cache is run, so one planted by
+    another user who may write there would run as the server."""
+    cache = tmp_path / "cache"
+    load_bi(tiny["bi"], cache)  # the cache as an export leaves it
+    entry = next((cache / "onnx").glob("*/model.onnx")).parent
+    folder = {"cache": cache, "onnx": cache / "onnx", "entry": entry}[opened]
+    folder.chmod(0o777)
+    with pytest.raises(ModelLoadError, match=rf"the ONNX cache folder {folder} is not this "
+                       r"server's alone \(every user may write in it\)"):
+        load_bi(tiny["bi"], cache)
+    folder.chmod(0o700)
+    assert load_bi(tiny["bi"], cache).model.origin == "cached"  # type: ignore[attr-defined]
+
+
+def test_the_cache_folders_an_export_makes_are_its_users_alone(
+        tmp_path: Path, tiny: dict[str, Path]) -> None:
+    cache = tmp_path / "cache"
+    load_bi(tiny["bi"], cache)
+    for folder in (cache / "onnx", *(cache / "onnx").iterdir()):
+        assert folder.stat().st_mode & 0o077 == 0, (folder, oct(folder.stat().st_mode))

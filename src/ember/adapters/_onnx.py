@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 import time
 import warnings
@@ -191,6 +192,42 @@ def load(spec: ModelSpec, model_dir: Path, runtime: Runtime, plan: ExportPlan) -
     return forward
 
 
+def cache_entry(root: Path, name: str, model: str) -> Path:
+    """The cache's folder `name` under `root` (made, as the folders above it, where
+    missing), each checked by `trusted_folder`."""
+    try:
+        for folder in (root.parent, root, root / name):
+            trusted_folder(folder, model)
+    except OSError as exc:
+        if exc.errno not in UNWRITABLE:
+            raise
+        raise unwritable(model, root, exc) from exc
+    return root / name
+
+
+def unwritable(model: str, root: Path, exc: OSError) -> ModelLoadError:
+    """The cache folder's fault, not the model's: said so, with what to do."""
+    return ModelLoadError(model, f"cannot write its ONNX export under {root} ({exc.strerror}); "
+                                 "point --cache-dir (or EMBER_CACHE_DIR) at a writable folder "
+                                 "with room, or serve it with backend: torch")
+
+
+def trusted_folder(path: Path, model: str) -> Path:
+    """`path`, made if missing, where no other user may change what is in it: a graph
+    found there is run as this server's code. Refused when anyone may write in it, or
+    when it is another user's (root's aside: a volume's folder); a group may share it."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    status = path.stat()
+    open_to = ("every user may write in it" if status.st_mode & stat.S_IWOTH
+               else "it is another user's" if status.st_uid not in (os.getuid(), 0) else None)
+    if open_to is not None:
+        raise ModelLoadError(model, f"the ONNX cache folder {path} is not this server's "
+                                    f"alone ({open_to}): another user could replace the graph "
+                                    "it runs; make it yours (chmod o-w), or point --cache-dir "
+                                    "(or EMBER_CACHE_DIR) at a folder of your own")
+    return path
+
+
 def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "--", name).strip("-")
 
@@ -211,7 +248,8 @@ def _fp32(spec: ModelSpec, model_dir: Path, plan: ExportPlan,
             return shipped, "shipped"
         log.warning("%s: not using the shipped %s (%s); exporting instead", spec.name,
                     SHIPPED, reason)
-    target = root / f"{_slug(spec.name)}-{export_key(model_dir, plan)}" / "model.onnx"
+    target = cache_entry(root, f"{_slug(spec.name)}-{export_key(model_dir, plan)}",
+                         spec.name) / "model.onnx"
     if target.is_file():
         return target, "cached"
     try:
@@ -220,10 +258,7 @@ def _fp32(spec: ModelSpec, model_dir: Path, plan: ExportPlan,
         raise
     except Exception as exc:  # the exporter's failures come in many types
         if isinstance(exc, OSError) and exc.errno in UNWRITABLE:
-            raise ModelLoadError(spec.name, f"cannot write its ONNX export under {root} "
-                                            f"({exc.strerror}); point --cache-dir (or "
-                                            "EMBER_CACHE_DIR) at a writable folder with "
-                                            "room, or serve it with backend: torch") from exc
+            raise unwritable(spec.name, root, exc) from exc
         if type(exc).__name__ == "SafetensorError":  # torch could not read it either
             raise ModelLoadError(spec.name, f"its weights file is incomplete or corrupt "
                                             f"({exc}); fetch the model again") from exc
@@ -259,7 +294,7 @@ def _int8(spec: ModelSpec, source: Path, root: Path) -> tuple[Path, Origin]:
 
     key = hashlib.sha256(f"{file_digest([source])}/int8-per-channel/{ort.__version__}/"
                          f"{FORMAT}".encode()).hexdigest()[:16]
-    target = root / f"{_slug(spec.name)}-int8-{key}" / "model.onnx"
+    target = cache_entry(root, f"{_slug(spec.name)}-int8-{key}", spec.name) / "model.onnx"
     if target.is_file():
         return target, "cached"
     log.info("%s: quantizing to int8 (dynamic, onnxruntime) ...", spec.name)
@@ -303,7 +338,6 @@ class _staging:
         self.target = target
 
     def __enter__(self) -> Path:
-        self.target.parent.mkdir(parents=True, exist_ok=True)
         sweep_abandoned_staging(self.target.parent)
         self.dir = Path(tempfile.mkdtemp(prefix=f"{STAGING}{staging_owner()}-",
                                          dir=self.target.parent))
@@ -313,9 +347,9 @@ class _staging:
         staged = self.dir / self.target.name
         if kind is None:
             os.replace(staged, self.target)
-        for leftover in self.dir.iterdir():
-            leftover.unlink()
-        self.dir.rmdir()
+        # Not file by file by name: a folder swapped for a link meanwhile would have its
+        # target emptied. rmtree refuses a link, and works through the folder's descriptor.
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def staging_owner() -> str:
