@@ -410,12 +410,12 @@ def test_a_staging_folder_swapped_for_a_link_empties_nothing_it_points_at(
     (victim / "important.txt").write_text("kept")
     cache = tmp_path / "cache"
     cache.mkdir()
-    with pytest.raises(RuntimeError, match="the export failed"):
-        with _onnx._staging(cache / "model.onnx") as staged:
-            staged.write_bytes(b"graph")
-            moved = staged.parent.rename(tmp_path / "moved")
-            staged.parent.symlink_to(victim, target_is_directory=True)
-            raise RuntimeError("the export failed")  # as the swap makes it fail
+    with (pytest.raises(RuntimeError, match="the export failed"),
+          _onnx._staging(cache / "model.onnx") as staged):
+        staged.write_bytes(b"graph")
+        moved = staged.parent.rename(tmp_path / "moved")
+        staged.parent.symlink_to(victim, target_is_directory=True)
+        raise RuntimeError("the export failed")  # as the swap makes it fail
     assert (victim / "important.txt").read_text() == "kept"
     assert (moved / "model.onnx").read_bytes() == b"graph"
     assert not (cache / "model.onnx").exists()
