@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -224,3 +225,37 @@ def test_where_a_folder_names_its_activation_in_sentence_transformers_order(
     st_file.write_text("[" * 100_000)  # hostile nesting fails the load, naming the file
     with pytest.raises(ModelLoadError, match=r"config_sentence_transformers\.json"):
         cross_encoder.load(spec, Runtime())
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_a_long_query_is_cut_before_pairing_with_the_same_pairs_as_whole(
+        model_dir: Path, side: str) -> None:
+    """Found by a security review: a 200k-character query was tokenized again with each
+    of 200 documents (78 s, 3.5 GB for a 201 kB body). It is cut once, past where any
+    pair's cut reaches; the pairs are those the whole query gives, token for token."""
+    from transformers import AutoTokenizer
+
+    from ember.adapters._tokenize import TextTokenizer, encode_batch
+
+    wrapper = AutoTokenizer.from_pretrained(str(model_dir))
+    wrapper.truncation_side = side
+    tokens = TextTokenizer(wrapper, 64)
+    words = "the river and the mountain near paris " * 100
+    queries = [words, "supercalifragilistic" * 200 + " " + words,  # one word of many tokens
+               "élève naïve café " * 200, "東京の空は青い。" * 300]
+    docs = ["x", *(" ".join(["word"] * n) for n in (20, 29, 30, 31, 32, 33, 61, 62, 63, 64,
+                                                     65, 70, 71, 200))]
+    for query in queries:
+        cut = tokens.encode_pairs(query, docs, truncate=True)
+        whole = encode_batch(tokens._cut, [(query, doc) for doc in docs])
+        assert [e.ids for e in cut] == [e.ids for e in whole], query[:40]
+        assert [e.type_ids for e in cut] == [e.type_ids for e in whole]
+
+
+def test_a_long_query_over_many_documents_is_tokenized_once(
+        reranker: CrossEncoderAdapter) -> None:
+    started = time.perf_counter()
+    items = reranker.prepare("word " * 40_000, ["a document"] * 200, truncate=True)
+    elapsed = time.perf_counter() - started
+    assert len(items) == 200 and all(item.cost == 64 for item in items)
+    assert elapsed < 5.0, elapsed  # each pair once held the whole query: 30 s and more

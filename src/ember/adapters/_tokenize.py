@@ -134,6 +134,11 @@ def over_limit(count: int, limit: int, param: str, what: str = "") -> InputTooLo
                         f"text or {TRUNCATE_ADVICE}", param)
 
 
+# Tokens left past where a pair's cut can reach when a long first text is cut before
+# pairing: the words at the new edge may tokenize otherwise, far from what is kept.
+PAIR_MARGIN = 64
+
+
 class TextTokenizer:
     """A fast tokenizer's backend, copied and configured once per truncation strategy:
     none, or `longest_first` (one text, or a pair cut from the longer side, as
@@ -159,6 +164,7 @@ class TextTokenizer:
 
         self._whole = copy(None)
         self._cut = copy("longest_first")
+        self.side: str = wrapper.truncation_side
         self.pair_specials = self._whole.num_special_tokens_to_add(is_pair=True)
         self.head, self.tail = self._frame()
 
@@ -217,8 +223,34 @@ class TextTokenizer:
     def encode_pairs(self, first: str, seconds: Sequence[str],
                      truncate: bool) -> list[Encoding]:
         """(first, second) pairs in one batch call, cut from the longer side or whole."""
-        tokenizer = self._cut if truncate else self._whole
-        return encode_batch(tokenizer, [(first, second) for second in seconds])
+        if not truncate:
+            return encode_batch(self._whole, [(first, second) for second in seconds])
+        return encode_batch(self._cut, list(zip(self._firsts(first, seconds), seconds,
+                                                strict=True)))
+
+    def _firsts(self, first: str, seconds: Sequence[str]) -> list[str]:
+        """`first` as each pair needs it: a long one (a query) would be tokenized whole
+        again with every second text, so it is cut where the cut never reaches. A pair
+        keeps fewer of its tokens than the limit, and longest_first weighs only the two
+        lengths: cut PAIR_MARGIN tokens past the limit and the second text's length, it
+        keeps the same tokens and stays the longer side."""
+        encoding = self._whole.encode(first, add_special_tokens=False)  # with its offsets
+        count = len(encoding)
+        if count <= self.limit + PAIR_MARGIN:
+            return [first] * len(seconds)
+        lengths = map(len, encode_batch(self._whole, list(seconds), add_special_tokens=False))
+        cuts: dict[int, str] = {}
+        firsts = []
+        for length in lengths:
+            keep = max(self.limit, length) + PAIR_MARGIN
+            if keep >= count:
+                firsts.append(first)
+                continue
+            if keep not in cuts:  # at a token's edge; the side the tokenizer cuts from goes
+                cuts[keep] = (first[encoding.offsets[count - keep][0]:] if self.side == "left"
+                              else first[:encoding.offsets[keep][0]])
+            firsts.append(cuts[keep])
+        return firsts
 
     def _frame(self) -> tuple[list[int], list[int]]:
         """The special tokens the template puts before and after a text's ids (BERT:
