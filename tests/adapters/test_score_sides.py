@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 
 import pytest
 
@@ -13,18 +13,26 @@ from ember.adapters._torch import submit_sides
 from ember.adapters.synthetic import CostModel, SyntheticAdapter, SyntheticFault
 from ember.engine import ModelWorker, PreparedItem, RequestResult, WorkerConfig
 
+Submit = Callable[[Sequence[PreparedItem], Hashable, str | None], Awaitable[RequestResult]]
 
-async def test_when_one_side_fails_the_other_sides_items_are_dropped() -> None:
-    """Found by a code review: the documents kept running through forwards after the
-    client had the query side's error (and each retry queued them all again)."""
-    adapter = SyntheticAdapter(dims=8, cost=CostModel(overhead_ms=20.0, per_token_us=0.0))
-    worker = ModelWorker(adapter, WorkerConfig(max_batch_items=8), name="sides")
+
+async def started_worker(cost: CostModel) -> tuple[ModelWorker, Submit]:
+    """A synthetic model's worker, started, and a submit that awaits its result."""
+    worker = ModelWorker(SyntheticAdapter(dims=8, cost=cost), WorkerConfig(max_batch_items=8),
+                         name="sides")
     await worker.start()
 
     async def submit(items: Sequence[PreparedItem], params: Hashable,
                      lora: str | None) -> RequestResult:
         return await (await worker.submit(items, params, lora=lora))
 
+    return worker, submit
+
+
+async def test_when_one_side_fails_the_other_sides_items_are_dropped() -> None:
+    """Found by a code review: the documents kept running through forwards after the
+    client had the query side's error (and each retry queued them all again)."""
+    worker, submit = await started_worker(CostModel(overhead_ms=20.0, per_token_us=0.0))
     texts = ["__fail__ query", *(f"doc {i}" for i in range(64))]  # the query's forward fails
     items = [PreparedItem(text, 2, i) for i, text in enumerate(texts)]
     with pytest.raises(SyntheticFault):
@@ -45,14 +53,7 @@ async def test_a_two_sided_scores_timings_count_each_forward_once() -> None:
     queue + inference came to 1.9x the request's whole time."""
     from ember.adapters.base import combine
 
-    adapter = SyntheticAdapter(dims=8, cost=CostModel(overhead_ms=2.0, per_token_us=50.0))
-    worker = ModelWorker(adapter, WorkerConfig(max_batch_items=8), name="timings")
-    await worker.start()
-
-    async def submit(items: Sequence[PreparedItem], params: Hashable,
-                     lora: str | None) -> RequestResult:
-        return await (await worker.submit(items, params, lora=lora))
-
+    worker, submit = await started_worker(CostModel(overhead_ms=2.0, per_token_us=50.0))
     items = [PreparedItem("a long query", 2000, 0),  # a 100 ms forward
              *(PreparedItem(f"doc {i}", 2, i + 1) for i in range(4))]
     started = time.perf_counter()
