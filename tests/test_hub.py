@@ -246,6 +246,27 @@ def test_a_branch_that_moves_during_a_download_brings_the_commit_that_was_judged
     assert (fetched.parent.parent / "refs" / "main").read_text() == judged
 
 
+def test_a_branch_that_cannot_be_recorded_in_the_cache_is_a_warning_not_a_failure(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Found by a review of the change: a download that had succeeded failed with a bare
+    OSError where the cache could not take the branch's name (read-only, full)."""
+    from ember.hub import remember_revision
+
+    snapshot_folder = tmp_path / "models--org--name" / "snapshots" / ("a" * 40)
+    snapshot_folder.mkdir(parents=True)
+    (tmp_path / "models--org--name" / "refs").write_text("not a folder")
+    with caplog.at_level("WARNING", logger="ember.hub"):
+        remember_revision(snapshot_folder, "main", "a" * 40)
+    assert "could not record" in caplog.text and "name the commit instead" in caplog.text
+    refs = tmp_path / "models--org--name" / "refs"
+    refs.unlink()
+    refs.mkdir()
+    (refs / "main").write_text("a" * 40)
+    written = (refs / "main").stat().st_mtime_ns
+    remember_revision(snapshot_folder, "main", "a" * 40)  # already so: nothing is written
+    assert (refs / "main").stat().st_mtime_ns == written
+
+
 @pytest.mark.parametrize("sha", ["../../../../escaped", "0" * 39, "main", "A" * 40])
 def test_a_listing_whose_commit_is_no_commit_id_is_refused(
         standin: HubStandIn, tmp_path: Path, sha: str) -> None:

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -32,7 +33,13 @@ import yaml
 from ember.adapters.synthetic import CRASH_EXIT_CODE
 from ember.config import ServerSettings
 from ember.ipc.client import peer_name
-from ember.supervisor import ApiProcess, Supervisor, count_drainers, drained_last
+from ember.supervisor import (
+    OWNER_FILE,
+    ApiProcess,
+    Supervisor,
+    drained,
+    list_drainers,
+)
 from tests.api.conftest import MODEL_YAMLS, SLOW
 from tests.live_server import (
     REPO,
@@ -224,7 +231,8 @@ def test_a_stop_before_any_api_process_serves_answers_what_the_port_queued(
         with ThreadPoolExecutor(3) as pool:
             sent = [pool.submit(encode, server.url, f"queued {i}") for i in range(3)]
             time.sleep(0.3)
-            assert " serves" not in server.log_text(), "an API process served: too late"
+            if " serves" in server.log_text():  # a fast machine: the case did not happen
+                pytest.skip("an API process served within 0.3 s of the port's binding")
             server.terminate()
             answers = [future.result().status_code for future in sent]
         assert server.process.wait(60) == 0, server.log_tail()
@@ -233,16 +241,40 @@ def test_a_stop_before_any_api_process_serves_answers_what_the_port_queued(
     assert set(answers) <= {200, 503} and 503 in answers, answers
 
 
-def test_the_last_api_process_to_drain_is_told_so_and_an_unreadable_count_cuts(
+def test_the_last_api_process_to_drain_is_told_so_and_an_unreadable_list_cuts(
         tmp_path: Path) -> None:
-    count = tmp_path / "draining"
-    count_drainers(count, 3)
-    assert [drained_last(count) for _ in range(3)] == [False, False, True]
-    # Where the count cannot be read, each cuts the queue as a lone process does.
-    assert drained_last(tmp_path / "missing")
-    for garbage in (b"", b"x" * 10_000, b"\xff\xfe", b"9" * 5000):
-        count.write_bytes(garbage)
-        assert drained_last(count), garbage
+    listed = tmp_path / "draining"
+    list_drainers(listed, [0, 1, 2])
+    assert not drained(listed, 1)
+    list_drainers(listed, [0, 1, 2])  # a second order (the engine gone) keeps who is left
+    assert not drained(listed, 1)  # twice is once
+    # Found by a review of the change: one that died never took itself off, and no one
+    # was last; the supervisor strikes it.
+    assert not drained(listed, 2)  # struck by the supervisor
+    assert drained(listed, 0)
+    # Where the list cannot be read, each cuts the queue as a lone process does.
+    assert drained(tmp_path / "missing", 0)
+    for garbage in (b"x" * 10_000, b"\xff\xfe", b"9" * 5000):
+        listed.write_bytes(garbage)
+        assert drained(listed, 0), garbage
+
+
+def test_a_drain_list_that_cannot_be_written_still_drains_every_process(
+        two_api_processes: ServerProcess) -> None:
+    """Found by a review of the change: the drain's list was written before any order,
+    and a failure there left the API processes unordered: the server kept serving, and
+    only a second signal ended it. The orders go out all the same now."""
+    server = two_api_processes
+    owner_files = Path(tempfile.gettempdir()).glob(f"ember-*/{OWNER_FILE}")
+    runtime = next(f.parent for f in owner_files if f.read_text() == str(server.pid))
+    (runtime / "draining.tmp").mkdir()  # where the list is written: it cannot be
+    assert encode(server.url, "before").status_code == 200
+    server.terminate()
+    assert server.process.wait(60) == 0, server.log_tail()
+    log = server.log_text()
+    assert "could not write the drain's list" in log, log[-3000:]
+    assert log.count("drained in") >= 3, log[-3000:]  # both API processes and the engine
+
 
 def test_a_dead_api_process_is_replaced_and_service_goes_on(
         two_api_processes: ServerProcess) -> None:

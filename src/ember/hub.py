@@ -338,16 +338,20 @@ def _download(ref: HubRef, wanted: Wanted, limit: int | None) -> Path:
 def remember_revision(folder: Path, revision: str, sha: str) -> None:
     """Point the cache's `revision` at `sha`, as the Hub's client does when it downloads
     by a branch or tag, so that a later offline lookup by that name finds this snapshot."""
-    if revision == sha:
-        return
     refs = folder.parent.parent / "refs"
     ref_file = refs / revision
     if not ref_file.resolve().is_relative_to(refs.resolve()):
         raise HubError(f"revision {revision!r} names a place outside the cache; refused")
-    ref_file.parent.mkdir(parents=True, exist_ok=True)
-    written = ref_file.with_name(f".{ref_file.name}.{os.getpid()}.tmp")
-    written.write_text(sha)
-    written.replace(ref_file)  # whole or not at all: another process may read it now
+    try:
+        if revision == sha or (ref_file.is_file() and ref_file.read_text() == sha):
+            return  # as the Hub's client: a read-only cache that has it stays usable
+        ref_file.parent.mkdir(parents=True, exist_ok=True)
+        written = ref_file.with_name(f".{ref_file.name}.{os.getpid()}.tmp")
+        written.write_text(sha)
+        written.replace(ref_file)  # whole or not at all: another process may read it now
+    except OSError as exc:  # the files are here: this start serves them all the same
+        log.warning("could not record %s as the cache's %s (%s): an offline start by that "
+                    "name will not find it; name the commit instead", sha, revision, exc)
 
 
 def hub_failure(ref: HubRef, exc: Exception, doing: str) -> HubError:

@@ -111,9 +111,9 @@ def sweep_stale_runtime_dirs() -> None:
 
 
 def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: int,
-            serving: Connection, drain_count: str) -> None:
+            serving: Connection, drainers: str) -> None:
     """An API process's main: the HTTP routes on the shared socket, the models remote;
-    `serving` is told once it listens; `drain_count` holds how many still drain."""
+    `serving` is told once it listens; `drainers` lists those still draining."""
     from ember.adapters.base import Runtime
     from ember.config import load_catalog
     from ember.ipc.client import EngineClient
@@ -145,29 +145,33 @@ def run_api(settings: ServerSettings, sock: socket.socket, address: str, index: 
 
     run_http(settings, models, sockets=[sock],
              supervised=Supervised(listening, engine_gone, draining,
-                                   lambda: drained_last(Path(drain_count))))
+                                   lambda: drained(Path(drainers), index)))
 
 
-def count_drainers(path: Path, count: int) -> None:
-    """Before the drain orders: how many API processes will drain (`drained_last`)."""
+def list_drainers(path: Path, indexes: Sequence[int]) -> None:
+    """Before the first drain order: the API processes that drain (`drained`). A later
+    order (the engine gone during the drain) keeps the list as the drain left it."""
+    if path.exists():
+        return
     written = path.with_name(path.name + ".tmp")
-    written.write_text(str(count))
+    written.write_text(" ".join(map(str, indexes)))
     written.replace(path)
 
 
-def drained_last(path: Path) -> bool:
-    """One API process fewer drains; whether it was the last. True where the count cannot
-    be read: it then cuts the shared port's queue as a lone process would."""
+def drained(path: Path, index: int) -> bool:
+    """API process `index` has drained, or ended (the supervisor says so for one that
+    died): it leaves the list; whether none is left. True where the list cannot be read:
+    each then cuts the shared port's queue as a lone process would."""
     try:
-        with path.open("r+") as count:
-            fcntl.flock(count, fcntl.LOCK_EX)  # released as it closes
-            left = int(count.read() or 0) - 1
-            count.seek(0)
-            count.truncate()
-            count.write(str(left))
+        with path.open("r+") as listed:
+            fcntl.flock(listed, fcntl.LOCK_EX)  # released as it closes
+            left = {int(word) for word in listed.read().split()} - {index}
+            listed.seek(0)
+            listed.truncate()
+            listed.write(" ".join(map(str, sorted(left))))
     except (OSError, ValueError):
         return True
-    return left <= 0
+    return not left
 
 
 @dataclass
@@ -213,10 +217,11 @@ class Supervisor:
         self.runtime_dir = Path(tempfile.mkdtemp(prefix="ember-"))  # private: mode 0700
         self._owner = claim(self.runtime_dir)  # held, locked, for this process's life
         self.address = f"ipc://{self.runtime_dir / 'engine.sock'}"
-        self.drain_count = self.runtime_dir / "draining"  # API processes still draining
+        self.drainers = self.runtime_dir / "draining"  # API processes still draining
         self.apis: list[ApiProcess] = []
         self.signals = 0
         self.failed_starts = 0  # API processes in a row that died before they served
+        self._struck: set[int] = set()  # API processes taken off the drain's list
         self.quick_deaths = 0  # API processes in a row that died soon after their start
         self.engine_deaths = 0  # engine deaths in a row, each soon after its start (pauses)
         self.load_deaths = 0  # of those, the ones as it loaded (the crash-loop guard)
@@ -349,7 +354,7 @@ class Supervisor:
         serving, says = self.context.Pipe(duplex=False)  # not an Event: no resource tracker
         process = self.context.Process(target=run_api, name=f"ember-api-{index}",
                                        args=(self.settings, sock, self.address, index, says,
-                                             str(self.drain_count)))
+                                             str(self.drainers)))
         with held_for_child():
             process.start()
         says.close()
@@ -431,6 +436,7 @@ class Supervisor:
             # After that look, so that every death which ends the drain is forgotten first
             # (one seen only by the loop's test was not: its queue ran for no one).
             self._forget_the_killed(forgotten)
+            self._strike_the_ended()
             if not draining:
                 break
             self._wait_drains(draining, ordered, also=[engine.sentinel])
@@ -441,6 +447,14 @@ class Supervisor:
                     return self._stop_apis_engine_gone(), engine
                 engine = replacement
         return [api.drain_code() for api in self.apis], engine
+
+    def _strike_the_ended(self) -> None:
+        """Take each API process that has ended off the drain's list (one that drained
+        took itself off): the last one left then cuts the port's queue, not none."""
+        for api in self.apis:
+            if api.index not in self._struck and not api.process.is_alive():
+                self._struck.add(api.index)
+                drained(self.drainers, api.index)
 
     def _forget_the_killed(self, forgotten: set[int]) -> None:
         """Tell the engine to drop what an API process that did not end its drain cleanly
@@ -493,10 +507,11 @@ class Supervisor:
     def _stop_apis(self, grace_s: float | None = None) -> list[int]:
         """Order each API process to drain what it accepted and wait for all; after
         `grace_s`, if given, end the ones still running."""
-        self._order_drain()
+        self._order_drain(wait_unserved=False)
         ordered = time.monotonic()
         deadline = None if grace_s is None else ordered + grace_s
         while alive := [api for api in self.apis if api.process.is_alive()]:
+            self._strike_the_ended()
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 for api in alive:
@@ -506,16 +521,24 @@ class Supervisor:
             self._wait_drains(alive, ordered, left)
         return [api.drain_code() for api in self.apis]
 
-    def _order_drain(self) -> None:
+    def _order_drain(self, wait_unserved: bool = True) -> None:
         """DRAIN_ORDER to every API process that serves: it finishes what it accepted. One
         still starting has nothing to finish and is ended now, where another serves: the
         connections the kernel queued on the shared port are that one's to answer. Where
-        none serves yet, each is ordered and drains once it serves (answering those 503,
-        which ending them all would reset); `_end_if_wedged` ends one that never does."""
+        none serves yet (and `wait_unserved`: not when they keep failing to start, or no
+        engine is left), each is ordered and drains once it serves, answering those 503,
+        which ending them all would reset; `_end_if_wedged` ends one that never does."""
         alive = [api for api in self.apis
                  if api.process.is_alive() and api.process.pid is not None]
-        ordered = [api for api in alive if api.has_served()] or alive
-        count_drainers(self.drain_count, len(ordered))
+        ordered = [api for api in alive if api.has_served()] or (alive if wait_unserved
+                                                                  else [])
+        try:
+            list_drainers(self.drainers, [api.index for api in ordered])
+        except OSError as exc:  # the orders go out all the same: each cuts its own queue
+            log.warning("could not write the drain's list (%s); each API process will cut "
+                        "the port's queue as it ends", exc)
+            with contextlib.suppress(OSError):
+                self.drainers.unlink()
         for api in alive:
             assert api.process.pid is not None
             if api in ordered:

@@ -421,9 +421,12 @@ def test_a_staging_folder_swapped_for_a_link_empties_nothing_it_points_at(
     assert not (cache / "model.onnx").exists()
 
 
-@pytest.mark.parametrize("opened", ["cache", "onnx", "entry"])
+@pytest.mark.parametrize(("opened", "refused"), [
+    ("onnx", True), ("entry", True),
+    ("cache", False),  # --cache-dir itself may be open (an emptyDir): Ember's folders are its
+])
 def test_a_cache_folder_other_users_may_write_in_is_refused(
-        tmp_path: Path, tiny: dict[str, Path], opened: str) -> None:
+        tmp_path: Path, tiny: dict[str, Path], opened: str, refused: bool) -> None:
     """Found by a security review: a graph found in the cache is run, so one planted by
     another user who may write there would run as the server."""
     cache = tmp_path / "cache"
@@ -431,11 +434,39 @@ def test_a_cache_folder_other_users_may_write_in_is_refused(
     entry = next((cache / "onnx").glob("*/model.onnx")).parent
     folder = {"cache": cache, "onnx": cache / "onnx", "entry": entry}[opened]
     folder.chmod(0o777)
-    with pytest.raises(ModelLoadError, match=rf"the ONNX cache folder {folder} is not this "
-                       r"server's alone \(every user may write in it\)"):
-        load_bi(tiny["bi"], cache)
-    folder.chmod(0o700)
+    if refused:
+        with pytest.raises(ModelLoadError, match=rf"the ONNX cache folder {folder} is open to "
+                           r"other users \(every user may write in it\)"):
+            load_bi(tiny["bi"], cache)
+        folder.chmod(0o700)
     assert load_bi(tiny["bi"], cache).model.origin == "cached"  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="makes a folder another user's (chown)")
+def test_another_users_cache_folder_is_refused_only_where_anyone_could_have_made_it(
+        tmp_path: Path, tiny: dict[str, Path]) -> None:
+    cache = tmp_path / "cache"
+    load_bi(tiny["bi"], cache)
+    os.chown(cache / "onnx", 65534, 65534)  # a prebuilt image's, say: accepted
+    assert load_bi(tiny["bi"], cache).model.origin == "cached"  # type: ignore[attr-defined]
+    cache.chmod(0o777)  # now any user could have made it
+    with pytest.raises(ModelLoadError, match="another user made it where every user may"):
+        load_bi(tiny["bi"], cache)
+
+
+def test_a_cached_graph_any_user_may_write_is_refused_and_exports_are_not(
+        tmp_path: Path, tiny: dict[str, Path]) -> None:
+    cache = tmp_path / "cache"
+    mask = os.umask(0)  # a umask of 0 would leave an export writable by everyone
+    try:
+        load_bi(tiny["bi"], cache)
+    finally:
+        os.umask(mask)
+    graph = next((cache / "onnx").glob("*/model.onnx"))
+    assert graph.stat().st_mode & 0o022 == 0, oct(graph.stat().st_mode)
+    graph.chmod(0o666)
+    with pytest.raises(ModelLoadError, match="may be written by every user"):
+        load_bi(tiny["bi"], cache)
 
 
 def test_the_cache_folders_an_export_makes_are_its_users_alone(

@@ -194,9 +194,10 @@ def load(spec: ModelSpec, model_dir: Path, runtime: Runtime, plan: ExportPlan) -
 
 def cache_entry(root: Path, name: str, model: str) -> Path:
     """The cache's folder `name` under `root` (made, as the folders above it, where
-    missing), each checked by `trusted_folder`."""
+    missing), it and `root` checked by `trusted_folder`. --cache-dir itself may be open
+    to others (a Kubernetes emptyDir is 0777): Ember's folders in it are its own."""
     try:
-        for folder in (root.parent, root, root / name):
+        for folder in (root, root / name):
             trusted_folder(folder, model)
     except OSError as exc:
         if exc.errno not in UNWRITABLE:
@@ -213,19 +214,35 @@ def unwritable(model: str, root: Path, exc: OSError) -> ModelLoadError:
 
 
 def trusted_folder(path: Path, model: str) -> Path:
-    """`path`, made if missing, where no other user may change what is in it: a graph
-    found there is run as this server's code. Refused when anyone may write in it, or
-    when it is another user's (root's aside: a volume's folder); a group may share it."""
+    """`path`, made if missing (for this user alone), where no stranger may change what
+    is in it: a graph found there is run as this server's code. Refused when anyone may
+    write in it, or when it is another user's in a folder anyone may write in (a stranger
+    made it); another user's elsewhere was given by whoever set the cache up (a prebuilt
+    image's), and a group may share it."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     status = path.stat()
+    made_by_anyone = (status.st_uid not in (os.getuid(), 0)
+                      and path.parent.stat().st_mode & stat.S_IWOTH)
     open_to = ("every user may write in it" if status.st_mode & stat.S_IWOTH
-               else "it is another user's" if status.st_uid not in (os.getuid(), 0) else None)
+               else "another user made it where every user may" if made_by_anyone else None)
     if open_to is not None:
-        raise ModelLoadError(model, f"the ONNX cache folder {path} is not this server's "
-                                    f"alone ({open_to}): another user could replace the graph "
-                                    "it runs; make it yours (chmod o-w), or point --cache-dir "
-                                    "(or EMBER_CACHE_DIR) at a folder of your own")
+        raise ModelLoadError(model, f"the ONNX cache folder {path} is open to other users "
+                                    f"({open_to}): one could replace the graph this server "
+                                    "runs; remove it (Ember makes it again, for its user "
+                                    "alone), or point --cache-dir (or EMBER_CACHE_DIR) at a "
+                                    "folder of your own")
     return path
+
+
+def cached_graph(path: Path, model: str) -> bool:
+    """Whether the cache holds the graph at `path`; one any user may write is refused."""
+    if not path.is_file():
+        return False
+    if path.stat().st_mode & stat.S_IWOTH:
+        raise ModelLoadError(model, f"the cached ONNX graph {path} may be written by every "
+                                    "user: one could replace what this server runs; remove "
+                                    "it (Ember exports it again)")
+    return True
 
 
 def _slug(name: str) -> str:
@@ -250,7 +267,7 @@ def _fp32(spec: ModelSpec, model_dir: Path, plan: ExportPlan,
                     SHIPPED, reason)
     target = cache_entry(root, f"{_slug(spec.name)}-{export_key(model_dir, plan)}",
                          spec.name) / "model.onnx"
-    if target.is_file():
+    if cached_graph(target, spec.name):
         return target, "cached"
     try:
         export(spec.name, plan, target)
@@ -295,7 +312,7 @@ def _int8(spec: ModelSpec, source: Path, root: Path) -> tuple[Path, Origin]:
     key = hashlib.sha256(f"{file_digest([source])}/int8-per-channel/{ort.__version__}/"
                          f"{FORMAT}".encode()).hexdigest()[:16]
     target = cache_entry(root, f"{_slug(spec.name)}-int8-{key}", spec.name) / "model.onnx"
-    if target.is_file():
+    if cached_graph(target, spec.name):
         return target, "cached"
     log.info("%s: quantizing to int8 (dynamic, onnxruntime) ...", spec.name)
     started = time.monotonic()
@@ -346,6 +363,7 @@ class _staging:
     def __exit__(self, kind: object, *rest: object) -> None:
         staged = self.dir / self.target.name
         if kind is None:
+            os.chmod(staged, 0o644)  # whatever the umask: no other user may change it
             os.replace(staged, self.target)
         # Not file by file by name: a folder swapped for a link meanwhile would have its
         # target emptied. rmtree refuses a link, and works through the folder's descriptor.

@@ -234,7 +234,9 @@ class TextTokenizer:
         keeps fewer of its tokens than the limit, and longest_first weighs only the two
         lengths: cut PAIR_MARGIN tokens past the limit and the second text's length, it
         keeps the same tokens and stays the longer side."""
-        encoding = self._whole.encode(first, add_special_tokens=False)  # with its offsets
+        # With its offsets; the batch call lets go of the GIL (`encode` held the event
+        # loop for as long as a 1 MB query took).
+        encoding = self._whole.encode_batch([first], add_special_tokens=False)[0]
         count = len(encoding)
         if count <= self.limit + PAIR_MARGIN:
             return [first] * len(seconds)
