@@ -144,3 +144,14 @@ def test_a_long_key_over_a_long_list_costs_no_copy_per_element() -> None:
         tracemalloc.stop()
     assert refusal.value.param == "bad[1]"
     assert decoding_peak < 50e6 and walking_peak < 20e6, (decoding_peak, walking_peak)
+
+
+def test_the_field_count_looks_where_objects_sit_not_down_lists_of_lists() -> None:
+    from ember.api.codec import crowded_object
+
+    many = {f"k{i}": 0 for i in range(300)}
+    assert crowded_object({"a": [{"b": {"c": {"d": many}}}]}) == ("a[0].b.c.d", 300)
+    assert crowded_object({"a": {"b": {"c": {"d": {"e": many}}}}}) is None  # deeper than any
+    assert crowded_object({"inputs": [[many]]}) is None  # token ids' shape: not looked into
+    assert crowded_object([many]) is None and crowded_object("x") is None
+    assert crowded_object(many) == ("body", 300)

@@ -83,6 +83,11 @@ class _Handler:
             codec.check_body_type(request.headers)  # from its headers: none of it is read
             body_bytes = await read_body(receive, server, body_idle_s(server))
             data = codec.decode(body_bytes, request.headers)
+            if (crowded := codec.crowded_object(data)) is not None:
+                place, fields = crowded
+                raise ApiError(422, "invalid_request", f"an object of {fields:,} fields is over "
+                               f"the limit of {codec.MAX_FIELDS}: a request's objects hold a "
+                               "few named fields; send only those", place)
             try:
                 body = self.body_model.model_validate(data)
             except ValidationError as exc:
