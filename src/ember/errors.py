@@ -39,12 +39,16 @@ def json_kind(value: object) -> str:
     return "an object" if isinstance(value, dict) else type(value).__name__
 
 
+def shown(text: str, limit: int = 80) -> str:
+    """A text as a message quotes it: a client's long one is cut."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def described(value: object, limit: int = 80) -> str:
     """A value as a message quotes it: a short scalar as written, anything else by its
     kind (a file's nested value could be long)."""
     if isinstance(value, str | int | float | bool) or value is None:
-        text = repr(value)
-        return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+        return shown(repr(value), limit)
     return json_kind(value)
 
 

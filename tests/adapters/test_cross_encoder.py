@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -252,10 +251,11 @@ def test_a_long_query_is_cut_before_pairing_with_the_same_pairs_as_whole(
         assert [e.type_ids for e in cut] == [e.type_ids for e in whole]
 
 
-def test_a_long_query_over_many_documents_is_tokenized_once(
+def test_a_long_query_over_many_documents_is_paired_cut(
         reranker: CrossEncoderAdapter) -> None:
-    started = time.perf_counter()
-    items = reranker.prepare("word " * 40_000, ["a document"] * 200, truncate=True)
-    elapsed = time.perf_counter() - started
+    """Each pair once held the whole query: 40,000 words over 200 documents took 16 s."""
+    query, docs = "word " * 40_000, ["a document"] * 200
+    firsts = reranker.tokens._firsts(query, docs)
+    assert len(set(firsts)) == 1 and len(firsts[0]) < 1_000  # one cut, shared by every pair
+    items = reranker.prepare(query, docs, truncate=True)
     assert len(items) == 200 and all(item.cost == 64 for item in items)
-    assert elapsed < 5.0, elapsed  # each pair once held the whole query: 30 s and more

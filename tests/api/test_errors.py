@@ -533,11 +533,9 @@ async def test_an_object_of_hundreds_of_fields_is_refused_before_validation(
         shared: Served, route: str, body: dict[str, Any], param: str) -> None:
     """Found by a security review: pydantic builds an error for each unknown field, so a
     12 MB body of 1M of them held the event loop 2.3 s for a 422."""
-    started = time.perf_counter()
     response = await shared.client.post(route, json=body)
     error = assert_error(response, 422, "invalid_request", param)
-    assert "fields is over the limit of 256" in error["message"], error
-    assert time.perf_counter() - started < 1.0  # 100,000 unknown fields took 0.25 s before
+    assert "fields is over the limit of 256" in error["message"], error  # not the schema's
 
 
 async def test_an_object_up_to_the_field_limit_gets_the_schemas_own_refusal(

@@ -35,6 +35,7 @@ from ember.errors import (
     UnsupportedOutput,
     UnsupportedTask,
     json_kind,
+    shown,
 )
 from ember.ipc.wire import RemoteFault
 
@@ -208,11 +209,6 @@ def as_api_error(exc: Exception) -> ApiError:
 
 
 UNKNOWN_NAMED = 5  # unknown fields an error names
-
-
-def shown(path: str, limit: int = 80) -> str:
-    """A field's path as a message quotes it: a client's long key is cut."""
-    return path if len(path) <= limit else f"{path[:limit]}... ({len(path)} characters)"
 
 
 def validation_error(errors: Sequence[Any], model: type[BaseModel] | None = None) -> ApiError:

@@ -14,8 +14,9 @@ from typing import Any
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ember.api.errors import CLIENT_CLOSED_REQUEST, BodyTooLarge, error_response, shown
+from ember.api.errors import CLIENT_CLOSED_REQUEST, BodyTooLarge, error_response
 from ember.api.state import ServerState
+from ember.errors import described
 from ember.logs import REQUEST_ID, access_log, handling
 from ember.metrics import labelled
 
@@ -195,7 +196,7 @@ class HostMiddleware(HttpMiddleware):
         if answered is not None and sent and host_name(sent) not in answered:
             # Which names it answers to is not said: after a rebinding the page reads this.
             await self.refuse("invalid_host", scope, receive, send, 400, "invalid_request",
-                              f"the Host header names {shown(sent)!r}, which this server "
+                              f"the Host header names {described(sent)}, which this server "
                               "does not answer to: start it with --allowed-host for the name "
                               "clients use", "Host")
             return
