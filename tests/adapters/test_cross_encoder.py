@@ -245,7 +245,7 @@ def test_a_long_query_is_cut_before_pairing_with_the_same_pairs_as_whole(
     docs = ["x", *(" ".join(["word"] * n) for n in (20, 29, 30, 31, 32, 33, 61, 62, 63, 64,
                                                      65, 70, 71, 200))]
     for query in queries:
-        cut = tokens.encode_pairs(query, docs, truncate=True)
+        cut = tokens.encode_pairs(query, docs, True, tokens.count(query))
         whole = encode_batch(tokens._cut, [(query, doc) for doc in docs])
         assert [e.ids for e in cut] == [e.ids for e in whole], query[:40]
         assert [e.type_ids for e in cut] == [e.type_ids for e in whole]

@@ -100,7 +100,7 @@ def test_pairs_match_the_transformers_wrapper(minilm_wrapper: Any, truncate: boo
     tokens = TextTokenizer(minilm_wrapper, LIMIT)
     assert tokens.token_types and tokens.pair_specials == 3
     query, docs = "what is the capital of France ?", [t for t in texts(30) if t.strip()]
-    got = tokens.encode_pairs(query, docs, truncate)
+    got = tokens.encode_pairs(query, docs, truncate, tokens.count(query))
     expected = minilm_wrapper([query] * len(docs), docs,
                               truncation="longest_first" if truncate else False,
                               max_length=LIMIT if truncate else None, verbose=False)

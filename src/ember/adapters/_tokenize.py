@@ -220,11 +220,16 @@ class TextTokenizer:
         return self._whole.decode_batch([list(row) for row in rows],
                                         skip_special_tokens=skip_special)
 
-    def encode_pairs(self, first: str, seconds: Sequence[str],
-                     truncate: bool) -> list[Encoding]:
-        """(first, second) pairs in one batch call, cut from the longer side or whole."""
+    def encode_pairs(self, first: str, seconds: Sequence[str], truncate: bool,
+                     first_tokens: int | None = None) -> list[Encoding]:
+        """(first, second) pairs in one batch call, cut from the longer side or whole;
+        `first_tokens` is `count(first)`, where the caller has it."""
         if not truncate:
             return encode_batch(self._whole, [(first, second) for second in seconds])
+        if first_tokens is None:
+            first_tokens = self.count(first)
+        if first_tokens <= self.limit + PAIR_MARGIN:  # the pairs' own cut is cheap
+            return encode_batch(self._cut, [(first, second) for second in seconds])
         return encode_batch(self._cut, list(zip(self._firsts(first, seconds), seconds,
                                                 strict=True)))
 
@@ -238,8 +243,6 @@ class TextTokenizer:
         # loop for as long as a 1 MB query took).
         encoding = self._whole.encode_batch([first], add_special_tokens=False)[0]
         count = len(encoding)
-        if count <= self.limit + PAIR_MARGIN:
-            return [first] * len(seconds)
         lengths = map(len, encode_batch(self._whole, list(seconds), add_special_tokens=False))
         cuts: dict[int, str] = {}
         firsts = []

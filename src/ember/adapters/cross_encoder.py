@@ -124,7 +124,7 @@ class CrossEncoderAdapter(common.TorchModel):
             raise over_limit(query_tokens + self.specials, limit, "query.text",
                              " (the query alone, with the pair's special tokens: no document "
                              "fits beside it)")
-        encodings = self.tokens.encode_pairs(query, docs, truncate)
+        encodings = self.tokens.encode_pairs(query, docs, truncate, query_tokens)
         for i, encoding in enumerate(encodings):
             if len(encoding) > limit:
                 raise over_limit(len(encoding), limit, f"items[{i}].text")
