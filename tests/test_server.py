@@ -66,6 +66,26 @@ async def test_a_request_head_that_stalls_is_closed_after_its_bound(port: int) -
                                10 * BOUND_S) == b""
 
 
+async def test_a_head_sent_a_byte_at_a_time_is_cut_its_bound_after_its_first_byte(
+        port: int) -> None:
+    """The head's timer starts when a read ends inside a head (not for heads that come
+    whole); a later read of the same head must not start it again."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = b"GET / HTTP/1.1\r\nHost: ember\r\nX-Slow: " + b"a" * 10_000
+
+    async def trickle() -> None:
+        for byte in head:  # ~0.05 s a byte: 500 s in all, unless the server closes
+            writer.write(bytes([byte]))
+            await asyncio.sleep(BOUND_S / 6)
+
+    sending = asyncio.create_task(trickle())
+    try:
+        assert await asyncio.wait_for(reader.read(), 10 * BOUND_S) == b""
+    finally:
+        sending.cancel()
+        writer.close()
+
+
 async def test_requests_sent_whole_are_answered_and_the_bounds_do_not_cut_them(
         port: int) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)

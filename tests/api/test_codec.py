@@ -8,6 +8,7 @@ from typing import Any
 import msgpack
 import msgpack_numpy
 import numpy as np
+import orjson
 import pytest
 from starlette.datastructures import Headers
 
@@ -147,11 +148,19 @@ def test_a_long_key_over_a_long_list_costs_no_copy_per_element() -> None:
 
 
 def test_the_field_count_looks_where_objects_sit_not_down_lists_of_lists() -> None:
-    from ember.api.codec import crowded_object
+    from ember.api.codec import MAX_FIELDS, crowded_object
+
+    def crowded(value: object) -> tuple[str, int] | None:
+        return crowded_object(value, len(orjson.dumps(value)))
 
     many = {f"k{i}": 0 for i in range(300)}
-    assert crowded_object({"a": [{"b": {"c": {"d": many}}}]}) == ("a[0].b.c.d", 300)
-    assert crowded_object({"a": {"b": {"c": {"d": {"e": many}}}}}) is None  # deeper than any
-    assert crowded_object({"inputs": [[many]]}) is None  # token ids' shape: not looked into
-    assert crowded_object([many]) is None and crowded_object("x") is None
-    assert crowded_object(many) == ("body", 300)
+    assert crowded({"a": [{"b": {"c": {"d": many}}}]}) == ("a[0].b.c.d", 300)
+    assert crowded({"a": {"b": {"c": {"d": {"e": many}}}}}) is None  # deeper than any
+    assert crowded({"inputs": [[many]]}) is None  # token ids' shape: not looked into
+    assert crowded([many]) is None and crowded("x") is None
+    assert crowded(many) == ("body", 300)
+    # The smallest such object: 257 fields of a one-byte key and value in msgpack.
+    smallest = {i: None for i in range(MAX_FIELDS + 1)}
+    packed = msgpack.packb(smallest)
+    assert crowded_object(smallest, len(packed)) == ("body", MAX_FIELDS + 1)
+    assert crowded_object(smallest, 2 * MAX_FIELDS) is None  # no body this short holds it

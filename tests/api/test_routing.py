@@ -58,6 +58,35 @@ async def test_a_body_that_stops_coming_is_a_408_that_closes_the_connection() ->
     assert await routing.read_body(at_once, idle_s=0.05) == b"{}"
 
 
+async def test_a_body_wait_cancelled_from_outside_stays_cancelled() -> None:
+    """The wait's slices end by cancelling the task; a cancel of its own (the client
+    left, the server stops) must not be taken for the end of a slice."""
+    async def never() -> dict[str, object]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    reading = asyncio.ensure_future(routing.read_body(never, idle_s=5))
+    await asyncio.sleep(0.05)
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+
+
+async def test_a_body_that_comes_after_several_slices_of_the_wait_is_read_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(routing, "WAIT_SLICE_S", 0.02)
+    parts = [b'{"items": ', b'[]}']
+    arrived = asyncio.Event()  # as a server's receive: a part comes whenever it comes
+    asyncio.get_running_loop().call_later(0.1, arrived.set)  # five slices on
+
+    async def late() -> dict[str, object]:
+        await arrived.wait()
+        return {"type": "http.request", "body": parts.pop(0), "more_body": bool(parts)}
+
+    assert await routing.read_body(late, idle_s=5) == b'{"items": []}'
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
 async def trickle() -> dict[str, object]:
     """A body that comes a byte at a time, for ever."""
     await asyncio.sleep(0.02)

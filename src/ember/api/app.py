@@ -16,11 +16,12 @@ from starlette.types import ASGIApp
 from ember import __version__, heap
 from ember.api import cohere, errors, health, native, openai, rerank, tei
 from ember.api.middleware import (
-    ApiKeyMiddleware,
-    BodyLimitMiddleware,
-    DrainMiddleware,
-    HostMiddleware,
+    GateMiddleware,
     RequestContextMiddleware,
+    declared_too_large,
+    draining,
+    missing_key,
+    wrong_host,
 )
 from ember.api.routing import InferenceDispatcher
 from ember.api.state import Models, ServerState
@@ -55,14 +56,17 @@ class EmberAPI(FastAPI):
         app: ASGIApp = InferenceDispatcher(super().build_middleware_stack(),
                                            self.inference_routes)
         state = self.state.ember
-        for layer in (BodyLimitMiddleware, DrainMiddleware, ApiKeyMiddleware):
-            app = layer(app, lambda: state)
+        checks = [missing_key, draining, declared_too_large]
         origins = state.settings.cors_origins
         if origins:  # outside the key: a browser's preflight carries none
+            app = GateMiddleware(app, lambda: state, checks, cap_body=True)
             app = CORSMiddleware(app, allow_origins=list(origins), allow_methods=["GET", "POST"],
                                  allow_headers=["*"],
                                  expose_headers=CORS_RESPONSE_HEADERS, max_age=600)
-        return RequestContextMiddleware(HostMiddleware(app, lambda: state), lambda: state)
+            app = GateMiddleware(app, lambda: state, [wrong_host])
+        else:
+            app = GateMiddleware(app, lambda: state, [wrong_host, *checks], cap_body=True)
+        return RequestContextMiddleware(app, lambda: state)
 
 
 def create_app(settings: ServerSettings, registry: Models) -> EmberAPI:

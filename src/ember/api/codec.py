@@ -198,11 +198,14 @@ MAX_FIELDS = 256
 FIELDS_DEPTH = 4  # where a request's objects sit: `items[i].image` is the deepest
 
 
-def crowded_object(value: Any) -> tuple[str, int] | None:
-    """The place and size of the first object of a body with more than MAX_FIELDS fields,
-    or None. It looks where models sit: in objects, and in lists of them, never down a
-    list of lists (token ids), so its cost is the body's objects, not its numbers."""
-    if type(value) is not dict:
+def crowded_object(value: Any, size: int) -> tuple[str, int] | None:
+    """The place and size of the first object of a body (of `size` bytes) with more than
+    MAX_FIELDS fields, or None. It looks where models sit: in objects, and in lists of
+    them, never down a list of lists (token ids), so its cost is the body's objects, not
+    its numbers."""
+    # A field takes two bytes at the least (msgpack: a one-byte key and value; JSON more),
+    # so a short body, as most are, holds no such object.
+    if type(value) is not dict or size <= 2 * MAX_FIELDS:
         return None
     pending: list[tuple[dict[Any, Any], Link, int]] = [(value, None, 0)]
     while pending:

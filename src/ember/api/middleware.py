@@ -1,6 +1,6 @@
-"""Cross-cutting HTTP concerns, one small ASGI middleware each (outermost first):
-request context, Host, API key, draining, body size (`api/app.py` puts Starlette's CORS,
-when asked for, between the Host and the API key)."""
+"""Cross-cutting HTTP concerns (outermost first): the request's context and accounting,
+then the gate's checks: Host, API key, draining, body size (`api/app.py` puts Starlette's
+CORS, when asked for, between the Host and the API key)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import asyncio
 import hmac
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -173,71 +174,46 @@ def watched(scope: Scope) -> bool:
         path in WATCHED_PATHS or path.startswith("/v1/models/")))
 
 
-class DrainMiddleware(HttpMiddleware):
-    """503 for new work once a drain has begun (health checks, metrics and the model list
-    still answer)."""
+@dataclass(frozen=True)
+class Refusal:
+    """An answer given before any work, counted under `reason`."""
+
+    reason: str
+    status: int
+    kind: str
+    message: str
+    param: str | None = None
+    headers: dict[str, str] | None = None
+
+
+Check = Callable[[Scope, ServerState], Refusal | None]
+
+
+class GateMiddleware(HttpMiddleware):
+    """The checks a request passes before any work, in order, in one layer (a layer each
+    cost a coroutine a request); the first that refuses answers. The body's size is
+    capped as it streams in when no Content-Length bounds it."""
+
+    def __init__(self, app: ASGIApp, state: Callable[[], ServerState],
+                 checks: Sequence[Check], cap_body: bool = False) -> None:
+        super().__init__(app, state)
+        self.checks = tuple(checks)
+        self.cap_body = cap_body
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.state().draining and not watched(scope):
-            await self.refuse("draining", scope, receive, send, 503, "unavailable",
-                              "the server is draining before shutdown; retry on another "
-                              "instance", headers={"Retry-After": "5"})
-            return
+        server = self.state()
+        for check in self.checks:
+            if (refused := check(scope, server)) is not None:
+                await self.refuse(refused.reason, scope, receive, send, refused.status,
+                                  refused.kind, refused.message, refused.param,
+                                  refused.headers)
+                return
+        # HTTP/1.1 frames a body by its Content-Length (and refuses one sent with
+        # Transfer-Encoding too): only a body without one can run past the limit.
+        if self.cap_body and (not _header(scope, b"content-length")
+                              or _header(scope, b"transfer-encoding")):
+            receive = self._capped(receive, server.settings.max_body_bytes)
         await self.app(scope, receive, send)
-
-
-class HostMiddleware(HttpMiddleware):
-    """400 for a Host header this server does not answer to (`answered_hosts`): a page
-    that rebinds its own DNS name to a loopback server sends its own name."""
-
-    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        answered = self.state().settings.answered_hosts
-        sent = _header(scope, b"host")
-        if answered is not None and sent and host_name(sent) not in answered:
-            # Which names it answers to is not said: after a rebinding the page reads this.
-            await self.refuse("invalid_host", scope, receive, send, 400, "invalid_request",
-                              f"the Host header names {described(sent)}, which this server "
-                              "does not answer to: start it with --allowed-host for the name "
-                              "clients use", "Host")
-            return
-        await self.app(scope, receive, send)
-
-
-def host_name(header: str) -> str:
-    """A Host header's name, without its port (`[::1]:8080` -> `[::1]`)."""
-    header = header.strip().lower()
-    if header.startswith("["):
-        return header[:header.find("]") + 1] if "]" in header else header
-    return header.partition(":")[0].rstrip(".")  # `localhost.` is `localhost`
-
-
-class ApiKeyMiddleware(HttpMiddleware):
-    """401 unless `Authorization: Bearer <key>` matches, when a key is set."""
-
-    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        key = self.state().settings.api_key
-        if key and scope["path"] not in OPEN_PATHS and not _authorized(
-                _header(scope, b"authorization"), key):
-            await self.refuse("unauthorized", scope, receive, send, 401, "unauthorized",
-                              "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                              headers={"WWW-Authenticate": "Bearer"})
-            return
-        await self.app(scope, receive, send)
-
-
-class BodyLimitMiddleware(HttpMiddleware):
-    """413 for a body over the byte limit: at once when its length is declared, else as
-    soon as the streamed chunks pass it."""
-
-    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        limit = self.state().settings.max_body_bytes
-        if _declared_length(scope) > limit:
-            await self.refuse("body_too_large", scope, receive, send, 413, "payload_too_large",
-                              f"request body is over the limit of {limit} bytes "
-                              "(--max-body-bytes); send fewer "
-                              "or shorter items per request", "body")
-            return
-        await self.app(scope, self._capped(receive, limit), send)
 
     def _capped(self, receive: Receive, limit: int) -> Receive:
         seen = 0
@@ -253,6 +229,59 @@ class BodyLimitMiddleware(HttpMiddleware):
             return message
 
         return capped
+
+
+def wrong_host(scope: Scope, server: ServerState) -> Refusal | None:
+    """400 for a Host header this server does not answer to (`answered_hosts`): a page
+    that rebinds its own DNS name to a loopback server sends its own name."""
+    answered = server.settings.answered_hosts
+    if answered is None:
+        return None
+    sent = _header(scope, b"host")
+    if not sent or host_name(sent) in answered:
+        return None
+    # Which names it answers to is not said: after a rebinding the page reads this.
+    return Refusal("invalid_host", 400, "invalid_request",
+                   f"the Host header names {described(sent)}, which this server does not "
+                   "answer to: start it with --allowed-host for the name clients use", "Host")
+
+
+def host_name(header: str) -> str:
+    """A Host header's name, without its port (`[::1]:8080` -> `[::1]`)."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[:header.find("]") + 1] if "]" in header else header
+    return header.partition(":")[0].rstrip(".")  # `localhost.` is `localhost`
+
+
+def missing_key(scope: Scope, server: ServerState) -> Refusal | None:
+    """401 unless `Authorization: Bearer <key>` matches, when a key is set."""
+    key = server.settings.api_key
+    if not key or scope["path"] in OPEN_PATHS or _authorized(
+            _header(scope, b"authorization"), key):
+        return None
+    return Refusal("unauthorized", 401, "unauthorized",
+                   "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                   headers={"WWW-Authenticate": "Bearer"})
+
+
+def draining(scope: Scope, server: ServerState) -> Refusal | None:
+    """503 for new work once a drain has begun (health checks, metrics and the model list
+    still answer)."""
+    if not server.draining or watched(scope):
+        return None
+    return Refusal("draining", 503, "unavailable", "the server is draining before shutdown; "
+                   "retry on another instance", headers={"Retry-After": "5"})
+
+
+def declared_too_large(scope: Scope, server: ServerState) -> Refusal | None:
+    """413 at once for a body whose declared length is over the byte limit."""
+    limit = server.settings.max_body_bytes
+    if _declared_length(scope) <= limit:
+        return None
+    return Refusal("body_too_large", 413, "payload_too_large",
+                   f"request body is over the limit of {limit} bytes (--max-body-bytes); "
+                   "send fewer or shorter items per request", "body")
 
 
 def _authorized(header: str, key: str) -> bool:
