@@ -18,6 +18,7 @@ tree (psutil: the server and all its descendants), per process, and for the clie
     python bench/frontend.py                                  # full run, ~4 min on 2 cores
     python bench/frontend.py --landed-src ../wt-landed/src    # + the landed code, same sitting
     python bench/frontend.py --variant w2="--workers 2"       # any serve arguments, named
+    python bench/frontend.py --tree before=../wt-before/src   # another source tree, named
     python bench/frontend.py --quick                          # smoke run, seconds
     python bench/frontend.py --model sentence-transformers/all-MiniLM-L6-v2 --device cuda
     python bench/frontend.py --report docs/bench/frontend.json   # tables only
@@ -106,11 +107,14 @@ class Variant:
 
 
 def variants_of(args: argparse.Namespace) -> list[Variant]:
-    """`single` (no extra arguments) first, then each --variant, then `landed`."""
+    """`single` (no extra arguments) first, then each --variant and --tree, then `landed`."""
     found: dict[str, Variant] = {BASE_VARIANT: Variant(BASE_VARIANT, ())}
     for spec in args.variant:
         name, _, serve_args = spec.partition("=")
         found[name.strip()] = Variant(name.strip(), tuple(shlex.split(serve_args)))
+    for spec in args.tree:
+        name, _, src = spec.partition("=")
+        found[name.strip()] = Variant(name.strip(), (), str(Path(src).resolve()))
     if args.granian:  # the same app and settings under granian instead of uvicorn
         found[GRANIAN] = Variant(GRANIAN, (), None, (str(Path(__file__).with_name(
             "granian_serve.py")),))
@@ -388,6 +392,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="a server variant: a name and its extra `ember serve` arguments "
                         "(repeatable), e.g. w2=\"--workers 2\"; `single` (no extra "
                         "arguments) always runs first and is the ratios' base")
+    parser.add_argument("--tree", action="append", default=[], metavar="NAME=SRC",
+                        help="a server variant run from another source tree (PYTHONPATH), "
+                        "with no extra arguments (repeatable), e.g. before=../wt/src")
     parser.add_argument("--landed-src", type=Path, default=None,
                         help="add the variant `landed`: the same server run from this "
                         "source tree (PYTHONPATH), for a same-sitting comparison")

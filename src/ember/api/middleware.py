@@ -16,7 +16,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.api.errors import CLIENT_CLOSED_REQUEST, BodyTooLarge, error_response
-from ember.api.state import ServerState
+from ember.api.state import SERVER_KEY, ServerState
 from ember.errors import described
 from ember.logs import REQUEST_ID, access_log, handling
 from ember.metrics import labelled
@@ -59,13 +59,15 @@ class RequestContextMiddleware(HttpMiddleware):
     the access log once its response has started."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request_id = (usable_id(_header(scope, b"x-request-id"))
-                      or usable_id(_header(scope, b"x-sie-request-id")) or new_request_id())
+        ids = headers_named(scope, REQUEST_ID_HEADERS)
+        request_id = (usable_id(ids.get(b"x-request-id", ""))
+                      or usable_id(ids.get(b"x-sie-request-id", "")) or new_request_id())
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
         logged_as = handling(request_id)
         started = time.perf_counter()
         server = self.state()
+        scope[SERVER_KEY] = server  # what server_state reads
         status: int | None = None  # until the response starts
 
         async def send_with_headers(message: Message) -> None:
@@ -136,6 +138,7 @@ def refusal(body: bytes) -> tuple[str | None, str | None]:
 
 # A client's request id is echoed in two headers and every log line of its request.
 MAX_REQUEST_ID = 200
+REQUEST_ID_HEADERS = frozenset({b"x-request-id", b"x-sie-request-id"})
 
 
 def usable_id(value: str) -> str:
@@ -186,7 +189,10 @@ class Refusal:
     headers: dict[str, str] | None = None
 
 
-Check = Callable[[Scope, ServerState], Refusal | None]
+# A check reads the request's scope, its headers of GATE_HEADERS (first value each, by
+# lower-case name) and the server; it answers a refusal or None.
+Check = Callable[[Scope, dict[bytes, str], ServerState], Refusal | None]
+GATE_HEADERS = frozenset({b"host", b"authorization", b"content-length", b"transfer-encoding"})
 
 
 class GateMiddleware(HttpMiddleware):
@@ -202,16 +208,16 @@ class GateMiddleware(HttpMiddleware):
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         server = self.state()
+        sent = headers_named(scope, GATE_HEADERS)
         for check in self.checks:
-            if (refused := check(scope, server)) is not None:
+            if (refused := check(scope, sent, server)) is not None:
                 await self.refuse(refused.reason, scope, receive, send, refused.status,
                                   refused.kind, refused.message, refused.param,
                                   refused.headers)
                 return
         # HTTP/1.1 frames a body by its Content-Length (and refuses one sent with
         # Transfer-Encoding too): only a body without one can run past the limit.
-        if self.cap_body and (not _header(scope, b"content-length")
-                              or _header(scope, b"transfer-encoding")):
+        if self.cap_body and (b"content-length" not in sent or b"transfer-encoding" in sent):
             receive = self._capped(receive, server.settings.max_body_bytes)
         await self.app(scope, receive, send)
 
@@ -231,18 +237,18 @@ class GateMiddleware(HttpMiddleware):
         return capped
 
 
-def wrong_host(scope: Scope, server: ServerState) -> Refusal | None:
+def wrong_host(scope: Scope, sent: dict[bytes, str], server: ServerState) -> Refusal | None:
     """400 for a Host header this server does not answer to (`answered_hosts`): a page
     that rebinds its own DNS name to a loopback server sends its own name."""
     answered = server.settings.answered_hosts
     if answered is None:
         return None
-    sent = _header(scope, b"host")
-    if not sent or host_name(sent) in answered:
+    host = sent.get(b"host", "")
+    if not host or host_name(host) in answered:
         return None
     # Which names it answers to is not said: after a rebinding the page reads this.
     return Refusal("invalid_host", 400, "invalid_request",
-                   f"the Host header names {described(sent)}, which this server does not "
+                   f"the Host header names {described(host)}, which this server does not "
                    "answer to: start it with --allowed-host for the name clients use", "Host")
 
 
@@ -254,18 +260,18 @@ def host_name(header: str) -> str:
     return header.partition(":")[0].rstrip(".")  # `localhost.` is `localhost`
 
 
-def missing_key(scope: Scope, server: ServerState) -> Refusal | None:
+def missing_key(scope: Scope, sent: dict[bytes, str], server: ServerState) -> Refusal | None:
     """401 unless `Authorization: Bearer <key>` matches, when a key is set."""
     key = server.settings.api_key
     if not key or scope["path"] in OPEN_PATHS or _authorized(
-            _header(scope, b"authorization"), key):
+            sent.get(b"authorization", ""), key):
         return None
     return Refusal("unauthorized", 401, "unauthorized",
                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
                    headers={"WWW-Authenticate": "Bearer"})
 
 
-def draining(scope: Scope, server: ServerState) -> Refusal | None:
+def draining(scope: Scope, sent: dict[bytes, str], server: ServerState) -> Refusal | None:
     """503 for new work once a drain has begun (health checks, metrics and the model list
     still answer)."""
     if not server.draining or watched(scope):
@@ -274,10 +280,15 @@ def draining(scope: Scope, server: ServerState) -> Refusal | None:
                    "retry on another instance", headers={"Retry-After": "5"})
 
 
-def declared_too_large(scope: Scope, server: ServerState) -> Refusal | None:
+def declared_too_large(scope: Scope, sent: dict[bytes, str],
+                       server: ServerState) -> Refusal | None:
     """413 at once for a body whose declared length is over the byte limit."""
     limit = server.settings.max_body_bytes
-    if _declared_length(scope) <= limit:
+    try:
+        declared = int(sent.get(b"content-length", "0"))
+    except ValueError:
+        declared = 0
+    if declared <= limit:
         return None
     return Refusal("body_too_large", 413, "payload_too_large",
                    f"request body is over the limit of {limit} bytes (--max-body-bytes); "
@@ -291,17 +302,10 @@ def _authorized(header: str, key: str) -> bool:
                                                               key.encode())
 
 
-def _header(scope: Scope, name: bytes) -> str:
-    """The first value of the header `name` (lower case, as ASGI servers pass names), or
-    "" without one: a plain scan, cheaper than building `Headers` for one or two reads."""
+def headers_named(scope: Scope, names: frozenset[bytes]) -> dict[bytes, str]:
+    """The first value of each header of `names` the request sent, in one pass."""
+    found: dict[bytes, str] = {}
     for key, value in scope["headers"]:
-        if key == name:
-            return str(value.decode("latin-1"))
-    return ""
-
-
-def _declared_length(scope: Scope) -> int:
-    try:
-        return int(_header(scope, b"content-length") or "0")
-    except ValueError:
-        return 0
+        if key in names and key not in found:
+            found[key] = value.decode("latin-1")
+    return found

@@ -216,6 +216,13 @@ def _read_outcome(task: asyncio.Task[None]) -> None:
         task.exception()
 
 
+# The request's scope holds its server's state under this key (RequestContextMiddleware
+# puts it there): one lookup, where the app's `State` costs three objects' attributes.
+SERVER_KEY = "ember.server"
+
+
 def server_state(request: Request) -> ServerState:
-    state: ServerState = request.app.state.ember
+    state: ServerState | None = request.scope.get(SERVER_KEY)
+    if state is None:  # a request that came another way than through the middleware
+        state = request.app.state.ember
     return state
