@@ -285,6 +285,49 @@ async def test_declared_length_over_the_limit_is_refused_before_reading(
         assert served.worker().stats.batches == 0
 
 
+@pytest.mark.parametrize(("value", "length"), [
+    ("10", 10), ("0", 0), ("", None), ("abc", None), ("-1", None), (" 5", None),
+    ("\u0661\u0662", None),  # Arabic-Indic digits: str.isdigit, not a length
+    ("9" * 5000, 2**63),  # past any limit, where int() would raise
+])
+def test_a_declared_length_is_read_only_from_ascii_digits(value: str,
+                                                          length: int | None) -> None:
+    from ember.api.middleware import declared_length
+
+    sent = {b"content-length": value} if value else {}
+    assert declared_length(sent) == length
+
+
+@pytest.mark.parametrize("headers", [
+    [(b"content-length", b"abc")],  # not a length the server framed the body by
+    [(b"transfer-encoding", b"chunked")],
+    [],
+])
+async def test_a_body_no_valid_length_frames_is_counted_as_it_comes(
+        headers: list[tuple[bytes, bytes]]) -> None:
+    from types import SimpleNamespace
+
+    from ember.api.errors import BodyTooLarge
+    from ember.api.middleware import GateMiddleware, declared_too_large
+
+    server = SimpleNamespace(settings=SimpleNamespace(max_body_bytes=10),
+                             metrics=SimpleNamespace(rejected=lambda reason: None))
+    parts = [{"type": "http.request", "body": b"x" * 8, "more_body": True}] * 2
+
+    async def receive() -> dict[str, object]:
+        return parts.pop(0)
+
+    async def reader(scope: object, receive: Any, send: object) -> None:
+        while (await receive())["more_body"]:
+            pass
+
+    gate = GateMiddleware(reader, lambda: server, [declared_too_large],  # type: ignore[arg-type]
+                          cap_body=True)
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": headers}
+    with pytest.raises(BodyTooLarge):
+        await gate(scope, receive, None)  # type: ignore[arg-type]
+
+
 # -- msgpack ---------------------------------------------------------------------------------
 
 

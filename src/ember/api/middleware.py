@@ -216,8 +216,8 @@ class GateMiddleware(HttpMiddleware):
                                   refused.headers)
                 return
         # HTTP/1.1 frames a body by its Content-Length (and refuses one sent with
-        # Transfer-Encoding too): only a body without one can run past the limit.
-        if self.cap_body and (b"content-length" not in sent or b"transfer-encoding" in sent):
+        # Transfer-Encoding too): only a body without a valid one can run past the limit.
+        if self.cap_body and (declared_length(sent) is None or b"transfer-encoding" in sent):
             receive = self._capped(receive, server.settings.max_body_bytes)
         await self.app(scope, receive, send)
 
@@ -284,15 +284,20 @@ def declared_too_large(scope: Scope, sent: dict[bytes, str],
                        server: ServerState) -> Refusal | None:
     """413 at once for a body whose declared length is over the byte limit."""
     limit = server.settings.max_body_bytes
-    try:
-        declared = int(sent.get(b"content-length", "0"))
-    except ValueError:
-        declared = 0
-    if declared <= limit:
+    if (declared_length(sent) or 0) <= limit:
         return None
     return Refusal("body_too_large", 413, "payload_too_large",
                    f"request body is over the limit of {limit} bytes (--max-body-bytes); "
                    "send fewer or shorter items per request", "body")
+
+
+def declared_length(sent: dict[bytes, str]) -> int | None:
+    """The body's length as its Content-Length declares it; None without a valid one."""
+    value = sent.get(b"content-length", "")
+    if not (value.isascii() and value.isdigit()):
+        return None
+    # 19 digits and more are past any limit (and int() refuses 4,301 of them).
+    return int(value) if len(value) <= 18 else 2**63
 
 
 def _authorized(header: str, key: str) -> bool:
