@@ -291,6 +291,34 @@ async def test_malformed_frames_to_the_engine_are_skipped(
         context.term()
 
 
+async def test_a_flood_of_messages_sent_at_once_is_answered_whole(
+        engine: tuple[str, BaseProcess]) -> None:
+    """The engine reads at most READ_PER_TURN messages a callback and looks again; ZeroMQ
+    signals a change, not each message, so a reader that stopped early, or after its
+    own send took the signal, would leave the rest unread until something else came."""
+    from ember.ipc.engine import READ_PER_TURN
+
+    address, process = engine
+    context = zmq.asyncio.Context()
+    flood = context.socket(zmq.DEALER)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.connect(address)
+    sent = 3 * READ_PER_TURN + 7
+    try:
+        await flood.send_multipart([pack({"op": "ping", "seq": 0})])
+        await asyncio.wait_for(flood.recv(), 10)  # connected: the rest arrive together
+        for seq in range(1, sent + 1):
+            await flood.send_multipart([pack({"op": "ping", "seq": seq})])
+        answered = set()
+        while len(answered) < sent:  # no other peer (none's heartbeat wakes the engine)
+            answered.add(unpack(await asyncio.wait_for(flood.recv(), 10))["seq"])
+        assert answered == set(range(1, sent + 1))
+        assert process.is_alive()
+    finally:
+        flood.close(0)
+        context.term()
+
+
 def hostile_batches() -> list[dict[str, Any]]:
     """Batch messages that must be refused whole: nothing of them may start."""
     one = items_to_wire([PreparedItem("x", 1, 0)])

@@ -102,6 +102,8 @@ def _array_frame(dtype: str, shape: list[int], raw: bytes) -> bytes:
     (_array_frame("<U2", [1], b"\0" * 8), "numeric dtypes only"),
     (_array_frame("<f4", [2**31], b"\0" * 8), "do not match"),  # a size it does not have
     (_array_frame("<f4", [-2, -2], b"\0" * 16), "bad array shape"),
+    (_array_frame("<f4", [2**32, 2**32], b""), "do not match"),  # 2**64: 0 in int64
+    (_array_frame("<f4", [1] * 33, b"\0" * 4), "bad array shape"),  # past MAX_DIMS
     (msgpack.packb(msgpack.ExtType(42, b"anything")), "unknown extension type 42"),
 ])
 def test_hostile_frames_are_refused(frame: bytes, why: str) -> None:

@@ -42,10 +42,9 @@ from collections.abc import Awaitable, Callable, Coroutine, Hashable
 from functools import partial
 from multiprocessing import parent_process
 from multiprocessing.connection import Connection
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import zmq
-import zmq.asyncio
 
 from ember.config import ServerSettings, load_catalog
 from ember.engine import PreparedItem, RequestResult
@@ -67,6 +66,7 @@ log = logging.getLogger("ember.engine")
 SEND_LIMIT = 1000  # replies ZeroMQ queues for one peer; more wait in that peer's backlog
 RETRY_FIRST_S, RETRY_MAX_S = 0.001, 0.05  # a full peer queue is tried again this often
 LOAD_CHECK_S = 1.0  # a failed load is told to the supervisor within this (no hook says it)
+READ_PER_TURN = 256  # messages read at most in one callback, so a flood cannot hold the loop
 
 
 PARAMS_PER_PEER = 1024  # parameter groups held per API process; the oldest go first
@@ -123,7 +123,10 @@ class EngineServer(RegistryCalls):
         self.on_loading = on_loading  # told the name of each model a call makes it load
         self.address = address
         self.boot_id = f"{uuid.uuid4().hex[:12]}"  # a new engine process, a new id
-        self._context = zmq.asyncio.Context()
+        # A plain socket read from the loop on its descriptor: zmq.asyncio made a future, a
+        # poll of the socket and enum values for each message, a quarter of the engine's
+        # CPU under load.
+        self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -137,44 +140,67 @@ class EngineServer(RegistryCalls):
         self._flush_due = False
         self._backlogs: dict[bytes, deque[bytes]] = {}
         self._flushers: dict[bytes, asyncio.Task[None]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._reading = False  # the socket's descriptor is watched
+        self._read_due = False  # a look for messages is scheduled this turn
 
     def start(self) -> None:
-        self._reader = asyncio.get_running_loop().create_task(self._read(), name="engine-ipc")
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._socket.fileno(), self._read)
+        self._reading = True
+        self._look_again()  # what came before the descriptor was watched
 
     async def close(self) -> None:
         """After the registry drained: send what waits, stop reading, close the socket."""
         flushers = list(self._flushers.values())
         if flushers:
             await asyncio.wait(flushers, timeout=5.0)
-        if self._reader is not None:
-            self._reader.cancel()
+        if self._reading:
+            asyncio.get_running_loop().remove_reader(self._socket.fileno())
+            self._reading = False
         for task in self._flushers.values():
             task.cancel()
         self._socket.close(linger=0)
         self._context.term()
 
-    async def _read(self) -> None:
-        while True:
-            frames = await self._socket.recv_multipart()
-            message: Any = None
+    def _look_again(self) -> None:
+        """Read the socket later this turn. ZeroMQ's descriptor signals a change, not each
+        message, and any operation on the socket (a send too) may take the signal, so
+        after a send, or a read cut short, the socket is looked at again."""
+        if not self._read_due:
+            self._read_due = True
+            asyncio.get_running_loop().call_soon(self._read)
+
+    def _read(self) -> None:
+        self._read_due = False
+        if not self._reading:
+            return
+        for _ in range(READ_PER_TURN):
             try:
-                if len(frames) != 2:
-                    raise ValueError(f"{len(frames)} frames, not peer and message")
-                peer, frame = frames
-                message = unpack(frame)
-                if not isinstance(message, dict):
-                    raise ValueError(f"a message is a map, not {type(message).__name__}")
-                self._handle(peer, message)
-            except Exception as exc:  # a malformed message must not end the engine
-                log.error("bad message from %r: %s: %s", frames[0][:64],
-                          type(exc).__name__, exc)
-                if isinstance(message, dict):
-                    try:  # the only reader: what goes wrong answering must not end it
-                        self._refuse(frames[0], message, exc)
-                    except Exception as failure:
-                        log.error("could not answer the bad message: %s: %s",
-                                  type(failure).__name__, failure)
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._take(frames)
+        self._look_again()  # more wait: other callbacks get their turn first
+
+    def _take(self, frames: list[bytes]) -> None:
+        message: Any = None
+        try:
+            if len(frames) != 2:
+                raise ValueError(f"{len(frames)} frames, not peer and message")
+            peer, frame = frames
+            message = unpack(frame)
+            if not isinstance(message, dict):
+                raise ValueError(f"a message is a map, not {type(message).__name__}")
+            self._handle(peer, message)
+        except Exception as exc:  # a malformed message must not end the engine
+            log.error("bad message from %r: %s: %s", frames[0][:64],
+                      type(exc).__name__, exc)
+            if isinstance(message, dict):
+                try:  # the only reader: what goes wrong answering must not end it
+                    self._refuse(frames[0], message, exc)
+                except Exception as failure:
+                    log.error("could not answer the bad message: %s: %s",
+                              type(failure).__name__, failure)
 
     def _refuse(self, peer: bytes, message: dict[str, Any], exc: Exception) -> None:
         """An error to each call a refused message carried that can be read (none of them
@@ -384,23 +410,20 @@ class EngineServer(RegistryCalls):
 
     def _try_send(self, peer: bytes, data: bytes) -> bool:
         """True once sent (or the peer is gone for good); False if its queue is full.
-        Never a waiting send: the asyncio socket would queue every later send, to every
-        peer, behind one that has to wait. (Through the asyncio socket, not a shadow of
-        it, so that its reader is woken for what arrived meanwhile.)"""
-        sent = cast("asyncio.Future[Any]", self._socket.send_multipart(
-            [peer, data], flags=zmq.DONTWAIT, copy=False))
-        if not sent.done():  # never so while no send waits; it goes when it can
-            return True
-        error = sent.exception()
-        if error is None:
-            return True
-        if isinstance(error, zmq.Again):
+        Never a waiting send: it would hold every later send, to every peer, behind one
+        that has to wait."""
+        try:
+            self._socket.send_multipart([peer, data], flags=zmq.DONTWAIT, copy=False)
+        except zmq.Again:
             return False
-        if isinstance(error, zmq.ZMQError) and error.errno == errno.EHOSTUNREACH:
+        except zmq.ZMQError as error:
+            if error.errno != errno.EHOSTUNREACH:
+                raise
             log.warning("a reply to %r is not sent: that process is gone", peer[:64])
             self._backlogs.pop(peer, None)
-            return True
-        raise error
+        finally:
+            self._look_again()
+        return True
 
     async def _flush(self, peer: bytes) -> None:
         """Send `peer`'s backlog in order as its queue makes room."""
