@@ -87,6 +87,33 @@ async def test_a_body_that_comes_after_several_slices_of_the_wait_is_read_whole(
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
 
 
+async def test_the_wait_slices_count_cancels_from_where_the_task_stood(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review: a slice's own cancel was told from another by a count of 0, so
+    a task holding a cancel it had caught (not undone) took each slice's end for a real
+    cancel, and the request ended as a client's leaving."""
+    monkeypatch.setattr(routing, "WAIT_SLICE_S", 0.02)
+    arrived = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.1, arrived.set)
+
+    async def late() -> dict[str, object]:
+        await arrived.wait()
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def reader() -> bytes:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        try:
+            await asyncio.sleep(1)
+        except asyncio.CancelledError:
+            pass  # caught and kept: the task's count stays at 1
+        assert task.cancelling() == 1
+        return await routing.read_body(late, idle_s=5)
+
+    assert await asyncio.ensure_future(reader()) == b"{}"
+
+
 async def trickle() -> dict[str, object]:
     """A body that comes a byte at a time, for ever."""
     await asyncio.sleep(0.02)

@@ -296,6 +296,7 @@ def declared_length(sent: dict[bytes, str]) -> int | None:
     value = sent.get(b"content-length", "")
     if not (value.isascii() and value.isdigit()):
         return None
+    value = value.lstrip("0") or "0"  # HTTP's parser takes leading zeros
     # 19 digits and more are past any limit (and int() refuses 4,301 of them).
     return int(value) if len(value) <= 18 else 2**63
 

@@ -155,6 +155,7 @@ async def next_part(receive: Receive, state: ServerState | None, started: float,
     task = asyncio.current_task()
     assert task is not None
     loop = asyncio.get_running_loop()
+    cancels = task.cancelling()  # a slice's own cancel is counted from here
     while True:
         now = time.monotonic()
         drain_end = (state.drain_started + DRAIN_BODY_S if state is not None
@@ -176,7 +177,7 @@ async def next_part(receive: Receive, state: ServerState | None, started: float,
         try:
             return await receive()
         except asyncio.CancelledError:
-            if not sliced or task.uncancel() > 0:  # cancelled for another reason too
+            if not sliced or task.uncancel() > cancels:  # cancelled for another reason too
                 raise
         finally:
             timer.cancel()

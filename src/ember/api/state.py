@@ -1,4 +1,4 @@
-"""What every route reaches through `request.app.state.ember`, and the models as the routes
+"""What every route reaches through `server_state(request)`, and the models as the routes
 see them: in one process the `Registry` itself; in an API process of several, the engine
 process's models through `ember.ipc.models.RemoteModels`."""
 
