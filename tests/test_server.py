@@ -115,6 +115,22 @@ async def test_a_head_pipelined_behind_a_long_answer_is_timed_once_that_answer_i
     writer.close()
 
 
+async def test_a_head_pipelined_behind_two_long_answers_is_timed_after_both(
+        port: int) -> None:
+    """Found by a review: the head's timer started when the first answer was sent, while
+    a second pipelined request still ran, so a third head still arriving was cut."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /slow HTTP/1.1\r\nHost: ember\r\n\r\n"
+                 b"GET /slow HTTP/1.1\r\nHost: ember\r\n\r\nGET / HTTP/1.1\r\nHo")
+    await asyncio.sleep(4.5 * BOUND_S)  # the first answered (3 bounds), the second runs
+    writer.write(b"st: ember\r\n\r\n")
+    for _ in range(3):
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200")
+        assert await reader.readexactly(2) == b"ok"
+    writer.close()
+
+
 def test_the_stop_signals_held_until_serving_are_given_back_after_it() -> None:
     """Found by a review: after `ember serve` returned, the first SIGTERM or SIGINT was
     swallowed (uvicorn put back the holding handler it found)."""

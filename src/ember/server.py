@@ -86,7 +86,9 @@ class BoundedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self._head_open and self._head_timer is None:
+        # Only once every request before the open head is answered: uvicorn starts the
+        # next pipelined one here, and reads on after that one's answer.
+        if self._head_open and self._head_timer is None and self._head_is_read():
             self._start_head_timer()
 
     def _head_is_read(self) -> bool:
