@@ -98,31 +98,20 @@ async def test_requests_sent_whole_are_answered_and_the_bounds_do_not_cut_them(
     writer.close()
 
 
-async def test_a_head_pipelined_behind_a_long_answer_is_timed_once_that_answer_is_sent(
-        port: int) -> None:
-    """Found by a review: a head pipelined behind a request still being answered was cut
-    after the bound, though uvicorn does not read on while it answers: the connection and
-    the answers pending on it were lost."""
+@pytest.mark.parametrize(("before", "wait_bounds"), [
+    # Found by a review: a head pipelined behind a request still being answered was cut
+    # after the bound, though uvicorn does not read on while it answers: the connection
+    # and the answers pending on it were lost.
+    (b"GET /slow HTTP/1.1\r\nHost: ember\r\n\r\nGET / HTTP/1.1\r\nHost: ember\r\n\r\n", 1.5),
+    # Found by a later review: the timer started when the first answer was sent, while a
+    # second pipelined request still ran, so a third head still arriving was cut.
+    (b"GET /slow HTTP/1.1\r\nHost: ember\r\n\r\n" * 2, 4.5),
+], ids=["behind-one-long-answer", "behind-two-long-answers"])
+async def test_a_pipelined_head_is_timed_once_the_answers_before_it_are_sent(
+        port: int, before: bytes, wait_bounds: float) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /slow HTTP/1.1\r\nHost: ember\r\n\r\n"
-                 b"GET / HTTP/1.1\r\nHost: ember\r\n\r\nGET / HTTP/1.1\r\nHo")
-    await asyncio.sleep(1.5 * BOUND_S)  # past the bound, while /slow is being answered
-    writer.write(b"st: ember\r\n\r\n")
-    for _ in range(3):
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        assert head.startswith(b"HTTP/1.1 200")
-        assert await reader.readexactly(2) == b"ok"
-    writer.close()
-
-
-async def test_a_head_pipelined_behind_two_long_answers_is_timed_after_both(
-        port: int) -> None:
-    """Found by a review: the head's timer started when the first answer was sent, while
-    a second pipelined request still ran, so a third head still arriving was cut."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /slow HTTP/1.1\r\nHost: ember\r\n\r\n"
-                 b"GET /slow HTTP/1.1\r\nHost: ember\r\n\r\nGET / HTTP/1.1\r\nHo")
-    await asyncio.sleep(4.5 * BOUND_S)  # the first answered (3 bounds), the second runs
+    writer.write(before + b"GET / HTTP/1.1\r\nHo")
+    await asyncio.sleep(wait_bounds * BOUND_S)  # past the bound, while a /slow is answered
     writer.write(b"st: ember\r\n\r\n")
     for _ in range(3):
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
