@@ -72,8 +72,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().data_received(data)
         # Timed only when a read ends inside a head: most heads come whole in one read,
         # and a timer set and cancelled for each cost a request ~2 us.
-        if self._head_open and self._head_timer is None and self._head_is_read():
-            self._start_head_timer()
+        self._time_open_head()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -85,20 +84,15 @@ class BoundedHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        # Only once every request before the open head is answered: uvicorn starts the
-        # next pipelined one here, and reads on after that one's answer.
-        if self._head_open and self._head_timer is None and self._head_is_read():
-            self._start_head_timer()
+        super().on_response_complete()  # uvicorn starts the next pipelined request here
+        self._time_open_head()
 
-    def _head_is_read(self) -> bool:
-        # A head pipelined behind a request still being answered is not read on (uvicorn
-        # pauses reading): its time counts once that answer is sent.
-        return self.cycle is None or self.cycle.response_complete
-
-    def _start_head_timer(self) -> None:
-        self._stop_head_timer()
-        self._head_timer = self.loop.call_later(HEAD_S, self._head_too_slow)
+    def _time_open_head(self) -> None:
+        """Start the open head's timer, if not started, once every request before it is
+        answered: uvicorn does not read on while it answers one."""
+        if self._head_open and self._head_timer is None and (
+                self.cycle is None or self.cycle.response_complete):
+            self._head_timer = self.loop.call_later(HEAD_S, self._head_too_slow)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()

@@ -309,7 +309,7 @@ async def test_a_body_no_valid_length_frames_is_counted_as_it_comes(
     from types import SimpleNamespace
 
     from ember.api.errors import BodyTooLarge
-    from ember.api.middleware import GateMiddleware, declared_too_large
+    from ember.api.middleware import GateMiddleware
 
     server = SimpleNamespace(settings=SimpleNamespace(max_body_bytes=10),
                              metrics=SimpleNamespace(rejected=lambda reason: None))
@@ -322,8 +322,7 @@ async def test_a_body_no_valid_length_frames_is_counted_as_it_comes(
         while (await receive())["more_body"]:
             pass
 
-    gate = GateMiddleware(reader, lambda: server, [declared_too_large],  # type: ignore[arg-type]
-                          cap_body=True)
+    gate = GateMiddleware(reader, lambda: server, [], limit_body=True)  # type: ignore[arg-type]
     scope = {"type": "http", "method": "POST", "path": "/", "headers": headers}
     with pytest.raises(BodyTooLarge):
         await gate(scope, receive, None)  # type: ignore[arg-type]

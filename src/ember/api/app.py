@@ -18,7 +18,6 @@ from ember.api import cohere, errors, health, native, openai, rerank, tei
 from ember.api.middleware import (
     GateMiddleware,
     RequestContextMiddleware,
-    declared_too_large,
     draining,
     missing_key,
     wrong_host,
@@ -56,16 +55,16 @@ class EmberAPI(FastAPI):
         app: ASGIApp = InferenceDispatcher(super().build_middleware_stack(),
                                            self.inference_routes)
         state = self.state.ember
-        checks = [missing_key, draining, declared_too_large]
+        checks = [missing_key, draining]
         origins = state.settings.cors_origins
         if origins:  # outside the key: a browser's preflight carries none
-            app = GateMiddleware(app, lambda: state, checks, cap_body=True)
+            app = GateMiddleware(app, lambda: state, checks, limit_body=True)
             app = CORSMiddleware(app, allow_origins=list(origins), allow_methods=["GET", "POST"],
                                  allow_headers=["*"],
                                  expose_headers=CORS_RESPONSE_HEADERS, max_age=600)
             app = GateMiddleware(app, lambda: state, [wrong_host])
         else:
-            app = GateMiddleware(app, lambda: state, [wrong_host, *checks], cap_body=True)
+            app = GateMiddleware(app, lambda: state, [wrong_host, *checks], limit_body=True)
         return RequestContextMiddleware(app, lambda: state)
 
 

@@ -42,13 +42,6 @@ class HttpMiddleware:
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         raise NotImplementedError
 
-    async def refuse(self, reason: str, scope: Scope, receive: Receive, send: Send,
-                     status: int, kind: str, message: str, param: str | None = None,
-                     headers: dict[str, str] | None = None) -> None:
-        """Answer with an error before any work, counted under `reason`."""
-        self.state().metrics.rejected(reason)
-        await error_response(status, kind, message, param, headers)(scope, receive, send)
-
 
 class RequestContextMiddleware(HttpMiddleware):
     """X-Request-Id (the client's, or a new one; also as X-SIE-Request-ID, where sie-sdk
@@ -197,28 +190,39 @@ GATE_HEADERS = frozenset({b"host", b"authorization", b"content-length", b"transf
 
 class GateMiddleware(HttpMiddleware):
     """The checks a request passes before any work, in order, in one layer (a layer each
-    cost a coroutine a request); the first that refuses answers. The body's size is
-    capped as it streams in when no Content-Length bounds it."""
+    cost a coroutine a request); the first that refuses answers. With `limit_body`, last,
+    the body's size: a declared length over the limit is refused at once, and a body no
+    valid length frames is counted as it streams in."""
 
     def __init__(self, app: ASGIApp, state: Callable[[], ServerState],
-                 checks: Sequence[Check], cap_body: bool = False) -> None:
+                 checks: Sequence[Check], limit_body: bool = False) -> None:
         super().__init__(app, state)
         self.checks = tuple(checks)
-        self.cap_body = cap_body
+        self.limit_body = limit_body
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         server = self.state()
         sent = headers_named(scope, GATE_HEADERS)
+        refused = None
         for check in self.checks:
             if (refused := check(scope, sent, server)) is not None:
-                await self.refuse(refused.reason, scope, receive, send, refused.status,
-                                  refused.kind, refused.message, refused.param,
-                                  refused.headers)
-                return
-        # HTTP/1.1 frames a body by its Content-Length (and refuses one sent with
-        # Transfer-Encoding too): only a body without a valid one can run past the limit.
-        if self.cap_body and (declared_length(sent) is None or b"transfer-encoding" in sent):
-            receive = self._capped(receive, server.settings.max_body_bytes)
+                break
+        if refused is None and self.limit_body:
+            limit = server.settings.max_body_bytes
+            declared = declared_length(sent)
+            if declared is not None and declared > limit:
+                refused = Refusal("body_too_large", 413, "payload_too_large",
+                                  f"{over_the_limit(limit)}; send fewer or shorter items "
+                                  "per request", "body")
+            # HTTP/1.1 frames a body by its Content-Length (and refuses one sent with
+            # Transfer-Encoding too): only a body without a valid one can run past it.
+            elif declared is None or b"transfer-encoding" in sent:
+                receive = self._capped(receive, limit)
+        if refused is not None:
+            server.metrics.rejected(refused.reason)
+            await error_response(refused.status, refused.kind, refused.message, refused.param,
+                                 refused.headers)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
     def _capped(self, receive: Receive, limit: int) -> Receive:
@@ -230,11 +234,14 @@ class GateMiddleware(HttpMiddleware):
             seen += len(message.get("body", b""))
             if seen > limit:
                 self.state().metrics.rejected("body_too_large")
-                raise BodyTooLarge(f"request body is over the limit of {limit} bytes "
-                                   "(--max-body-bytes)")
+                raise BodyTooLarge(over_the_limit(limit))
             return message
 
         return capped
+
+
+def over_the_limit(limit: int) -> str:
+    return f"request body is over the limit of {limit} bytes (--max-body-bytes)"
 
 
 def wrong_host(scope: Scope, sent: dict[bytes, str], server: ServerState) -> Refusal | None:
@@ -278,17 +285,6 @@ def draining(scope: Scope, sent: dict[bytes, str], server: ServerState) -> Refus
         return None
     return Refusal("draining", 503, "unavailable", "the server is draining before shutdown; "
                    "retry on another instance", headers={"Retry-After": "5"})
-
-
-def declared_too_large(scope: Scope, sent: dict[bytes, str],
-                       server: ServerState) -> Refusal | None:
-    """413 at once for a body whose declared length is over the byte limit."""
-    limit = server.settings.max_body_bytes
-    if (declared_length(sent) or 0) <= limit:
-        return None
-    return Refusal("body_too_large", 413, "payload_too_large",
-                   f"request body is over the limit of {limit} bytes (--max-body-bytes); "
-                   "send fewer or shorter items per request", "body")
 
 
 def declared_length(sent: dict[bytes, str]) -> int | None:
